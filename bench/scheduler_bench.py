@@ -1,0 +1,123 @@
+"""Cost of the scheduler's hot path: one schedule() + update_from_output() per step.
+
+    python bench/scheduler_bench.py [--steps 200] [--out bench/results/scheduler.md]
+
+Decode rows: N running requests, each gets one token per step (steady state, two
+steps in flight as in the service). Mixed row: 256 decodes while 512-token prompts
+keep arriving and are chunk-prefilled under a 2048-token budget, requests finishing
+and being replaced. The executor's side (building the sampled-token map) is not timed.
+"""
+
+import argparse
+import itertools
+import os
+import random
+import statistics
+import sys
+import time
+from collections import deque
+from datetime import date
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.request import Request, StopParams
+from scheduler_svc.scheduler import Scheduler
+
+BLOCK_SIZE = 16
+VOCAB = 32000
+
+
+class Load:
+    def __init__(self, num_running: int, prompt_len: int, max_tokens: int, arrivals: int) -> None:
+        self.rng = random.Random(0)
+        self.ids = itertools.count()
+        self.prompt_len, self.max_tokens, self.arrivals = prompt_len, max_tokens, arrivals
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=2048,
+                max_num_seqs=max(num_running, 8) + arrivals * 4,
+                max_model_len=8192,
+                block_size=BLOCK_SIZE,
+            ),
+            num_blocks=(num_running + arrivals * 8) * ((prompt_len + max_tokens) // BLOCK_SIZE + 2),
+        )
+        for _ in range(num_running):
+            self.add()
+        self.in_flight: deque = deque()
+
+    def add(self) -> None:
+        prompt = [self.rng.randrange(VOCAB) for _ in range(self.prompt_len)]
+        # Varied lengths so that requests finish (and free blocks) at different steps.
+        max_tokens = self.rng.randrange(self.max_tokens // 2, self.max_tokens)
+        self.scheduler.add_request(
+            Request(
+                f"r{next(self.ids)}", "router-0", prompt, StopParams(max_tokens, ignore_eos=True)
+            )
+        )
+
+    def step(self) -> float:
+        """One pipelined step; returns the seconds spent inside the scheduler."""
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        elapsed = time.perf_counter() - t0
+        sampled = [self.rng.randrange(VOCAB) for _ in plan.sampling_requests]
+        self.in_flight.append((plan, sampled))
+        if len(self.in_flight) == 2:
+            t0 = time.perf_counter()
+            outputs = self.scheduler.update_from_output(*self.in_flight.popleft())
+            elapsed += time.perf_counter() - t0
+            num_finished = sum(len(o.finished) for o in outputs.values())
+            for _ in range(num_finished + self.arrivals):
+                self.add()
+        return elapsed
+
+
+def measure(load: Load, steps: int, warmup: int) -> tuple[float, int]:
+    for _ in range(warmup):
+        load.step()
+    times, running = [], []
+    for _ in range(steps):
+        times.append(load.step())
+        running.append(len(load.scheduler.running))
+    return statistics.median(times), round(statistics.median(running))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "scheduler.md"))
+    args = parser.parse_args()
+    cases = [(f"decode {n}", Load(n, 128, 4096, 0), 40) for n in (64, 256, 1024)]
+    # Warm-up lets the 256 decodes get past their own prefill before timing.
+    cases.append(("mixed 256 + 512-token prefills", Load(256, 512, 256, 1), 40))
+    rows = []
+    for name, load, warmup in cases:
+        median_s, running = measure(load, args.steps, warmup)
+        rows.append((name, running, median_s * 1e6, median_s * 1e6 / max(running, 1)))
+    lines = [
+        "| load | running | step (µs) | µs per running request |",
+        "|---|---:|---:|---:|",
+        *(f"| {n} | {r} | {t:.0f} | {p:.2f} |" for n, r, t, p in rows),
+    ]
+    table = "\n".join(lines)
+    print(table)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(
+        f"# Scheduler hot path\n\n`python bench/scheduler_bench.py --steps {args.steps}` on "
+        f"{date.today()}, {cpu_name()} ({os.cpu_count()} cores), Python "
+        f"{sys.version.split()[0]}: median of schedule() + update_from_output() per step."
+        f"\n\n{table}\n"
+    )
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+if __name__ == "__main__":
+    main()

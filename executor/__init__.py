@@ -1,0 +1,1 @@
+"""Executor: the model runner (persistent batch, paged KV cache, forward, sampling)."""

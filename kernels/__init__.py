@@ -1,0 +1,1 @@
+"""Attention and cache kernels: Triton for CUDA, torch reference twins for the CPU."""

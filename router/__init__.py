@@ -1,0 +1,1 @@
+"""Router: the client-facing gRPC server (tokenizing, admission queue, streaming)."""

@@ -1,0 +1,1 @@
+"""Scheduler service: a pure scheduling core (no I/O) and, around it, the gRPC service."""

@@ -1,0 +1,120 @@
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, eq=False)
+class KVCacheBlock:
+    block_id: int
+    ref_cnt: int = 0
+    # Set while the block holds a full, cached block of tokens; kept after the block is
+    # freed (lazy eviction) so that a later request can still hit it.
+    block_hash: bytes | None = None
+    # Intrusive links of the free queue: O(1) removal from its middle without
+    # allocating a node per operation.
+    prev_free: "KVCacheBlock | None" = None
+    next_free: "KVCacheBlock | None" = None
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks, least recently freed first (evicted first)."""
+
+    __slots__ = ("_head", "_tail", "num_free_blocks")
+
+    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+        self._head = KVCacheBlock(-1)
+        self._tail = KVCacheBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> KVCacheBlock:
+        block = self._head.next_free
+        if block is self._tail or block is None:
+            raise ValueError("no free block")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVCacheBlock) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        assert prev is not None and nxt is not None, f"block {block.block_id} is not free"
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free_blocks += 1
+
+    def __iter__(self):
+        block = self._head.next_free
+        while block is not self._tail and block is not None:
+            yield block
+            block = block.next_free
+
+
+class BlockPool:
+    """Fixed-size KV blocks with reference counts and a content-addressed prefix cache."""
+
+    __slots__ = ("blocks", "cached_blocks", "free_queue", "num_blocks")
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached_blocks: dict[bytes, KVCacheBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free_blocks
+
+    def usage(self) -> float:
+        return 1.0 - self.free_queue.num_free_blocks / self.num_blocks
+
+    def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
+        if n > self.free_queue.num_free_blocks:
+            raise ValueError(f"asked for {n} blocks, {self.free_queue.num_free_blocks} free")
+        blocks = [self.free_queue.popleft() for _ in range(n)]
+        for block in blocks:
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_cnt = 1
+        return blocks
+
+    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
+        return self.cached_blocks.get(block_hash)
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on prefix-cache hits, reviving freed ones from the queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
+        # The first block with a given content stays the cached one: block tables are
+        # append-only, so a duplicate simply stays uncached and is freed as usual.
+        if block.block_hash is None and block_hash not in self.cached_blocks:
+            block.block_hash = block_hash
+            self.cached_blocks[block_hash] = block
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop a reference; blocks reaching zero join the tail (evicted last) in order."""
+        for block in ordered_blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        assert block.block_hash is not None
+        del self.cached_blocks[block.block_hash]
+        block.block_hash = None

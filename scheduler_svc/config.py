@@ -1,0 +1,29 @@
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int = 2048
+    block_size: int = 16
+    # 0 disables the cap; otherwise one prefill chunk never takes more than this many
+    # tokens, so several long prompts cannot crowd the decodes out of a step.
+    long_prefill_token_threshold: int = 0
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        if min(self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len) < 1:
+            raise ValueError("max_num_batched_tokens, max_num_seqs and max_model_len must be >= 1")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            # Without chunking a whole prompt must fit one step, or it would wait forever.
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                f"must be >= max_model_len ({self.max_model_len})"
+            )

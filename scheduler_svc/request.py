@@ -1,0 +1,90 @@
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Everything above PREEMPTED is finished (one comparison on the hot path).
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+    ERROR = 3
+
+
+FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+@dataclass(slots=True, frozen=True)
+class StopParams:
+    # None: until the engine's max_model_len.
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: frozenset[int] = frozenset()
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    owner: str
+    prompt_token_ids: list[int]
+    stop: StopParams
+    eos_token_ids: frozenset[int] = frozenset()
+    priority: int = 0
+    arrival_time: float = 0.0
+    # Opaque to the scheduler: forwarded to the executor with the request's first step.
+    sampling_params: Any = None
+    status: RequestStatus = RequestStatus.WAITING
+    all_token_ids: list[int] = field(init=False)
+    num_prompt_tokens: int = field(init=False)
+    # Derived once at admission for the per-token stop check: length at which the
+    # request ends (max_tokens or max_model_len) and the ids that stop it.
+    max_num_tokens: int = field(init=False, default=0)
+    stop_ids: frozenset[int] = field(init=False, default=frozenset())
+    num_computed_tokens: int = 0
+    # Tokens sampled by steps still in flight (async scheduling): they count as known
+    # to the executor but not yet to us.
+    num_output_placeholders: int = 0
+    num_preemptions: int = 0
+    num_cached_tokens: int = -1
+    # Chained hashes of the full blocks of known tokens, kept up to date by the
+    # KVCacheManager (which owns the block size).
+    block_hashes: list[bytes] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status > RequestStatus.PREEMPTED
+
+    def sort_key(self) -> tuple[int, float, str]:
+        return (self.priority, self.arrival_time, self.request_id)

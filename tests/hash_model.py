@@ -1,0 +1,150 @@
+"""A deterministic stand-in for the executor, for scheduler tests.
+
+It keeps a persistent batch and a paged "KV cache" (slot -> (token, position)) the way
+the real executor does, and its next token is a hash of every previous token READ
+BACK THROUGH THE BLOCK TABLE. A wrong block table, a bad prefix-cache hit or a block
+reused too early changes the tokens, so equality with `reference_tokens` proves the
+scheduler's bookkeeping, not just its arithmetic."""
+
+import hashlib
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from scheduler_svc.output import OwnerOutputs, SchedulerOutput
+from scheduler_svc.request import StopParams
+from scheduler_svc.scheduler import Scheduler
+
+
+def next_token(tokens: list[int] | tuple[int, ...], vocab_size: int) -> int:
+    digest = hashlib.blake2b(repr(tuple(tokens)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % vocab_size
+
+
+def reference_tokens(
+    prompt: list[int],
+    stop: StopParams,
+    eos_ids: frozenset[int],
+    vocab_size: int,
+    max_model_len: int,
+) -> list[int]:
+    """What one request alone must produce: the oracle for every schedule."""
+    tokens, out = list(prompt), []
+    while True:
+        token = next_token(tokens, vocab_size)
+        tokens.append(token)
+        out.append(token)
+        if len(out) >= stop.min_tokens and (
+            token in stop.stop_token_ids or (not stop.ignore_eos and token in eos_ids)
+        ):
+            return out
+        if len(out) == stop.max_tokens or len(tokens) >= max_model_len:
+            return out
+
+
+@dataclass(slots=True)
+class _CachedRequest:
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class HashModelExecutor:
+    def __init__(self, num_blocks: int, block_size: int, vocab_size: int) -> None:
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.kv: list[tuple[int, int] | None] = [None] * (num_blocks * block_size)
+        self.requests: dict[str, _CachedRequest] = {}
+
+    def _slot(self, state: _CachedRequest, position: int) -> int:
+        return (
+            state.block_ids[position // self.block_size] * self.block_size
+            + position % self.block_size
+        )
+
+    def execute(self, plan: SchedulerOutput) -> list[int]:
+        self._apply_diff(plan)
+        # Like a real forward: every new token's K/V is stored before any attention reads.
+        for rid, num_new in plan.num_scheduled_tokens.items():
+            # Logits come from computing a token: a request with none scheduled has none.
+            assert num_new > 0, f"{rid} scheduled with no token to compute"
+            state = self.requests[rid]
+            for pos in range(state.num_computed_tokens, state.num_computed_tokens + num_new):
+                self.kv[self._slot(state, pos)] = (state.token_ids[pos], pos)
+        sampled = []
+        for rid, num_new in plan.num_scheduled_tokens.items():
+            state = self.requests[rid]
+            state.num_computed_tokens += num_new
+            if state.num_computed_tokens == len(state.token_ids):
+                sampled.append(self._sample(state))
+        return sampled
+
+    def _apply_diff(self, plan: SchedulerOutput) -> None:
+        for rid in plan.finished_req_ids | plan.preempted_req_ids:
+            self.requests.pop(rid, None)
+        for data in plan.scheduled_new_reqs + plan.scheduled_resumed_reqs:
+            assert data.req_id not in self.requests, f"{data.req_id} sent twice"
+            self.requests[data.req_id] = _CachedRequest(
+                list(data.token_ids), list(data.block_ids), data.num_computed_tokens
+            )
+        cached = plan.scheduled_cached_reqs
+        for rid, num_computed, new_ids in zip(
+            cached.req_ids, cached.num_computed_tokens, cached.new_block_ids, strict=True
+        ):
+            state = self.requests[rid]
+            assert state.num_computed_tokens == num_computed, (
+                rid,
+                state.num_computed_tokens,
+                num_computed,
+            )
+            state.block_ids.extend(new_ids)
+
+    def _sample(self, state: _CachedRequest) -> int:
+        context = [self.kv[self._slot(state, pos)] for pos in range(state.num_computed_tokens)]
+        for pos, entry in enumerate(context):
+            assert entry is not None and entry[1] == pos, f"slot for position {pos} holds {entry}"
+        token = next_token([entry[0] for entry in context], self.vocab_size)  # type: ignore[index]
+        state.token_ids.append(token)
+        return token
+
+
+@dataclass(slots=True)
+class Driver:
+    """Runs a scheduler against the stand-in executor with `depth` steps in flight
+    (depth 2 = the service's async scheduling) and collects every owner's tokens."""
+
+    scheduler: Scheduler
+    executor: HashModelExecutor
+    depth: int = 2
+    on_step: Callable[[SchedulerOutput], None] | None = None
+    in_flight: deque[tuple[SchedulerOutput, list[int]]] = field(default_factory=deque)
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    finish_reasons: dict[str, object] = field(default_factory=dict)
+    num_steps: int = 0
+
+    def step(self) -> SchedulerOutput:
+        plan = self.scheduler.schedule()
+        self.num_steps += 1
+        if self.on_step is not None:
+            self.on_step(plan)
+        if not plan.is_empty:
+            self.in_flight.append((plan, self.executor.execute(plan)))
+        if self.in_flight and (len(self.in_flight) >= self.depth or not plan.num_scheduled_tokens):
+            self.collect(*self.in_flight.popleft())
+        return plan
+
+    def collect(self, plan: SchedulerOutput, sampled: list[int]) -> None:
+        outputs = self.scheduler.update_from_output(plan, sampled)
+        for owner_outputs in outputs.values():
+            self._record(owner_outputs)
+
+    def _record(self, out: OwnerOutputs) -> None:
+        for rid, token in zip(out.req_ids, out.new_token_ids, strict=True):
+            assert rid not in self.finish_reasons, f"token for {rid} after it finished"
+            self.tokens.setdefault(rid, []).append(token)
+        self.finish_reasons.update(out.finished)
+
+    def run(self, max_steps: int = 100_000) -> None:
+        while self.scheduler.has_unfinished_requests() or self.in_flight:
+            assert self.num_steps < max_steps, "no progress: the scheduler is stuck"
+            self.step()
