@@ -14,6 +14,7 @@ class NewRequestData:
 
     req_id: str
     token_ids: list[int]
+    num_prompt_tokens: int
     sampling_params: Any
     block_ids: list[int]
     num_computed_tokens: int  # prefix-cache hits: already in the KV cache

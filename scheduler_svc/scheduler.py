@@ -245,6 +245,7 @@ class Scheduler:
         return NewRequestData(
             req_id=request.request_id,
             token_ids=token_ids,
+            num_prompt_tokens=request.num_prompt_tokens,
             sampling_params=request.sampling_params,
             block_ids=self.kv.block_ids(request.request_id),
             num_computed_tokens=request.num_computed_tokens,

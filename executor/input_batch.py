@@ -1,0 +1,187 @@
+"""The persistent batch: every request the executor holds, kept between steps in
+preallocated arrays (one row per request), so that a step's diff from the scheduler
+is a few bytes per request and input preparation is vectorised."""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from executor.attention import AttentionMetadata
+from executor.plan import NewRequest, StepPlan
+from executor.sampling import SamplingMetadata, SamplingParams
+
+
+class BatchDesync(RuntimeError):
+    """The scheduler's view and ours disagree: the executor must be reset."""
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attention: AttentionMetadata
+    logits_indices: torch.Tensor  # rows of the hidden states to sample from, plan order
+    sampling: SamplingMetadata
+    rows: np.ndarray  # batch row of each scheduled request, plan order
+    num_scheduled: np.ndarray
+    sampling_rows: np.ndarray
+
+
+class InputBatch:
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        block_size: int,
+        vocab_size: int,
+        device: torch.device,
+    ) -> None:
+        self.max_num_reqs, self.max_model_len = max_num_reqs, max_model_len
+        self.block_size, self.vocab_size, self.device = block_size, vocab_size, device
+        # int32: at long max_model_len this table is the batch's largest allocation.
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), np.int32)
+        self.num_tokens = np.zeros(max_num_reqs, np.int64)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, np.int64)
+        self.num_computed_tokens = np.zeros(max_num_reqs, np.int64)
+        self.block_table = np.zeros((max_num_reqs, -(-max_model_len // block_size)), np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, np.int64)
+        self.sampling_params: list[SamplingParams | None] = [None] * max_num_reqs
+        self.req_rows: dict[str, int] = {}
+        self.free_rows = list(range(max_num_reqs - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self.req_rows)
+
+    # -- the diff --------------------------------------------------------------
+
+    def apply(self, plan: StepPlan) -> None:
+        for req_id in (*plan.finished_req_ids, *plan.preempted_req_ids):
+            row = self.req_rows.pop(req_id, None)
+            if row is not None:
+                self.sampling_params[row] = None
+                self.free_rows.append(row)
+        for data in (*plan.scheduled_new_reqs, *plan.scheduled_resumed_reqs):
+            self._add(data)
+        cached = plan.scheduled_cached_reqs
+        for req_id, num_computed, new_block_ids in zip(
+            cached.req_ids, cached.num_computed_tokens, cached.new_block_ids, strict=True
+        ):
+            row = self._row(req_id)
+            if self.num_computed_tokens[row] != num_computed:
+                raise BatchDesync(
+                    f"{req_id}: scheduler says {num_computed} computed tokens, "
+                    f"executor has {self.num_computed_tokens[row]}"
+                )
+            if new_block_ids:
+                self._append_blocks(row, new_block_ids)
+
+    def _add(self, data: NewRequest) -> None:
+        if data.req_id in self.req_rows:
+            raise BatchDesync(f"{data.req_id} is already in the batch")
+        if not self.free_rows:
+            raise BatchDesync(f"more than {self.max_num_reqs} requests in the batch")
+        num_tokens = len(data.token_ids)
+        if num_tokens >= self.max_model_len:
+            raise BatchDesync(
+                f"{data.req_id}: {num_tokens} tokens, max_model_len {self.max_model_len}"
+            )
+        row = self.free_rows.pop()
+        self.req_rows[data.req_id] = row
+        self.token_ids[row, :num_tokens] = data.token_ids
+        self.num_tokens[row] = num_tokens
+        self.num_prompt_tokens[row] = data.num_prompt_tokens
+        self.num_computed_tokens[row] = data.num_computed_tokens
+        self.num_blocks[row] = 0
+        self._append_blocks(row, data.block_ids)
+        self.sampling_params[row] = data.sampling_params
+
+    def _append_blocks(self, row: int, block_ids: Sequence[int]) -> None:
+        start = self.num_blocks[row]
+        self.block_table[row, start : start + len(block_ids)] = block_ids
+        self.num_blocks[row] = start + len(block_ids)
+
+    def _row(self, req_id: str) -> int:
+        row = self.req_rows.get(req_id)
+        if row is None:
+            raise BatchDesync(f"{req_id} is not in the batch")
+        return row
+
+    # -- one step's inputs -----------------------------------------------------
+
+    def prepare(self, plan: StepPlan) -> StepInputs:
+        rows = np.fromiter((self._row(r) for r in plan.num_scheduled_tokens), np.int64)
+        num_scheduled = np.fromiter(plan.num_scheduled_tokens.values(), np.int64, len(rows))
+        seq_lens = self.num_computed_tokens[rows] + num_scheduled
+        if (seq_lens > self.num_tokens[rows]).any() or (num_scheduled < 1).any():
+            raise BatchDesync("a request is scheduled past its known tokens")
+        if (seq_lens > self.num_blocks[rows] * self.block_size).any():
+            raise BatchDesync("a request is scheduled past its blocks")
+        # Decodes first, so that each kind is one attention call.
+        order = np.argsort(num_scheduled != 1, kind="stable")
+        o_rows, o_num = rows[order], num_scheduled[order]
+        cu_tokens = np.cumsum(o_num)
+        token_seq = np.repeat(np.arange(len(rows)), o_num)
+        offsets = np.arange(cu_tokens[-1]) - (cu_tokens - o_num)[token_seq]
+        positions = self.num_computed_tokens[o_rows][token_seq] + offsets
+        token_rows = o_rows[token_seq]
+        block_ids = self.block_table[token_rows, positions // self.block_size].astype(np.int64)
+        slots = block_ids * self.block_size + positions % self.block_size
+        o_seq_lens = seq_lens[order]
+        max_blocks = -(-int(o_seq_lens.max()) // self.block_size)
+        # A request samples when this step reaches the end of its known tokens; its
+        # logits row is its last token in the reordered batch, listed in plan order.
+        samples = np.flatnonzero(seq_lens == self.num_tokens[rows])
+        position_in_order = np.empty_like(order)
+        position_in_order[order] = np.arange(len(order))
+        logits_indices = cu_tokens[position_in_order[samples]] - 1
+        t = self._to_device
+        return StepInputs(
+            input_ids=t(self.token_ids[token_rows, positions]),
+            positions=t(positions),
+            attention=AttentionMetadata(
+                slot_mapping=t(slots),
+                block_tables=t(self.block_table[o_rows, :max_blocks]),
+                seq_lens=t(o_seq_lens.astype(np.int32)),
+                query_start_loc=t(np.concatenate(([0], cu_tokens)).astype(np.int32)),
+                num_decodes=int((o_num == 1).sum()),
+            ),
+            logits_indices=t(logits_indices),
+            sampling=self._sampling_metadata(rows[samples]),
+            rows=rows,
+            num_scheduled=num_scheduled,
+            sampling_rows=rows[samples],
+        )
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+        params = [self.sampling_params[r] or SamplingParams() for r in rows]
+        seeded, banned = [], []
+        for i, (row, p) in enumerate(zip(rows, params, strict=True)):
+            if p.seed is not None and p.temperature > 0:
+                seeded.append((i, p.seed, int(self.num_tokens[row])))
+            num_output = self.num_tokens[row] - self.num_prompt_tokens[row]
+            if num_output < p.min_tokens and p.stop_token_ids:
+                banned.append((i, p.stop_token_ids))
+        top_k = [p.top_k if p.top_k > 0 else self.vocab_size for p in params]
+        num_logprobs = [p.logprobs for p in params]
+        return SamplingMetadata(
+            temperature=torch.tensor([p.temperature for p in params], device=self.device),
+            top_p=torch.tensor([p.top_p for p in params], device=self.device),
+            top_k=torch.tensor(top_k, device=self.device),
+            all_greedy=all(p.temperature == 0 for p in params),
+            needs_top_k_top_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
+            seeded=seeded,
+            banned=banned,
+            num_logprobs=num_logprobs if any(n is not None for n in num_logprobs) else None,
+        )
+
+    def advance(self, inputs: StepInputs, sampled_token_ids: list[int]) -> None:
+        """After the forward: the scheduled tokens are computed, the sampled ones known."""
+        self.num_computed_tokens[inputs.rows] += inputs.num_scheduled
+        rows = inputs.sampling_rows
+        self.token_ids[rows, self.num_tokens[rows]] = sampled_token_ids
+        self.num_tokens[rows] += 1

@@ -1,0 +1,132 @@
+"""Turns step plans into sampled tokens: the model, its paged KV cache, the persistent
+batch and the sampler, on one device."""
+
+import torch
+
+from executor.config import ExecutorConfig
+from executor.input_batch import InputBatch, StepInputs
+from executor.models.llama import KVCache
+from executor.models.loader import load_model
+from executor.plan import NewRequest, StepPlan
+from executor.sampling import SampleOutput, SamplingParams, sample
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in dtypes:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(dtypes)} or auto")
+    return dtypes[name]
+
+
+class ModelRunner:
+    def __init__(self, config: ExecutorConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        torch.manual_seed(config.seed)
+        self.model = load_model(config.model, self.dtype, self.device)
+        self.model_config = mc = self.model.config
+        self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
+        self.block_size = config.block_size
+        self.num_blocks = self._determine_num_blocks()
+        self.kv_caches = self._allocate_kv_caches(self.num_blocks)
+        self.batch = self._new_batch()
+
+    def _new_batch(self) -> InputBatch:
+        return InputBatch(
+            self.config.max_num_seqs,
+            self.max_model_len,
+            self.block_size,
+            self.model_config.vocab_size,
+            self.device,
+        )
+
+    @property
+    def block_bytes(self) -> int:
+        mc = self.model_config
+        per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
+        return per_token * self.block_size
+
+    def _allocate_kv_caches(self, num_blocks: int) -> list[KVCache]:
+        mc = self.model_config
+        shape = (num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        return [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(mc.num_layers)
+        ]
+
+    def _determine_num_blocks(self) -> int:
+        if self.config.num_blocks is not None:
+            return self.config.num_blocks
+        if self.device.type != "cuda":
+            return max(1, self.config.kv_cache_bytes // self.block_bytes)
+        return self._profile_num_blocks()
+
+    def _profile_num_blocks(self) -> int:
+        """Like vLLM's profiling: run the largest step once, on a cache just big enough
+        for it, then give the KV cache what gpu_memory_utilization leaves at that peak."""
+        num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len - 1)
+        self.kv_caches = self._allocate_kv_caches(-(-num_tokens // self.block_size))
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        self.batch = self._new_batch()
+        self.execute(warmup_plan(num_tokens, self.block_size, self.model_config.vocab_size))
+        kv_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
+        torch.cuda.synchronize()
+        self.kv_caches = []
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        # Other processes and the CUDA context; the weights are in the peak below.
+        used_elsewhere = total - free - torch.cuda.memory_reserved()
+        peak_without_kv = torch.cuda.max_memory_allocated() - kv_bytes
+        budget = total * self.config.gpu_memory_utilization - used_elsewhere - peak_without_kv
+        if budget < self.block_bytes:
+            raise RuntimeError(
+                f"no room for the KV cache at gpu_memory_utilization="
+                f"{self.config.gpu_memory_utilization}: raise it or lower max_num_batched_tokens"
+            )
+        return int(budget // self.block_bytes)
+
+    @torch.inference_mode()
+    def compute_logits(self, plan: StepPlan) -> tuple[torch.Tensor, StepInputs] | None:
+        """Apply the diff and run the forward: logits [num_sampling, vocab] in plan order."""
+        self.batch.apply(plan)
+        if not plan.num_scheduled_tokens:
+            return None
+        inputs = self.batch.prepare(plan)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attention)
+        return self.model.compute_logits(hidden[inputs.logits_indices]), inputs
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> SampleOutput:
+        """One step: the tokens of the requests that sample, in plan order."""
+        result = self.compute_logits(plan)
+        if result is None:
+            return SampleOutput([])
+        logits, inputs = result
+        output = sample(logits, inputs.sampling)
+        self.batch.advance(inputs, output.token_ids)
+        return output
+
+
+def warmup_plan(num_tokens: int, block_size: int, vocab_size: int) -> StepPlan:
+    token_ids = [i % vocab_size for i in range(num_tokens)]
+    request = NewRequest(
+        "warmup", token_ids, num_tokens, SamplingParams(), list(range(-(-num_tokens // block_size)))
+    )
+    return StepPlan(
+        scheduled_new_reqs=[request],
+        num_scheduled_tokens={"warmup": num_tokens},
+        finished_req_ids=set(),
+    )

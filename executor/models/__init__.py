@@ -1,0 +1,1 @@
+"""Model definitions: a compact Llama family (Llama, Mistral, Qwen2, Qwen3)."""

@@ -1,0 +1,105 @@
+"""Sampling on the device, vectorised over the batch: greedy at temperature 0,
+temperature, top-k, top-p, per-request seeds and optional top-n logprobs."""
+
+from dataclasses import dataclass
+
+import torch
+
+_MIX = 0x9E3779B97F4A7C15  # splitmix64's increment: spreads (seed, position) pairs apart
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    seed: int | None = None
+    min_tokens: int = 0
+    # Every token that would end the request (EOS unless ignore_eos, and the stop
+    # token ids): masked while fewer than min_tokens were generated.
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None  # None: off; n: the sampled token's and the top n
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """One step's sampling rows, as device tensors (row i = the i-th sampling request)."""
+
+    temperature: torch.Tensor  # [S] float32
+    top_p: torch.Tensor  # [S] float32
+    top_k: torch.Tensor  # [S] int64, vocab size where off
+    all_greedy: bool
+    needs_top_k_top_p: bool
+    # (row, seed, position of the token being sampled): the noise of a seeded request
+    # depends on these alone, so its tokens do not depend on the rest of the batch.
+    seeded: list[tuple[int, int, int]]
+    # (row, token ids to forbid) while a request is below min_tokens.
+    banned: list[tuple[int, tuple[int, ...]]]
+    # Per row: None, or how many top logprobs to return; None for all when nobody asked.
+    num_logprobs: list[int | None] | None
+
+
+@dataclass(slots=True)
+class SampleOutput:
+    token_ids: list[int]
+    # Per row, when logprobs were asked for: (sampled token's logprob, top ids, top logprobs).
+    logprobs: list[tuple[float, list[int], list[float]] | None] | None = None
+
+
+def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SampleOutput:
+    """logits [S, V] float32 -> one token per row."""
+    for row, token_ids in meta.banned:
+        logits[row, list(token_ids)] = float("-inf")
+    raw = logits
+    greedy = logits.argmax(dim=-1)
+    if meta.all_greedy:
+        tokens = greedy
+    else:
+        scaled = logits / meta.temperature.clamp(min=1e-6).unsqueeze(1)
+        if meta.needs_top_k_top_p:
+            scaled = apply_top_k_top_p(scaled, meta.top_k, meta.top_p)
+        probs = scaled.softmax(dim=-1)
+        # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) samples from p.
+        noise = torch.empty_like(probs).exponential_()
+        for row, seed, position in meta.seeded:
+            noise[row] = _seeded_noise(seed, position, probs.shape[1], probs.device)
+        sampled = (probs / noise).argmax(dim=-1)
+        tokens = torch.where(meta.temperature == 0, greedy, sampled)
+    token_list = tokens.tolist()
+    if meta.num_logprobs is None:
+        return SampleOutput(token_list)
+    return SampleOutput(token_list, _logprobs(raw, tokens, meta.num_logprobs))
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Mask to -inf what top-k (per-row k) and then top-p (per-row p) exclude."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    kth = sorted_logits.gather(1, (top_k - 1).clamp(0, logits.shape[1] - 1).unsqueeze(1))
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    # Drop a token once the tokens ranked above it already reach p (the top one stays).
+    outside = probs.cumsum(dim=-1) - probs >= top_p.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _seeded_noise(seed: int, position: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+    generator = torch.Generator(device=device)
+    generator.manual_seed((seed * _MIX + position) % (1 << 63))
+    return torch.empty(vocab_size, device=device).exponential_(generator=generator)
+
+
+def _logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, num_logprobs: list[int | None]
+) -> list[tuple[float, list[int], list[float]] | None]:
+    logprobs = logits.log_softmax(dim=-1)
+    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+    num_top = max(n or 0 for n in num_logprobs)
+    top_values, top_ids = logprobs.topk(num_top, dim=-1)
+    top_ids_list, top_values_list = top_ids.tolist(), top_values.tolist()
+    return [
+        None if n is None else (chosen[i], top_ids_list[i][:n], top_values_list[i][:n])
+        for i, n in enumerate(num_logprobs)
+    ]

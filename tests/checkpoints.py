@@ -1,0 +1,65 @@
+"""Small random checkpoints of each supported architecture, written with transformers
+itself so that its own model is the reference for ours."""
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+from executor.make_model import WEIGHT_SCALE, write_model
+
+COMMON = dict(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    bos_token_id=0,
+    eos_token_id=1,
+)
+
+VARIANTS = {
+    "mistral": lambda: MistralConfig(**COMMON, sliding_window=None),
+    "qwen2": lambda: Qwen2Config(**COMMON),
+    "qwen3": lambda: Qwen3Config(**COMMON, head_dim=48),
+    "llama3-rope-tied": lambda: LlamaConfig(
+        **COMMON,
+        tie_word_embeddings=True,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+}
+
+
+def write_checkpoint(name: str, out: Path) -> Path:
+    if name == "llama":
+        return write_model(out, "tiny", seed=0)
+    config = VARIANTS[name]()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            # Wide weights and random biases/norms: see executor/make_model.py.
+            if param.dim() == 2:
+                param.normal_(0, 0.02 * WEIGHT_SCALE)
+            else:
+                param.copy_(
+                    1.0 + 0.1 * torch.randn_like(param)
+                    if param.mean() > 0.5
+                    else 0.1 * torch.randn_like(param)
+                )
+    model.save_pretrained(out)
+    return out
+
+
+def load_reference(path: Path):
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()

@@ -1,0 +1,126 @@
+"""Hand-written step plans for the executor: a test says who joins, how many tokens
+each request computes this step and who leaves; the harness keeps the block tables
+and writes the diff, as the scheduler would."""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from executor.model_runner import ModelRunner
+from executor.plan import NewRequest, StepPlan
+from executor.sampling import SampleOutput, SamplingParams
+
+
+@dataclass
+class Tracked:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int = 0
+    sent: bool = False
+
+
+@dataclass
+class Harness:
+    runner: ModelRunner
+    requests: dict[str, Tracked] = field(default_factory=dict)
+    free_blocks: list[int] = field(default_factory=list)
+    pending_drop: set[str] = field(default_factory=set)
+    pending_preempt: set[str] = field(default_factory=set)
+    params: dict[str, SamplingParams] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.free_blocks = list(range(self.runner.num_blocks))
+
+    @property
+    def block_size(self) -> int:
+        return self.runner.block_size
+
+    def add(
+        self,
+        req_id: str,
+        prompt: list[int],
+        params: SamplingParams | None = None,
+        shared_blocks: list[int] | None = None,
+    ) -> None:
+        """shared_blocks: full blocks of another request holding this prompt's prefix."""
+        shared = list(shared_blocks or [])
+        self.requests[req_id] = Tracked(
+            list(prompt), len(prompt), shared, len(shared) * self.block_size
+        )
+        self.params[req_id] = params or SamplingParams()
+
+    def leave(self, req_id: str) -> None:
+        self.pending_drop.add(req_id)
+        self._free(self.requests.pop(req_id))
+
+    def preempt(self, req_id: str) -> None:
+        """Drop the request's cache; it resumes with all its tokens on its next step."""
+        tracked = self.requests[req_id]
+        self._free(tracked)
+        self.pending_preempt.add(req_id)
+        tracked.block_ids, tracked.num_computed_tokens, tracked.sent = [], 0, False
+
+    def _free(self, tracked: Tracked) -> None:
+        self.free_blocks = tracked.block_ids[::-1] + self.free_blocks
+
+    def plan(self, num_tokens: dict[str, int]) -> StepPlan:
+        plan = StepPlan(finished_req_ids=self.pending_drop, preempted_req_ids=self.pending_preempt)
+        self.pending_drop, self.pending_preempt = set(), set()
+        for req_id, n in num_tokens.items():
+            tracked = self.requests[req_id]
+            total = tracked.num_computed_tokens + n
+            assert total <= len(tracked.token_ids)
+            new_blocks = [
+                self.free_blocks.pop(0)
+                for _ in range(-(-total // self.block_size) - len(tracked.block_ids))
+            ]
+            tracked.block_ids += new_blocks
+            if not tracked.sent:
+                plan.scheduled_new_reqs.append(
+                    NewRequest(
+                        req_id,
+                        list(tracked.token_ids),
+                        tracked.num_prompt_tokens,
+                        self.params[req_id],
+                        list(tracked.block_ids),
+                        tracked.num_computed_tokens,
+                    )
+                )
+                tracked.sent = True
+            else:
+                cached = plan.scheduled_cached_reqs
+                cached.req_ids.append(req_id)
+                cached.num_computed_tokens.append(tracked.num_computed_tokens)
+                cached.new_block_ids.append(new_blocks)
+            plan.num_scheduled_tokens[req_id] = n
+            tracked.num_computed_tokens = total
+        return plan
+
+    def sampling_ids(self, plan: StepPlan) -> list[str]:
+        requests = self.requests
+        return [
+            r
+            for r in plan.num_scheduled_tokens
+            if requests[r].num_computed_tokens == len(requests[r].token_ids)
+        ]
+
+    def step(self, num_tokens: dict[str, int]) -> dict[str, int]:
+        plan = self.plan(num_tokens)
+        ids = self.sampling_ids(plan)
+        output: SampleOutput = self.runner.execute(plan)
+        for req_id, token in zip(ids, output.token_ids, strict=True):
+            self.requests[req_id].token_ids.append(token)
+        return dict(zip(ids, output.token_ids, strict=True))
+
+    def logits(self, num_tokens: dict[str, int]) -> dict[str, torch.Tensor]:
+        """Run the step; the logits of each request that samples, whose greedy token is
+        appended as the next one."""
+        plan = self.plan(num_tokens)
+        ids = self.sampling_ids(plan)
+        logits, inputs = self.runner.compute_logits(plan)
+        greedy = logits.argmax(-1).tolist()
+        self.runner.batch.advance(inputs, greedy)
+        for req_id, token in zip(ids, greedy, strict=True):
+            self.requests[req_id].token_ids.append(token)
+        return dict(zip(ids, logits, strict=True))

@@ -1,0 +1,152 @@
+"""Our forward on the paged cache against transformers on the same weights."""
+
+import random
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from executor.config import ExecutorConfig
+from executor.model_runner import ModelRunner
+from tests.checkpoints import load_reference, write_checkpoint
+from tests.executor_harness import Harness
+
+ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "llama3-rope-tied"]
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def checkpoint(request, tmp_path_factory):
+    path = write_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+    return path, load_reference(path)
+
+
+def make_harness(path, num_blocks: int = 64, block_size: int = 4) -> Harness:
+    config = ExecutorConfig(
+        model=str(path), num_blocks=num_blocks, block_size=block_size, max_num_seqs=16
+    )
+    return Harness(ModelRunner(config))
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [0] + [rng.randrange(2, 512) for _ in range(length - 1)]
+
+
+@torch.no_grad()
+def reference_logits(reference, token_ids: list[int]) -> torch.Tensor:
+    return reference(torch.tensor([token_ids])).logits[0, -1].float()
+
+
+@torch.no_grad()
+def generate(reference, token_ids: list[int], max_new_tokens: int) -> list[int]:
+    # No EOS: the engine is driven to exactly max_new_tokens (ignore_eos), and masking
+    # EOS (min_new_tokens) would change the greedy choice where EOS wins.
+    # (eos_token_id=None would fall back to the model's; an empty list means none.)
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=2, eos_token_id=[]
+    )
+    out = reference.generate(
+        torch.tensor([token_ids]),
+        attention_mask=torch.ones(1, len(token_ids), dtype=torch.long),
+        generation_config=config,
+    )
+    return out[0, len(token_ids) :].tolist()
+
+
+def assert_matches(reference, harness: Harness, logits: dict[str, torch.Tensor]) -> None:
+    assert logits, "nothing sampled"
+    for req_id, got in logits.items():
+        tokens = harness.requests[req_id].token_ids[:-1]  # before the token just appended
+        torch.testing.assert_close(got, reference_logits(reference, tokens), atol=TOL, rtol=0)
+
+
+def test_one_prefill(checkpoint):
+    path, reference = checkpoint
+    harness = make_harness(path)
+    harness.add("a", prompt(1, 11))
+    assert_matches(reference, harness, harness.logits({"a": 11}))
+
+
+def test_prefills_of_different_lengths_mixed_with_decodes(checkpoint):
+    path, reference = checkpoint
+    harness = make_harness(path)
+    harness.add("a", prompt(1, 9))
+    harness.add("b", prompt(2, 4))
+    assert_matches(reference, harness, harness.logits({"a": 9, "b": 4}))
+    harness.add("c", prompt(3, 13))
+    harness.add("d", prompt(4, 1))
+    # b's decode, then two prefills, then a's decode: the runner reorders decodes first.
+    assert_matches(reference, harness, harness.logits({"b": 1, "c": 13, "d": 1, "a": 1}))
+    assert_matches(reference, harness, harness.logits({"a": 1, "b": 1, "c": 1, "d": 1}))
+
+
+def test_prompt_prefilled_in_three_chunks(checkpoint):
+    path, reference = checkpoint
+    harness = make_harness(path)
+    harness.add("a", prompt(5, 14))
+    harness.add("b", prompt(6, 3))
+    assert harness.logits({"a": 5}) == {}
+    assert set(harness.logits({"a": 5, "b": 3})) == {"b"}
+    assert_matches(reference, harness, harness.logits({"a": 4, "b": 1}))
+    assert_matches(reference, harness, harness.logits({"a": 1}))
+
+
+def test_prefix_from_another_requests_cached_blocks(checkpoint):
+    path, reference = checkpoint
+    harness = make_harness(path)
+    shared = prompt(7, 12)
+    harness.add("a", [*shared, 5, 6])
+    harness.logits({"a": 14})
+    # b's first 3 blocks (12 tokens) are a's: only its own 5 tokens are computed.
+    harness.add("b", [*shared, 9, 8, 7, 6, 5], shared_blocks=harness.requests["a"].block_ids[:3])
+    assert_matches(reference, harness, harness.logits({"b": 5}))
+    assert_matches(reference, harness, harness.logits({"a": 1, "b": 1}))
+
+
+def test_request_recomputed_after_its_cache_was_dropped(checkpoint):
+    path, reference = checkpoint
+    harness = make_harness(path, num_blocks=8)
+    harness.add("a", prompt(8, 10))
+    harness.logits({"a": 10})
+    harness.logits({"a": 1})
+    harness.preempt("a")
+    # Another request takes (and overwrites) the freed blocks first.
+    harness.add("x", prompt(9, 12))
+    harness.logits({"x": 12})
+    harness.leave("x")
+    num_tokens = len(harness.requests["a"].token_ids)
+    assert_matches(reference, harness, harness.logits({"a": num_tokens}))
+    assert_matches(reference, harness, harness.logits({"a": 1}))
+
+
+def test_greedy_requests_joining_and_leaving_equal_generate(checkpoint):
+    path, reference = checkpoint
+    harness = make_harness(path, num_blocks=128)
+    lengths = [3, 17, 8, 1, 25, 6, 12, 30]
+    max_new = [12, 5, 20, 9, 14, 3, 18, 7]
+    join_step = [0, 0, 1, 2, 2, 4, 6, 9]
+    prompts = {f"r{i}": prompt(20 + i, n) for i, n in enumerate(lengths)}
+    outputs: dict[str, list[int]] = {r: [] for r in prompts}
+    for step in range(60):
+        num_tokens = {}
+        for i, req_id in enumerate(prompts):
+            if join_step[i] == step:
+                harness.add(req_id, prompts[req_id])
+            if req_id in harness.requests:
+                tracked = harness.requests[req_id]
+                # The longest prompts are prefilled in two chunks.
+                remaining = len(tracked.token_ids) - tracked.num_computed_tokens
+                num_tokens[req_id] = min(remaining, 16)
+        for req_id, token in harness.step(num_tokens).items():
+            outputs[req_id].append(token)
+            if len(outputs[req_id]) == max_new[int(req_id[1:])]:
+                harness.leave(req_id)
+        if not harness.requests and step > max(join_step):
+            break
+    assert not harness.requests
+    for i, (req_id, tokens) in enumerate(prompts.items()):
+        expected = generate(reference, tokens, max_new[i])
+        assert outputs[req_id] == expected, req_id
+    every = [t for tokens in outputs.values() for t in tokens]
+    assert len(set(every)) > 0.5 * len(every), "degenerate reference: the test could not fail"

@@ -1,0 +1,72 @@
+import hashlib
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoTokenizer
+
+from executor.make_model import write_model
+from executor.models.config import ModelConfig
+from executor.models.loader import load_model
+from kernels.torch_ref import gather_kv, store_kv
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("tiny"), "tiny", seed=0)
+
+
+def digest(path) -> dict[str, str]:
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(path.iterdir())}
+
+
+def test_make_model_is_deterministic_and_loads_offline(tiny, tmp_path):
+    assert digest(write_model(tmp_path / "again", "tiny", seed=0)) == digest(tiny)
+    assert digest(write_model(tmp_path / "other", "tiny", seed=1)) != digest(tiny)
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    assert len(tokenizer) >= 512
+    ids = tokenizer("The scheduler preempts the newest request. Ünïcödé ✓").input_ids
+    assert ids[0] == tokenizer.bos_token_id
+    assert (
+        tokenizer.decode(ids, skip_special_tokens=True)
+        == "The scheduler preempts the newest request. Ünïcödé ✓"
+    )
+
+
+def test_config_of_an_unsupported_architecture_says_what_is_supported():
+    with pytest.raises(
+        ValueError, match=r"unsupported architecture 'GPT2LMHeadModel'.*LlamaForCausalLM"
+    ):
+        ModelConfig.from_hf({"architectures": ["GPT2LMHeadModel"]})
+
+
+def test_sliding_window_caps_the_model_length(tiny):
+    hf = json.loads((tiny / "config.json").read_text())
+    hf |= {"architectures": ["MistralForCausalLM"], "sliding_window": 256}
+    assert ModelConfig.from_hf(hf).max_model_len == 256
+
+
+def test_a_checkpoint_missing_a_tensor_is_refused(tiny, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in tiny.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    weights = load_file(tiny / "model.safetensors")
+    del weights["model.layers.1.self_attn.k_proj.weight"]
+    save_file(weights, broken / "model.safetensors")
+    with pytest.raises(
+        ValueError, match=r"lacks 1 tensors.*layers\.1\.self_attn\.qkv_proj\.weight#1"
+    ):
+        load_model(broken, torch.float32, torch.device("cpu"))
+
+
+def test_store_kv_skips_padding_slots_and_gather_reads_blocks_back():
+    k_cache = torch.zeros(3, 2, 1, 4)
+    v_cache = torch.zeros(3, 2, 1, 4)
+    key = torch.arange(12.0).view(3, 1, 4)
+    store_kv(key, -key, k_cache, v_cache, torch.tensor([5, -1, 0]))
+    assert torch.equal(k_cache[2, 1, 0], key[0, 0]) and torch.equal(k_cache[0, 0, 0], key[2, 0])
+    assert int((k_cache != 0).sum()) == 7  # key[2] holds a zero: 8 values, 7 non-zero
+    gathered = gather_kv(k_cache, torch.tensor([[2, 0]]), 3)
+    assert torch.equal(gathered[0, 1, 0], key[0, 0]) and torch.equal(gathered[0, 2, 0], key[2, 0])
