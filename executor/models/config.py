@@ -39,9 +39,10 @@ class ModelConfig:
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":
         hf = json.loads((Path(model_dir) / "config.json").read_text())
+        # generation_config.json's EOS ids win: chat models list their turn-end there.
         generation = Path(model_dir) / "generation_config.json"
-        eos = json.loads(generation.read_text()).get("eos_token_id") if generation.exists() else None
-        return cls.from_hf(hf, eos if eos is not None else hf.get("eos_token_id"))
+        generation_config = json.loads(generation.read_text()) if generation.exists() else {}
+        return cls.from_hf(hf, generation_config.get("eos_token_id"))
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], eos: int | list[int] | None = None) -> "ModelConfig":

@@ -60,7 +60,9 @@ def _copy(param: nn.Parameter, tensor: torch.Tensor, model, name: str, shard: in
     with torch.no_grad():
         target = param if shard is None else param[slice(*shard_bounds(model, name, shard))]
         if target.shape != tensor.shape:
-            raise ValueError(f"{name}: checkpoint {tuple(tensor.shape)}, model {tuple(target.shape)}")
+            raise ValueError(
+                f"{name}: checkpoint shape {tuple(tensor.shape)}, model {tuple(target.shape)}"
+            )
         target.copy_(tensor)
 
 
