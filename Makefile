@@ -6,10 +6,12 @@ STAMP := $(VENV)/.installed
 
 SIZE ?= tiny
 MODEL_DIR := models/flagstop-$(SIZE)
+# `make serve MODEL=DIR` serves any local checkpoint of a supported architecture.
+MODEL ?= $(MODEL_DIR)
 # Nothing is ever fetched from a model hub.
 export HF_HUB_OFFLINE := 1
 
-.PHONY: venv test lint bench model clean
+.PHONY: venv test lint bench model proto serve clean
 
 venv: $(STAMP)
 
@@ -27,14 +29,28 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+proto: $(STAMP)
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=protos --pyi_out=protos \
+		--grpc_python_out=protos protos/flagstop/v1/*.proto
+
 model: $(MODEL_DIR)/config.json
 
 $(MODEL_DIR)/config.json: $(STAMP) executor/make_model.py
 	$(PY) -m executor.make_model --size $(SIZE) --out $(MODEL_DIR)
 
+# Ctrl-C (SIGINT) reaches all three, and each drains and exits 0.
+serve: $(STAMP) $(if $(filter $(MODEL_DIR),$(MODEL)),$(MODEL_DIR)/config.json)
+	@echo "router 127.0.0.1:50051, scheduler :50052, executor :50053 on $(MODEL); Ctrl-C stops"
+	@trap 'kill -INT $$e $$s $$r 2>/dev/null; wait' INT TERM; \
+	$(PY) -m executor --model $(MODEL) --port 50053 & e=$$!; \
+	$(PY) -m scheduler_svc --executor 127.0.0.1:50053 --port 50052 & s=$$!; \
+	$(PY) -m router --model $(MODEL) --scheduler 127.0.0.1:50052 --port 50051 & r=$$!; \
+	wait
+
 bench: $(STAMP)
 	$(PY) bench/scheduler_bench.py
 	$(PY) bench/executor_bench.py
+	$(PY) bench/e2e_bench.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

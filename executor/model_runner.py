@@ -40,6 +40,11 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         self.batch = self._new_batch()
 
+    def reset(self) -> None:
+        """Forget every request (a new scheduler stream). The cache contents need no
+        clearing: nothing is read that the new scheduler has not had written."""
+        self.batch = self._new_batch()
+
     def _new_batch(self) -> InputBatch:
         return InputBatch(
             self.config.max_num_seqs,

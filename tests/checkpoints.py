@@ -4,7 +4,14 @@ itself so that its own model is the reference for ours."""
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from executor.make_model import WEIGHT_SCALE, write_model
 
@@ -63,3 +70,18 @@ def write_checkpoint(name: str, out: Path) -> Path:
 
 def load_reference(path: Path):
     return AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+
+
+@torch.no_grad()
+def reference_generate(reference, token_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers generate(), greedy, exactly max_new_tokens (EOS ignored)."""
+    # eos_token_id=None would fall back to the model's own; an empty list means none.
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=2, eos_token_id=[]
+    )
+    out = reference.generate(
+        torch.tensor([token_ids]),
+        attention_mask=torch.ones(1, len(token_ids), dtype=torch.long),
+        generation_config=config,
+    )
+    return out[0, len(token_ids) :].tolist()

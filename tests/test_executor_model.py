@@ -4,11 +4,10 @@ import random
 
 import pytest
 import torch
-from transformers import GenerationConfig
 
 from executor.config import ExecutorConfig
 from executor.model_runner import ModelRunner
-from tests.checkpoints import load_reference, write_checkpoint
+from tests.checkpoints import load_reference, reference_generate, write_checkpoint
 from tests.executor_harness import Harness
 
 ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "llama3-rope-tied"]
@@ -36,22 +35,6 @@ def prompt(seed: int, length: int) -> list[int]:
 @torch.no_grad()
 def reference_logits(reference, token_ids: list[int]) -> torch.Tensor:
     return reference(torch.tensor([token_ids])).logits[0, -1].float()
-
-
-@torch.no_grad()
-def generate(reference, token_ids: list[int], max_new_tokens: int) -> list[int]:
-    # No EOS: the engine is driven to exactly max_new_tokens (ignore_eos), and masking
-    # EOS (min_new_tokens) would change the greedy choice where EOS wins.
-    # (eos_token_id=None would fall back to the model's; an empty list means none.)
-    config = GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=2, eos_token_id=[]
-    )
-    out = reference.generate(
-        torch.tensor([token_ids]),
-        attention_mask=torch.ones(1, len(token_ids), dtype=torch.long),
-        generation_config=config,
-    )
-    return out[0, len(token_ids) :].tolist()
 
 
 def assert_matches(reference, harness: Harness, logits: dict[str, torch.Tensor]) -> None:
@@ -146,7 +129,7 @@ def test_greedy_requests_joining_and_leaving_equal_generate(checkpoint):
             break
     assert not harness.requests
     for i, (req_id, tokens) in enumerate(prompts.items()):
-        expected = generate(reference, tokens, max_new[i])
+        expected = reference_generate(reference, tokens, max_new[i])
         assert outputs[req_id] == expected, req_id
     every = [t for tokens in outputs.values() for t in tokens]
     assert len(set(every)) > 0.5 * len(every), "degenerate reference: the test could not fail"

@@ -1,0 +1,50 @@
+"""python -m router: the client-facing gRPC server (flagstop.v1.Generation)."""
+
+import asyncio
+import logging
+
+from flagstop import wire
+from flagstop.v1 import generation_pb2_grpc
+from transformers import AutoTokenizer
+
+from router.service import SERVICE_NAME, RouterOptions, RouterService
+
+
+def parse_args(argv: list[str] | None = None):
+    p = wire.EnvArgumentParser("FLAGSTOP_ROUTER_", prog="python -m router", description=__doc__)
+    p.add_argument("--model", default="models/flagstop-tiny", help="tokenizer (model) directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--scheduler", default="127.0.0.1:50052", help="scheduler address")
+    p.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="admission queue bound; past it RESOURCE_EXHAUSTED")  # fmt: skip
+    p.add_argument("--router-id", default=None, help="default: random")
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+async def serve(args) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    options = RouterOptions(args.scheduler, args.max_queued_requests)
+    if args.router_id:
+        options.router_id = args.router_id
+    server = wire.new_server(args.port, args.host)
+    health = wire.add_health_and_reflection(server, [SERVICE_NAME])
+    service = RouterService(tokenizer, options, health)
+    generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
+    await server.start()
+    connection = asyncio.create_task(service.run())
+    try:
+        await wire.run_until_signalled(server, service.drain)
+    finally:
+        connection.cancel()
+
+
+def main() -> None:
+    args = parse_args()
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(message)s")
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""python -m router.client "PROMPT": stream a generation from a flagstop router."""
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+
+import grpc
+from flagstop import wire
+from flagstop.v1 import generation_pb2, generation_pb2_grpc
+
+FINISH_NAMES = {
+    generation_pb2.FINISH_REASON_STOP: "stop",
+    generation_pb2.FINISH_REASON_LENGTH: "length",
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m router.client", description=__doc__)
+    p.add_argument("prompt", nargs="?", default="", help="prompt text")
+    p.add_argument("--prompt-ids", default="", help="comma-separated token ids instead of text")
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--min-tokens", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=None, help="default 1.0; 0 is greedy")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--priority", type=int, default=0)
+    p.add_argument("--addr", default="127.0.0.1:50051", help="router address")
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    return p.parse_args(argv)
+
+
+def build_request(args: argparse.Namespace) -> generation_pb2.GenerateRequest:
+    request = generation_pb2.GenerateRequest(
+        prompt=args.prompt, min_tokens=args.min_tokens, top_k=args.top_k, stop=args.stop,
+        ignore_eos=args.ignore_eos, priority=args.priority,
+    )  # fmt: skip
+    if args.prompt_ids:
+        request.prompt_token_ids.extend(int(t) for t in args.prompt_ids.split(","))
+    for name in ("max_tokens", "temperature", "top_p", "seed"):
+        if getattr(args, name) is not None:
+            setattr(request, name, getattr(args, name))
+    return request
+
+
+async def generate(args: argparse.Namespace) -> dict:
+    async with wire.channel(args.addr) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        start, ttft = time.perf_counter(), None
+        result = {"text": "", "token_ids": [], "finish_reason": None}
+        async for chunk in stub.Generate(build_request(args), timeout=args.timeout):
+            if ttft is None and chunk.token_ids:
+                ttft = time.perf_counter() - start
+            result["text"] += chunk.text
+            result["token_ids"] += list(chunk.token_ids)
+            if not args.json:
+                print(chunk.text, end="", flush=True)
+            if chunk.finish_reason:
+                result["finish_reason"] = FINISH_NAMES[chunk.finish_reason]
+                result["prompt_tokens"] = chunk.usage.prompt_tokens
+                result["completion_tokens"] = chunk.usage.completion_tokens
+        result["ttft_s"], result["e2e_s"] = ttft, time.perf_counter() - start
+        return result
+
+
+def main() -> None:
+    args = parse_args()
+    try:
+        result = asyncio.run(generate(args))
+    except grpc.aio.AioRpcError as e:
+        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        sys.exit(1)
+    print(json.dumps(result) if args.json else "")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,259 @@
+"""The router's gRPC shell: client streams in, one stream to the scheduler out.
+
+Requests wait in a bounded admission queue here and are released to the scheduler
+against the credits it grants, in batches; each engine step comes back as one
+message whose tokens are fanned out to the client streams."""
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+from flagstop import wire
+from flagstop.v1 import generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+from router.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from router.validation import InvalidRequest, ModelLimits, prompt_ids, validate
+
+log = logging.getLogger("flagstop.router")
+SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+STATUS = {code.value[0]: code for code in grpc.StatusCode}
+FINISH = {
+    scheduler_pb2.REQUEST_FINISH_STOP: generation_pb2.FINISH_REASON_STOP,
+    scheduler_pb2.REQUEST_FINISH_LENGTH: generation_pb2.FINISH_REASON_LENGTH,
+}
+
+
+@dataclass(slots=True, eq=False)
+class Pending:
+    """One client stream's request: what the fan-out hands its handler."""
+
+    request_id: str
+    # (token id or None, scheduler finish reason, logprob entry or None) or a RequestError
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    sent: bool = False  # released to the scheduler
+    finished: bool = False  # the scheduler holds nothing of it any more
+
+
+@dataclass(slots=True)
+class RouterOptions:
+    scheduler_address: str
+    max_queued_requests: int = 1024
+    router_id: str = field(default_factory=lambda: f"router-{uuid.uuid4().hex[:8]}")
+    drain_timeout_s: float = 30.0
+
+
+class RouterService(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, tokenizer, options: RouterOptions, health) -> None:
+        self.tokenizer = tokenizer
+        self.options = options
+        self.health = health
+        self.model_info = generation_pb2.ModelInfo()
+        self.limits: ModelLimits | None = None
+        self.requests: dict[str, Pending] = {}
+        # The admission queue, in arrival order; a dict so that a cancel is O(1).
+        self.queue: dict[str, scheduler_pb2.AddRequest] = {}
+        self.aborts: list[str] = []
+        self.credits = 0
+        self.flush = asyncio.Event()
+        self.connected = False
+        self.accepting = True
+
+    # -- the scheduler stream ------------------------------------------------
+
+    async def run(self) -> None:
+        stub = scheduler_pb2_grpc.SchedulerStub(wire.channel(self.options.scheduler_address))
+        delay = 0.1
+        while True:
+            try:
+                await self._connect(stub)
+                delay = 0.1
+            except grpc.aio.AioRpcError as e:
+                log.warning("scheduler %s: %s", self.options.scheduler_address, e.code())
+            self._lost_scheduler()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+    async def _connect(self, stub) -> None:
+        info = await stub.Describe(generation_pb2.GetModelInfoRequest(), timeout=5)
+        self.model_info = info
+        self.limits = ModelLimits(
+            vocab_size=info.vocab_size, max_model_len=info.max_model_len,
+            kv_capacity_tokens=info.num_blocks * info.block_size,
+            eos_token_ids=tuple(info.eos_token_ids),
+        )  # fmt: skip
+        call = stub.Connect()
+        await call.write(scheduler_pb2.RouterMessage(router_id=self.options.router_id))
+        self.connected, self.credits = True, 0
+        wire.set_serving(self.health, [SERVICE_NAME], True)
+        log.info("connected to scheduler %s (%s)", self.options.scheduler_address, info.model_name)
+        writer = asyncio.create_task(self._write(call))
+        try:
+            await self._read(call)
+        finally:
+            writer.cancel()
+            call.cancel()
+
+    async def _write(self, call) -> None:
+        """One message per wake-up: every abort and every release the credits allow."""
+        last_queued = -1
+        while True:
+            await self.flush.wait()
+            self.flush.clear()
+            msg = scheduler_pb2.RouterMessage(aborts=self.aborts)
+            self.aborts = []
+            while self.credits and self.queue:
+                request_id = next(iter(self.queue))
+                msg.adds.append(self.queue.pop(request_id))
+                self.requests[request_id].sent = True
+                self.credits -= 1
+            msg.num_queued = len(self.queue)
+            if msg.adds or msg.aborts or msg.num_queued != last_queued:
+                last_queued = msg.num_queued
+                await call.write(msg)
+
+    async def _read(self, call) -> None:
+        while True:
+            msg = await call.read()
+            if msg is grpc.aio.EOF:
+                return
+            self._fan_out(msg)
+            if msg.credits:
+                self.credits += msg.credits
+                self.flush.set()
+
+    def _fan_out(self, msg: scheduler_pb2.SchedulerMessage) -> None:
+        requests = self.requests
+        finished = dict(zip(msg.finished_ids, msg.finish_reasons, strict=True))
+        logprobs = msg.logprobs
+        for i, (request_id, token_id) in enumerate(
+            zip(msg.request_ids, msg.token_ids, strict=True)
+        ):
+            pending = requests.get(request_id)
+            if pending is None:
+                continue
+            reason = finished.pop(request_id, 0) if finished else 0
+            pending.finished = bool(reason)
+            pending.queue.put_nowait((token_id, reason, logprobs[i] if logprobs else None))
+        for request_id, reason in finished.items():  # ended without a token
+            if (pending := requests.get(request_id)) is not None:
+                pending.finished = True
+                pending.queue.put_nowait((None, reason, None))
+        for error in msg.errors:
+            if (pending := requests.get(error.request_id)) is not None:
+                pending.finished = True
+                pending.queue.put_nowait(error)
+
+    def _lost_scheduler(self) -> None:
+        if self.connected:
+            log.error("lost the scheduler at %s", self.options.scheduler_address)
+        self.connected = False
+        wire.set_serving(self.health, [SERVICE_NAME], False)
+        for pending in self.requests.values():
+            if pending.sent and not pending.finished:
+                pending.finished = True
+                pending.queue.put_nowait(scheduler_pb2.RequestError(
+                    request_id=pending.request_id, code=grpc.StatusCode.UNAVAILABLE.value[0],
+                    message="the scheduler was lost; retry the request",
+                ))  # fmt: skip
+
+    # -- clients ---------------------------------------------------------------
+
+    async def GetModelInfo(self, request, context) -> generation_pb2.ModelInfo:
+        if self.limits is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "not connected to a scheduler yet")
+        return self.model_info
+
+    async def Generate(
+        self, request: generation_pb2.GenerateRequest, context
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        if not self.accepting or not self.connected or self.limits is None:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "the router is not serving; retry later"
+            )
+        try:
+            token_ids = prompt_ids(request, self.tokenizer)
+            sampling = validate(request, token_ids, self.limits)
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if len(self.queue) >= self.options.max_queued_requests:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the admission queue is full ({len(self.queue)} requests): retry later",
+            )
+        pending = self._admit(request, token_ids, sampling)
+        try:
+            async for chunk in self._stream(pending, request, token_ids, context):
+                yield chunk
+        finally:
+            self._release(pending)
+
+    def _admit(self, request, token_ids: list[int], sampling) -> Pending:
+        pending = Pending(uuid.uuid4().hex)
+        add = scheduler_pb2.AddRequest(
+            request_id=pending.request_id, prompt_token_ids=token_ids, sampling=sampling,
+            min_tokens=request.min_tokens, ignore_eos=request.ignore_eos,
+            stop_token_ids=request.stop_token_ids, priority=request.priority,
+            arrival_time=time.time(),
+        )  # fmt: skip
+        if request.HasField("max_tokens"):
+            add.max_tokens = request.max_tokens
+        self.requests[pending.request_id] = pending
+        self.queue[pending.request_id] = add
+        self.flush.set()
+        return pending
+
+    def _release(self, pending: Pending) -> None:
+        """The client stream ended: done, cancelled, past its deadline or stopped by a
+        stop string. Whatever the scheduler still holds of it is aborted there."""
+        self.requests.pop(pending.request_id, None)
+        if self.queue.pop(pending.request_id, None) is not None:
+            return  # never reached the scheduler
+        if pending.sent and not pending.finished:
+            self.aborts.append(pending.request_id)
+            self.flush.set()
+
+    async def _stream(self, pending: Pending, request, token_ids: list[int], context):
+        detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids)
+        stops = StopStringMatcher(list(request.stop))
+        num_generated = 0
+        while True:
+            item = await pending.queue.get()
+            if isinstance(item, scheduler_pb2.RequestError):
+                await context.abort(STATUS.get(item.code, grpc.StatusCode.UNKNOWN), item.message)
+            token_id, reason, logprob = item
+            if reason and reason not in FINISH:
+                await context.abort(grpc.StatusCode.INTERNAL, "the request failed in the engine")
+            chunk = generation_pb2.GenerateResponse()
+            text = ""
+            if token_id is not None:
+                num_generated += 1
+                chunk.token_ids.append(token_id)
+                text = detokenizer.add([token_id], final=bool(reason))
+                if logprob is not None:
+                    chunk.logprobs.append(logprob)
+            chunk.text, matched = stops.feed(text, final=bool(reason))
+            if matched is not None:
+                chunk.finish_reason, chunk.stop_reason = generation_pb2.FINISH_REASON_STOP, matched
+            elif reason:
+                chunk.finish_reason = FINISH[reason]
+                if token_id in request.stop_token_ids:
+                    chunk.stop_reason = str(token_id)
+            if chunk.finish_reason:
+                chunk.usage.prompt_tokens = len(token_ids)
+                chunk.usage.completion_tokens = num_generated
+                yield chunk
+                return
+            yield chunk
+
+    # -- shutdown --------------------------------------------------------------
+
+    async def drain(self) -> None:
+        self.accepting = False
+        wire.set_serving(self.health, [SERVICE_NAME], False)
+        deadline = asyncio.get_running_loop().time() + self.options.drain_timeout_s
+        while self.requests and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)

@@ -1,0 +1,73 @@
+"""python -m scheduler_svc: the scheduling service between routers and an executor."""
+
+import asyncio
+import logging
+
+from flagstop import wire
+from flagstop.v1 import scheduler_pb2_grpc
+
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.policy import POLICIES
+from scheduler_svc.service import SERVICE_NAME, SchedulerService, ServiceOptions
+
+
+def parse_args(argv: list[str] | None = None):
+    p = wire.EnvArgumentParser(
+        "FLAGSTOP_SCHEDULER_", prog="python -m scheduler_svc", description=__doc__
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50052)
+    p.add_argument("--executor", default="127.0.0.1:50053", help="executor address")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget")
+    p.add_argument("--max-num-seqs", type=int, default=128, help="running requests at most")
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the executor's")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    p.add_argument("--no-chunked-prefill", action="store_true")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--policy", choices=sorted(POLICIES), default="fcfs")
+    p.add_argument("--max-waiting-requests", type=int, default=256,
+                   help="waiting here at most; the rest stay queued at the routers")  # fmt: skip
+    p.add_argument("--max-steps-in-flight", type=int, choices=[1, 2], default=2,
+                   help="2: plan step N+1 while step N runs (no executor idle)")  # fmt: skip
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+def config_from_args(args) -> SchedulerConfig:
+    # Provisional max_model_len and block_size: the executor's Describe settles them.
+    return SchedulerConfig(
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len or args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        enable_chunked_prefill=not args.no_chunked_prefill,
+        enable_prefix_caching=not args.no_prefix_caching,
+        policy=args.policy,
+    )
+
+
+async def serve(args) -> None:
+    server = wire.new_server(args.port, args.host)
+    health = wire.add_health_and_reflection(server, [SERVICE_NAME])
+    options = ServiceOptions(
+        args.executor, args.max_model_len, args.max_waiting_requests, args.max_steps_in_flight
+    )
+    service = SchedulerService(config_from_args(args), options, health)
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server)
+    await server.start()  # NOT_SERVING until the executor has described itself
+    await service.connect_executor()
+    engine = asyncio.create_task(service.run())
+    try:
+        await wire.run_until_signalled(server, service.drain)
+    finally:
+        engine.cancel()
+
+
+def main() -> None:
+    args = parse_args()
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(message)s")
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()
