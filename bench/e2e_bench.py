@@ -23,13 +23,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flagstop import wire
-from flagstop.v1 import generation_pb2, generation_pb2_grpc
-
 from executor.config import ExecutorConfig
 from executor.make_model import write_model
 from executor.model_runner import ModelRunner
 from executor.sampling import SamplingParams
+from flagstop import wire
+from flagstop.v1 import generation_pb2, generation_pb2_grpc
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.request import Request, StopParams
 from scheduler_svc.scheduler import Scheduler

@@ -1,15 +1,13 @@
 """python -m executor: serve a model over gRPC to one scheduler."""
 
-import asyncio
 import logging
 from pathlib import Path
-
-from flagstop import wire
-from flagstop.v1 import executor_pb2_grpc
 
 from executor.config import ExecutorConfig
 from executor.model_runner import ModelRunner
 from executor.service import SERVICE_NAME, ExecutorService
+from flagstop import wire
+from flagstop.v1 import executor_pb2_grpc
 
 
 def parse_args(argv: list[str] | None = None):
@@ -60,11 +58,5 @@ async def serve(args) -> None:
     await wire.run_until_signalled(server, drain)
 
 
-def main() -> None:
-    args = parse_args()
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(message)s")
-    asyncio.run(serve(args))
-
-
 if __name__ == "__main__":
-    main()
+    wire.main(parse_args, serve)

@@ -4,11 +4,11 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
-from flagstop.v1 import executor_pb2, executor_pb2_grpc, generation_pb2
 
 from executor.model_runner import ModelRunner
 from executor.plan import CachedRequests, NewRequest, StepPlan
 from executor.sampling import SampleOutput, SamplingParams
+from flagstop.v1 import executor_pb2, executor_pb2_grpc, generation_pb2
 
 log = logging.getLogger("flagstop.executor")
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name

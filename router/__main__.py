@@ -1,12 +1,9 @@
 """python -m router: the client-facing gRPC server (flagstop.v1.Generation)."""
 
-import asyncio
-import logging
+from transformers import AutoTokenizer
 
 from flagstop import wire
 from flagstop.v1 import generation_pb2_grpc
-from transformers import AutoTokenizer
-
 from router.service import SERVICE_NAME, RouterOptions, RouterService
 
 
@@ -33,18 +30,8 @@ async def serve(args) -> None:
     service = RouterService(tokenizer, options, health)
     generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
     await server.start()
-    connection = asyncio.create_task(service.run())
-    try:
-        await wire.run_until_signalled(server, service.drain)
-    finally:
-        connection.cancel()
-
-
-def main() -> None:
-    args = parse_args()
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(message)s")
-    asyncio.run(serve(args))
+    await wire.run_until_signalled(server, service.drain, service.run())
 
 
 if __name__ == "__main__":
-    main()
+    wire.main(parse_args, serve)

@@ -7,6 +7,7 @@ import sys
 import time
 
 import grpc
+
 from flagstop import wire
 from flagstop.v1 import generation_pb2, generation_pb2_grpc
 

@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
+
 from flagstop import wire
 from flagstop.v1 import generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-
 from router.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from router.validation import InvalidRequest, ModelLimits, prompt_ids, validate
 

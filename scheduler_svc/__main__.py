@@ -1,11 +1,7 @@
 """python -m scheduler_svc: the scheduling service between routers and an executor."""
 
-import asyncio
-import logging
-
 from flagstop import wire
 from flagstop.v1 import scheduler_pb2_grpc
-
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.policy import POLICIES
 from scheduler_svc.service import SERVICE_NAME, SchedulerService, ServiceOptions
@@ -56,18 +52,8 @@ async def serve(args) -> None:
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server)
     await server.start()  # NOT_SERVING until the executor has described itself
     await service.connect_executor()
-    engine = asyncio.create_task(service.run())
-    try:
-        await wire.run_until_signalled(server, service.drain)
-    finally:
-        engine.cancel()
-
-
-def main() -> None:
-    args = parse_args()
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(message)s")
-    asyncio.run(serve(args))
+    await wire.run_until_signalled(server, service.drain, service.run())
 
 
 if __name__ == "__main__":
-    main()
+    wire.main(parse_args, serve)

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
+
 from flagstop import wire
 from flagstop.v1 import (
     executor_pb2,
@@ -17,7 +18,6 @@ from flagstop.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.output import OwnerOutputs, SchedulerOutput
 from scheduler_svc.request import RequestStatus

@@ -3,7 +3,6 @@
 import itertools
 
 from flagstop.v1 import executor_pb2, scheduler_pb2
-
 from scheduler_svc.output import SchedulerOutput
 from scheduler_svc.request import FinishReason, Request, StopParams
 

@@ -13,11 +13,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from flagstop.v1 import generation_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from executor.make_model import write_model
+from flagstop.v1 import generation_pb2
 from tests.checkpoints import load_reference, reference_generate
 from tests.stack import ROOT, free_port, generate, spawn, start_stack, wait_serving
 
@@ -202,11 +202,15 @@ def test_bad_input_is_refused_while_others_complete(stack, fields, message):
             assert len(other.result()[0]) == 30
 
 
-def test_a_prompt_larger_than_the_kv_pool_is_refused(tight_stack):
-    with pytest.raises(grpc.RpcError) as error:
-        generate(tight_stack, prompt_token_ids=[0] + [5] * 399, max_tokens=1)
-    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "exceeds the whole KV cache (384 tokens)" in error.value.details()
+def test_a_prompt_larger_than_the_kv_pool_is_refused_while_others_complete(tight_stack):
+    with ThreadPoolExecutor(2) as pool:
+        others = [pool.submit(generate, tight_stack, prompt_token_ids=[0, 40 + i], max_tokens=30,
+                              temperature=0, ignore_eos=True) for i in range(2)]  # fmt: skip
+        with pytest.raises(grpc.RpcError) as error:
+            generate(tight_stack, prompt_token_ids=[0] + [5] * 399, max_tokens=1)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "exceeds the whole KV cache (384 tokens)" in error.value.details()
+        assert all(len(other.result()[0]) == 30 for other in others)
 
 
 def test_stop_strings_end_the_text_before_the_match(stack):

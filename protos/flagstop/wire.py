@@ -4,9 +4,10 @@ shutdown on SIGTERM/SIGINT, and flags that environment variables can set."""
 
 import argparse
 import asyncio
+import logging
 import os
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import grpc
@@ -96,14 +97,32 @@ def set_serving(health_servicer: health.HealthServicer, names: list[str], servin
 
 
 async def run_until_signalled(
-    server: grpc.aio.Server, drain: Callable[[], Awaitable[None]], grace_s: float = 10.0
+    server: grpc.aio.Server,
+    drain: Callable[[], Awaitable[None]],
+    *background: Coroutine[Any, Any, None],
+    grace_s: float = 10.0,
 ) -> None:
-    """Serve (the server is started) until SIGTERM or SIGINT, then drain (stop
-    admitting, finish or abort the work in flight) and stop; the process exits 0."""
+    """Serve (the server is started) with the background tasks running until SIGTERM
+    or SIGINT, then drain (stop admitting, finish or abort the work in flight) and
+    stop; the process exits 0."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await drain()
-    await server.stop(grace_s)
+    tasks = [asyncio.create_task(coroutine) for coroutine in background]
+    try:
+        await stop.wait()
+        await drain()
+        await server.stop(grace_s)
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def main(
+    parse_args: Callable[[], argparse.Namespace], serve: Callable[..., Awaitable[None]]
+) -> None:
+    """A service's entry point: flags, logging, then serve(args) until signalled."""
+    args = parse_args()
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(message)s")
+    asyncio.run(serve(args))
