@@ -24,6 +24,8 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
+                   help="auto: triton on CUDA, torch on the CPU")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
@@ -35,7 +37,7 @@ def config_from_args(args) -> ExecutorConfig:
         num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        seed=args.seed,
+        attention_backend=args.attention_backend, seed=args.seed,
     )  # fmt: skip
 
 

@@ -1,9 +1,12 @@
 """Attention over the paged KV cache for one flattened step.
 
 The batch is laid out decodes first (one token each), then prefill chunks, so that each
-kind runs as one kernel call. Backends share the signature of kernels/torch_ref.py."""
+kind runs as one kernel call. A backend is a kernels module with the functions (and
+signatures) of kernels/torch_ref.py."""
 
+import os
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -19,17 +22,24 @@ class AttentionMetadata:
     num_decodes: int  # the first num_decodes sequences have exactly one new token
 
 
-class TorchAttentionBackend:
-    """The reference path (CPU, and the oracle for the Triton kernels)."""
+def attention_backend(name: str, device: torch.device) -> ModuleType:
+    """The kernels module for a backend name: `torch` (kernels/torch_ref.py, the CPU
+    path) or `triton` (kernels/triton_attention.py, imported only when chosen)."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return torch_ref
+    if name != "triton":
+        raise ValueError(f"unknown attention backend {name!r}: auto, torch or triton")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("the triton backend needs CUDA (or TRITON_INTERPRET=1, for tests)")
+    from kernels import triton_attention
 
-    name = "torch"
-    store_kv = staticmethod(torch_ref.store_kv)
-    decode = staticmethod(torch_ref.paged_attention_decode)
-    prefill = staticmethod(torch_ref.paged_attention_prefill)
+    return triton_attention
 
 
 def paged_attention(
-    backend: type[TorchAttentionBackend],
+    backend: ModuleType,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -42,14 +52,15 @@ def paged_attention(
     k_cache, v_cache = kv_cache
     backend.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
     n = meta.num_decodes
+    decode, prefill = backend.paged_attention_decode, backend.paged_attention_prefill
     if n == query.shape[0]:
-        return backend.decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+        return decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
     out = torch.empty_like(query)
     if n:
-        out[:n] = backend.decode(
+        out[:n] = decode(
             query[:n], k_cache, v_cache, meta.block_tables[:n], meta.seq_lens[:n], scale
         )
-    out[n:] = backend.prefill(
+    out[n:] = prefill(
         query[n:],
         k_cache,
         v_cache,

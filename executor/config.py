@@ -15,6 +15,7 @@ class ExecutorConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's own limit
+    attention_backend: str = "auto"  # auto: triton on CUDA, torch on the CPU
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -3,6 +3,7 @@ batch and the sampler, on one device."""
 
 import torch
 
+from executor.attention import attention_backend
 from executor.config import ExecutorConfig
 from executor.input_batch import InputBatch, StepInputs
 from executor.models.llama import KVCache
@@ -33,6 +34,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
         self.model = load_model(config.model, self.dtype, self.device)
+        self.attention_backend = attention_backend(config.attention_backend, self.device)
+        self.model.set_attention_backend(self.attention_backend)
         self.model_config = mc = self.model.config
         self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
         self.block_size = config.block_size

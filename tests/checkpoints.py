@@ -79,9 +79,10 @@ def reference_generate(reference, token_ids: list[int], max_new_tokens: int) -> 
     config = GenerationConfig(
         max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=2, eos_token_id=[]
     )
+    device = next(reference.parameters()).device
     out = reference.generate(
-        torch.tensor([token_ids]),
-        attention_mask=torch.ones(1, len(token_ids), dtype=torch.long),
+        torch.tensor([token_ids], device=device),
+        attention_mask=torch.ones(1, len(token_ids), dtype=torch.long, device=device),
         generation_config=config,
     )
     return out[0, len(token_ids) :].tolist()

@@ -22,3 +22,27 @@ def test_kv_capacity_is_measured_and_greedy_decoding_runs_in_bf16(tmp_path):
     harness.add("a", [0, 5, 6, 7, 8], SamplingParams())
     tokens = [harness.step({"a": 5})["a"]] + [harness.step({"a": 1})["a"] for _ in range(8)]
     assert len(set(tokens)) > 4
+
+
+def test_greedy_decoding_on_the_gpu_with_triton_kernels_equals_generate(tmp_path):
+    from tests.checkpoints import load_reference, reference_generate
+    from tests.test_executor_model import prompt
+
+    model_dir = write_model(tmp_path / "tiny", "tiny")
+    config = ExecutorConfig(
+        model=str(model_dir), num_blocks=256, dtype="float32", attention_backend="triton"
+    )
+    harness = Harness(ModelRunner(config))
+    reference = load_reference(model_dir).cuda()
+    prompts = {f"r{i}": prompt(50 + i, n) for i, n in enumerate((3, 17, 40, 64))}
+    for req_id, tokens in prompts.items():
+        harness.add(req_id, tokens)
+    outputs = {r: [] for r in prompts}
+    num_tokens = {r: len(t) for r, t in prompts.items()}
+    for _ in range(24):
+        for req_id, token in harness.step(num_tokens).items():
+            outputs[req_id].append(token)
+        num_tokens = dict.fromkeys(prompts, 1)
+    for req_id, tokens in prompts.items():
+        expected = reference_generate(reference, tokens, 24)
+        assert outputs[req_id] == expected, req_id

@@ -2,12 +2,15 @@
 (per-head q/k RMSNorm). One flattened varlen forward per step; q/k/v and gate/up are
 packed into one matmul each."""
 
+from types import ModuleType
+
 import torch
 from torch import nn
 
-from executor.attention import AttentionMetadata, TorchAttentionBackend, paged_attention
+from executor.attention import AttentionMetadata, paged_attention
 from executor.models.config import ModelConfig
 from executor.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from kernels import torch_ref
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -27,7 +30,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.rotary = rotary
-        self.backend = TorchAttentionBackend
+        self.backend: ModuleType = torch_ref
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
@@ -108,6 +111,6 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def set_attention_backend(self, backend: type[TorchAttentionBackend]) -> None:
+    def set_attention_backend(self, backend: ModuleType) -> None:
         for layer in self.layers:
             layer.self_attn.backend = backend

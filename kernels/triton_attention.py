@@ -1,0 +1,311 @@
+"""Triton kernels for the paged KV cache, twins of kernels/torch_ref.py (same
+signatures, same layout: [num_blocks, block_size, num_kv_heads, head_dim]).
+
+Imported only when the triton backend is chosen; on a CPU they run under
+TRITON_INTERPRET=1, which is how the tests hold them to their torch twins."""
+
+import torch
+import triton
+import triton.language as tl
+
+# Tokens of context one decode program reduces before the partial results are merged
+# (flash-decoding): long contexts spread over more programs than there are sequences.
+DECODE_PARTITION = 512
+
+
+@triton.jit
+def _store_kv_kernel(
+    key,
+    value,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    stride_key,
+    stride_value,
+    ROW: tl.constexpr,
+    ROW_PAD: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping + token).to(tl.int64)
+    if slot >= 0:
+        cols = tl.arange(0, ROW_PAD)
+        mask = cols < ROW
+        k = tl.load(key + token * stride_key + cols, mask=mask)
+        v = tl.load(value + token * stride_value + cols, mask=mask)
+        tl.store(k_cache + slot * ROW + cols, k.to(k_cache.dtype.element_ty), mask=mask)
+        tl.store(v_cache + slot * ROW + cols, v.to(v_cache.dtype.element_ty), mask=mask)
+
+
+def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
+    num_tokens, num_kv_heads, head_dim = key.shape
+    row = num_kv_heads * head_dim
+    key, value = key.reshape(num_tokens, row), value.reshape(num_tokens, row)
+    assert key.stride(1) == 1 and value.stride(1) == 1 and k_cache.is_contiguous()
+    _store_kv_kernel[(num_tokens,)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        value.stride(0),
+        ROW=row,
+        ROW_PAD=triton.next_power_of_2(row),
+    )
+
+
+@triton.jit
+def _decode_partition_kernel(
+    query,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    partial_max,
+    partial_sum,
+    partial_out,
+    scale,
+    stride_q_seq,
+    stride_q_head,
+    stride_bt,
+    stride_cache_block,
+    stride_cache_token,
+    num_partitions,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    PARTITION: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """One sequence, one KV head (its GROUP query heads), one partition of the context:
+    an online softmax over the partition's blocks, left unnormalised for the merge."""
+    seq, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq_len = tl.load(seq_lens + seq)
+    start = part * PARTITION
+    rows = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, HEAD_DIM)
+    heads = kv_head * GROUP + rows
+    q = tl.load(
+        query + seq * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :],
+        mask=rows[:, None] < GROUP,
+        other=0.0,
+    )
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([GROUP_PAD], tl.float32)  # noqa: E741
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    offsets = tl.arange(0, BLOCK_SIZE)
+    for block_start in range(start, tl.minimum(start + PARTITION, seq_len), BLOCK_SIZE):
+        block = tl.load(block_tables + seq * stride_bt + block_start // BLOCK_SIZE).to(tl.int64)
+        cache_rows = block * stride_cache_block + offsets[:, None] * stride_cache_token
+        kv_offsets = cache_rows + kv_head * HEAD_DIM + dims[None, :]
+        k = tl.load(k_cache + kv_offsets)
+        v = tl.load(v_cache + kv_offsets)
+        if IEEE:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where((block_start + offsets)[None, :] < seq_len, s * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)  # noqa: E741
+        if IEEE:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+    out_row = (seq * tl.num_programs(1) * GROUP + heads) * num_partitions + part
+    tl.store(partial_max + out_row, m, mask=rows < GROUP)
+    tl.store(partial_sum + out_row, l, mask=rows < GROUP)
+    tl.store(
+        partial_out + out_row[:, None] * HEAD_DIM + dims[None, :], acc, mask=rows[:, None] < GROUP
+    )
+
+
+@triton.jit
+def _decode_merge_kernel(
+    partial_max,
+    partial_sum,
+    partial_out,
+    out,
+    seq_lens,
+    stride_out_seq,
+    stride_out_head,
+    num_partitions,
+    HEAD_DIM: tl.constexpr,
+    PARTITION: tl.constexpr,
+    PARTS_PAD: tl.constexpr,
+):
+    seq, head = tl.program_id(0), tl.program_id(1)
+    used = tl.cdiv(tl.load(seq_lens + seq), PARTITION)
+    parts = tl.arange(0, PARTS_PAD)
+    base = (seq * tl.num_programs(1) + head) * num_partitions
+    valid = parts < used
+    m = tl.load(partial_max + base + parts, mask=valid, other=float("-inf"))
+    l = tl.load(partial_sum + base + parts, mask=valid, other=0.0)  # noqa: E741
+    weights = tl.where(valid, tl.exp(m - tl.max(m, axis=0)), 0.0)
+    dims = tl.arange(0, HEAD_DIM)
+    acc = tl.load(
+        partial_out + (base + parts)[:, None] * HEAD_DIM + dims[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    )
+    result = tl.sum(acc * weights[:, None], axis=0) / tl.sum(l * weights, axis=0)
+    tl.store(
+        out + seq * stride_out_seq + head * stride_out_head + dims, result.to(out.dtype.element_ty)
+    )
+
+
+def paged_attention_decode(query, k_cache, v_cache, block_tables, seq_lens, scale):
+    num_seqs, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    num_partitions = triton.cdiv(int(seq_lens.max()), DECODE_PARTITION)
+    partial_shape = (num_seqs, num_heads, num_partitions)
+    partial_max = torch.empty(partial_shape, dtype=torch.float32, device=query.device)
+    partial_sum = torch.empty_like(partial_max)
+    partial_out = torch.empty((*partial_shape, head_dim), dtype=torch.float32, device=query.device)
+    ieee = query.dtype == torch.float32
+    _decode_partition_kernel[(num_seqs, num_kv_heads, num_partitions)](
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        partial_max,
+        partial_sum,
+        partial_out,
+        scale,
+        query.stride(0),
+        query.stride(1),
+        block_tables.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        num_partitions,
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        PARTITION=DECODE_PARTITION,
+        IEEE=ieee,
+    )
+    out = torch.empty_like(query)
+    _decode_merge_kernel[(num_seqs, num_heads)](
+        partial_max,
+        partial_sum,
+        partial_out,
+        out,
+        seq_lens,
+        out.stride(0),
+        out.stride(1),
+        num_partitions,
+        HEAD_DIM=head_dim,
+        PARTITION=DECODE_PARTITION,
+        PARTS_PAD=max(2, triton.next_power_of_2(num_partitions)),
+    )
+    return out
+
+
+@triton.jit
+def _prefill_kernel(
+    query,
+    k_cache,
+    v_cache,
+    block_tables,
+    query_start_loc,
+    seq_lens,
+    out,
+    scale,
+    stride_q_token,
+    stride_q_head,
+    stride_bt,
+    stride_cache_block,
+    stride_cache_token,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """BLOCK_M queries of one sequence and one head against its cached context and
+    the new tokens, causally, one KV block at a time."""
+    seq, head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_start = tl.load(query_start_loc + seq)
+    q_len = tl.load(query_start_loc + seq + 1) - q_start
+    if tile * BLOCK_M < q_len:
+        seq_len = tl.load(seq_lens + seq)
+        num_context = seq_len - q_len
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        dims = tl.arange(0, HEAD_DIM)
+        q_offsets = (
+            (q_start + rows)[:, None] * stride_q_token + head * stride_q_head + dims[None, :]
+        )
+        q = tl.load(query + q_offsets, mask=rows[:, None] < q_len, other=0.0)
+        query_pos = num_context + rows
+        kv_head = head // GROUP
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_M], tl.float32)  # noqa: E741
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        offsets = tl.arange(0, BLOCK_SIZE)
+        # Causality: no query of this tile sees past its last query's position.
+        kv_end = tl.minimum(seq_len, num_context + (tile + 1) * BLOCK_M)
+        for block_start in range(0, kv_end, BLOCK_SIZE):
+            block = tl.load(block_tables + seq * stride_bt + block_start // BLOCK_SIZE).to(tl.int64)
+            cache_rows = block * stride_cache_block + offsets[:, None] * stride_cache_token
+            kv_offsets = cache_rows + kv_head * HEAD_DIM + dims[None, :]
+            k = tl.load(k_cache + kv_offsets)
+            v = tl.load(v_cache + kv_offsets)
+            if IEEE:
+                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            key_pos = block_start + offsets
+            visible = (key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] < seq_len)
+            s = tl.where(visible, s * scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            # Rows with nothing visible yet keep m = -inf: guard exp(-inf - -inf).
+            alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp(m - m_new))
+            p = tl.where(visible, tl.exp(s - m_new[:, None]), 0.0)
+            l = l * alpha + tl.sum(p, axis=1)  # noqa: E741
+            if IEEE:
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m = m_new
+        result = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+        tl.store(out + q_offsets, result.to(out.dtype.element_ty), mask=rows[:, None] < q_len)
+
+
+def paged_attention_prefill(
+    query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale
+):
+    _, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    max_q_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    block_m = 16 if max_q_len <= 16 else 64
+    out = torch.empty_like(query)
+    _prefill_kernel[(num_seqs, num_heads, triton.cdiv(max_q_len, block_m))](
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        out,
+        scale,
+        query.stride(0),
+        query.stride(1),
+        block_tables.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        IEEE=query.dtype == torch.float32,
+    )
+    return out

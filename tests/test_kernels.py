@@ -1,0 +1,127 @@
+"""Every Triton kernel against its torch twin: under TRITON_INTERPRET=1 on a CPU, on
+the device when a GPU is present."""
+
+import pytest
+import torch
+
+from kernels import torch_ref, triton_attention
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+SHAPES = [
+    (num_kv_heads * group, num_kv_heads, head_dim, block_size)
+    for group, num_kv_heads in ((1, 2), (2, 2), (4, 1), (8, 1))
+    for head_dim in (64, 128)
+    for block_size in (16, 32)
+]
+SHAPE_IDS = [f"h{h}-kv{k}-d{d}-bs{b}" for h, k, d, b in SHAPES]
+
+
+def make_caches(num_blocks, block_size, num_kv_heads, head_dim, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return (torch.randn(shape, generator=g).to(DEVICE, dtype),
+            torch.randn(shape, generator=g).to(DEVICE, dtype))  # fmt: skip
+
+
+def block_tables(seq_lens: list[int], block_size: int, num_blocks: int, seed=0) -> torch.Tensor:
+    """Each sequence gets its own blocks, scattered over the pool; padding is -1."""
+    g = torch.Generator().manual_seed(seed)
+    needed = [-(-n // block_size) for n in seq_lens]
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    table = torch.full((len(seq_lens), max(needed)), -1, dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(needed):
+        table[i, :n] = torch.tensor(order[start : start + n], dtype=torch.int32)
+        start += n
+    return table.to(DEVICE)
+
+
+def assert_close(got, expected, dtype):
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"), SHAPES[:4])
+def test_store_kv(num_heads, num_kv_heads, head_dim, block_size, dtype):
+    k_ref, v_ref = make_caches(6, block_size, num_kv_heads, head_dim, dtype)
+    k_tri, v_tri = k_ref.clone(), v_ref.clone()
+    key = torch.randn(5, num_kv_heads, head_dim).to(DEVICE, dtype)
+    value = torch.randn(5, num_kv_heads, head_dim).to(DEVICE, dtype)
+    slots = torch.tensor([0, block_size - 1, -1, block_size, 5 * block_size + 3], device=DEVICE)
+    torch_ref.store_kv(key, value, k_ref, v_ref, slots)
+    triton_attention.store_kv(key, value, k_tri, v_tri, slots)
+    assert torch.equal(k_tri, k_ref) and torch.equal(v_tri, v_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"), SHAPES, ids=SHAPE_IDS
+)
+def test_paged_attention_decode(num_heads, num_kv_heads, head_dim, block_size, dtype, monkeypatch):
+    # Ragged: 1 token, block boundaries, and (with a 64-token partition) split-K.
+    seq_lens = [1, block_size, block_size + 1, 2 * block_size - 1, 150]
+    monkeypatch.setattr(triton_attention, "DECODE_PARTITION", 64)
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
+    k_cache, v_cache = make_caches(num_blocks, block_size, num_kv_heads, head_dim, dtype)
+    tables = block_tables(seq_lens, block_size, num_blocks)
+    query = torch.randn(len(seq_lens), num_heads, head_dim).to(DEVICE, dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    scale = head_dim**-0.5
+    expected = torch_ref.paged_attention_decode(query, k_cache, v_cache, tables, lens, scale)
+    got = triton_attention.paged_attention_decode(query, k_cache, v_cache, tables, lens, scale)
+    assert_close(got, expected, dtype)
+
+
+@pytest.mark.parametrize("with_context", [False, True], ids=["fresh", "cached-context"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"), SHAPES, ids=SHAPE_IDS
+)
+def test_paged_attention_prefill(
+    num_heads, num_kv_heads, head_dim, block_size, dtype, with_context
+):
+    # (new tokens, cached context): 1 token, block boundaries, a tile boundary (>16).
+    shapes = [(1, 0), (block_size, 0), (17, 0), (block_size + 3, 0)]
+    if with_context:
+        shapes = [(1, 5), (block_size, block_size), (17, block_size - 1), (9, 2 * block_size + 1)]
+    seq_lens = [q + c for q, c in shapes]
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
+    k_cache, v_cache = make_caches(num_blocks, block_size, num_kv_heads, head_dim, dtype)
+    tables = block_tables(seq_lens, block_size, num_blocks)
+    starts = torch.tensor([0] + [q for q, _ in shapes], dtype=torch.int32).cumsum(0).to(torch.int32)
+    query = torch.randn(int(starts[-1]), num_heads, head_dim).to(DEVICE, dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    starts, scale = starts.to(DEVICE), head_dim**-0.5
+    expected = torch_ref.paged_attention_prefill(
+        query, k_cache, v_cache, tables, starts, lens, scale
+    )
+    got = triton_attention.paged_attention_prefill(
+        query, k_cache, v_cache, tables, starts, lens, scale
+    )
+    assert_close(got, expected, dtype)
+
+
+def test_the_model_on_triton_kernels_matches_transformers(tmp_path):
+    from executor.config import ExecutorConfig
+    from executor.model_runner import ModelRunner
+    from tests.checkpoints import load_reference, write_checkpoint
+    from tests.executor_harness import Harness
+    from tests.test_executor_model import assert_matches, prompt
+
+    path = write_checkpoint("llama", tmp_path / "tiny")
+    config = ExecutorConfig(
+        model=str(path), num_blocks=64, block_size=16, attention_backend="triton",
+        device=DEVICE, dtype="float32",
+    )  # fmt: skip
+    harness, reference = Harness(ModelRunner(config)), load_reference(path)
+    assert harness.runner.attention_backend is triton_attention
+    harness.add("a", prompt(1, 20))
+    harness.add("b", prompt(2, 5))
+    assert_matches(reference, harness, harness.logits({"a": 20, "b": 5}))
+    # c's first block is a's: only its 3 own tokens are computed, beside two decodes.
+    shared = harness.requests["a"].token_ids[:16]
+    harness.add("c", [*shared, 5, 6, 7], shared_blocks=harness.requests["a"].block_ids[:1])
+    assert_matches(reference, harness, harness.logits({"a": 1, "b": 1, "c": 3}))
