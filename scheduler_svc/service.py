@@ -109,6 +109,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 await self._drive(call)
             except (grpc.aio.AioRpcError, ExecutorLost) as e:
                 log.error("executor stream lost: %s", e)
+            except Exception:  # a bug: fail what is in flight rather than hang forever
+                log.exception("engine loop failed")
             finally:
                 call.cancel()
             self.executor_connected = False
@@ -245,10 +247,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             self._drop_router(conn)
 
     async def _read_router(self, conn: RouterConnection, request_iterator) -> None:
+        registered = False
         async for msg in request_iterator:
-            if msg.router_id and conn.router_id not in self.routers:
-                conn.router_id = msg.router_id
-            self.routers[conn.router_id] = conn
+            if not registered:
+                if msg.router_id in self.routers:
+                    log.error("refused a second router calling itself %s", msg.router_id)
+                    conn.outbox.put_nowait(None)
+                    return
+                conn.router_id = msg.router_id or conn.router_id
+                self.routers[conn.router_id] = conn
+                registered = True
             self._apply(conn, msg)
 
     def _apply(self, conn: RouterConnection, msg: scheduler_pb2.RouterMessage) -> None:
