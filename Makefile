@@ -51,6 +51,7 @@ bench: $(STAMP)
 	$(PY) bench/scheduler_bench.py
 	$(PY) bench/executor_bench.py
 	$(PY) bench/e2e_bench.py
+	$(PY) bench/tracing_bench.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

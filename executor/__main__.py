@@ -7,6 +7,7 @@ from executor.config import ExecutorConfig
 from executor.model_runner import ModelRunner
 from executor.service import SERVICE_NAME, ExecutorService
 from flagstop import wire
+from flagstop.telemetry import Telemetry, start_metrics_server
 from flagstop.v1 import executor_pb2_grpc
 
 
@@ -27,6 +28,7 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
                    help="auto: triton on CUDA, torch on the CPU")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--metrics-port", type=int, default=8003, help="Prometheus /metrics; 0: off")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -43,7 +45,8 @@ def config_from_args(args) -> ExecutorConfig:
 
 async def serve(args) -> None:
     runner = ModelRunner(config_from_args(args))
-    service = ExecutorService(runner, Path(args.model).name)
+    service = ExecutorService(runner, Path(args.model).name, Telemetry("flagstop-executor"))
+    start_metrics_server(args.metrics_port, args.host)
     server = wire.new_server(args.port, args.host)
     executor_pb2_grpc.add_ExecutorServicer_to_server(service, server)
     health = wire.add_health_and_reflection(server, [SERVICE_NAME])

@@ -1,17 +1,24 @@
 """The executor's gRPC shell: Describe, and the Execute stream of step diffs."""
 
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import grpc
+from prometheus_client import Histogram
 
 from executor.model_runner import ModelRunner
 from executor.plan import CachedRequests, NewRequest, StepPlan
 from executor.sampling import SampleOutput, SamplingParams
+from flagstop.telemetry import Telemetry, extract
 from flagstop.v1 import executor_pb2, executor_pb2_grpc, generation_pb2
 
 log = logging.getLogger("flagstop.executor")
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
+STEP_SECONDS = Histogram(
+    "flagstop:executor_step_seconds", "Input preparation, forward and sampling of one step",
+    ["model_name"], buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+)  # fmt: skip
 
 
 def sampling_from_proto(p: executor_pb2.SamplingParams) -> SamplingParams:
@@ -65,8 +72,9 @@ def result_to_proto(step_id: int, output: SampleOutput) -> executor_pb2.StepResu
 
 
 class ExecutorService(executor_pb2_grpc.ExecutorServicer):
-    def __init__(self, runner: ModelRunner, model_name: str) -> None:
+    def __init__(self, runner: ModelRunner, model_name: str, telemetry: Telemetry) -> None:
         self.runner = runner
+        self.tracer = telemetry.tracer
         self.model_name = model_name
         # Bumped by every new Execute stream: the newest scheduler wins, an older
         # stream still open (a scheduler that died) is ended at its next message.
@@ -102,7 +110,13 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
                 # On the event loop's own thread: the next step waits in gRPC's buffers
                 # anyway, and a forward on a worker thread ran ~20% slower on the CPU
                 # (measured with bench/e2e_bench.py), its threads contending with the loop.
-                output = self.runner.execute(plan)
+                with self.tracer.start_as_current_span(
+                    "executor.step", context=extract(step.traceparent),
+                    attributes={"flagstop.step": step.step_id},
+                ):  # fmt: skip
+                    started = time.perf_counter()
+                    output = self.runner.execute(plan)
+                    STEP_SECONDS.labels(self.model_name).observe(time.perf_counter() - started)
             except Exception as e:  # the batch state is now unknown: end the stream
                 log.exception("step %d failed", step.step_id)
                 await context.abort(grpc.StatusCode.INTERNAL, f"step {step.step_id} failed: {e}")

@@ -3,6 +3,7 @@
 from transformers import AutoTokenizer
 
 from flagstop import wire
+from flagstop.telemetry import Telemetry, start_metrics_server
 from flagstop.v1 import generation_pb2_grpc
 from router.service import SERVICE_NAME, RouterOptions, RouterService
 
@@ -16,6 +17,7 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--max-queued-requests", type=int, default=1024,
                    help="admission queue bound; past it RESOURCE_EXHAUSTED")  # fmt: skip
     p.add_argument("--router-id", default=None, help="default: random")
+    p.add_argument("--metrics-port", type=int, default=8001, help="Prometheus /metrics; 0: off")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -27,7 +29,8 @@ async def serve(args) -> None:
         options.router_id = args.router_id
     server = wire.new_server(args.port, args.host)
     health = wire.add_health_and_reflection(server, [SERVICE_NAME])
-    service = RouterService(tokenizer, options, health)
+    service = RouterService(tokenizer, options, health, Telemetry("flagstop-router"))
+    start_metrics_server(args.metrics_port, args.host)
     generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
     await server.start()
     await wire.run_until_signalled(server, service.drain, service.run())

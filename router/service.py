@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 import grpc
 
 from flagstop import wire
+from flagstop.telemetry import Telemetry
 from flagstop.v1 import generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from router.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from router.telemetry import RequestTrace
 from router.validation import InvalidRequest, ModelLimits, prompt_ids, validate
 
 log = logging.getLogger("flagstop.router")
@@ -47,8 +49,9 @@ class RouterOptions:
 
 
 class RouterService(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, tokenizer, options: RouterOptions, health) -> None:
+    def __init__(self, tokenizer, options: RouterOptions, health, telemetry: Telemetry) -> None:
         self.tokenizer = tokenizer
+        self.tracer = telemetry.tracer
         self.options = options
         self.health = health
         self.model_info = generation_pb2.ModelInfo()
@@ -184,20 +187,25 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the admission queue is full ({len(self.queue)} requests): retry later",
             )
-        pending = self._admit(request, token_ids, sampling)
+        trace = RequestTrace(
+            self.tracer, self.model_info.model_name, request, len(token_ids),
+            context.invocation_metadata(),
+        )  # fmt: skip
+        pending = self._admit(request, token_ids, sampling, trace.traceparent())
         try:
-            async for chunk in self._stream(pending, request, token_ids, context):
+            async for chunk in self._stream(pending, request, token_ids, context, trace):
                 yield chunk
         finally:
+            trace.abort("the stream ended before the request finished")
             self._release(pending)
 
-    def _admit(self, request, token_ids: list[int], sampling) -> Pending:
+    def _admit(self, request, token_ids: list[int], sampling, traceparent: str) -> Pending:
         pending = Pending(uuid.uuid4().hex)
         add = scheduler_pb2.AddRequest(
             request_id=pending.request_id, prompt_token_ids=token_ids, sampling=sampling,
             min_tokens=request.min_tokens, ignore_eos=request.ignore_eos,
             stop_token_ids=request.stop_token_ids, priority=request.priority,
-            arrival_time=time.time(),
+            arrival_time=time.time(), traceparent=traceparent,
         )  # fmt: skip
         if request.HasField("max_tokens"):
             add.max_tokens = request.max_tokens
@@ -216,7 +224,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             self.aborts.append(pending.request_id)
             self.flush.set()
 
-    async def _stream(self, pending: Pending, request, token_ids: list[int], context):
+    async def _stream(self, pending: Pending, request, token_ids: list[int], context, trace):
         detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids)
         stops = StopStringMatcher(list(request.stop))
         num_generated = 0
@@ -230,6 +238,8 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             chunk = generation_pb2.GenerateResponse()
             text = ""
             if token_id is not None:
+                if not num_generated:
+                    trace.first_token()
                 num_generated += 1
                 chunk.token_ids.append(token_id)
                 text = detokenizer.add([token_id], final=bool(reason))
@@ -245,6 +255,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             if chunk.finish_reason:
                 chunk.usage.prompt_tokens = len(token_ids)
                 chunk.usage.completion_tokens = num_generated
+                trace.finish(chunk.finish_reason, num_generated)
                 yield chunk
                 return
             yield chunk

@@ -1,10 +1,12 @@
 """python -m scheduler_svc: the scheduling service between routers and an executor."""
 
 from flagstop import wire
+from flagstop.telemetry import Telemetry, start_metrics_server
 from flagstop.v1 import scheduler_pb2_grpc
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.policy import POLICIES
 from scheduler_svc.service import SERVICE_NAME, SchedulerService, ServiceOptions
+from scheduler_svc.telemetry import SchedulerTelemetry
 
 
 def parse_args(argv: list[str] | None = None):
@@ -25,6 +27,7 @@ def parse_args(argv: list[str] | None = None):
                    help="waiting here at most; the rest stay queued at the routers")  # fmt: skip
     p.add_argument("--max-steps-in-flight", type=int, choices=[1, 2], default=2,
                    help="2: plan step N+1 while step N runs (no executor idle)")  # fmt: skip
+    p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus /metrics; 0: off")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -48,7 +51,9 @@ async def serve(args) -> None:
     options = ServiceOptions(
         args.executor, args.max_model_len, args.max_waiting_requests, args.max_steps_in_flight
     )
-    service = SchedulerService(config_from_args(args), options, health)
+    telemetry = SchedulerTelemetry(Telemetry("flagstop-scheduler"))
+    service = SchedulerService(config_from_args(args), options, health, telemetry)
+    start_metrics_server(args.metrics_port, args.host)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server)
     await server.start()  # NOT_SERVING until the executor has described itself
     await service.connect_executor()

@@ -22,6 +22,7 @@ from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.output import OwnerOutputs, SchedulerOutput
 from scheduler_svc.request import RequestStatus
 from scheduler_svc.scheduler import RequestRejected, Scheduler
+from scheduler_svc.telemetry import SchedulerTelemetry
 from scheduler_svc.wire import FINISH_TO_PROTO, request_from_proto, step_to_proto
 
 log = logging.getLogger("flagstop.scheduler")
@@ -55,10 +56,17 @@ class ServiceOptions:
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
-    def __init__(self, config: SchedulerConfig, options: ServiceOptions, health) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        options: ServiceOptions,
+        health,
+        telemetry: SchedulerTelemetry,
+    ) -> None:
         self.config = config
         self.options = options
         self.health = health
+        self.telemetry = telemetry
         self.scheduler: Scheduler | None = None
         self.model_info = generation_pb2.ModelInfo()
         self.eos_token_ids: frozenset[int] = frozenset()
@@ -85,6 +93,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
         self.model_info = info
+        self.telemetry.model_name = info.model_name
         self.eos_token_ids = frozenset(info.eos_token_ids)
         max_model_len = min(self.options.max_model_len or info.max_model_len, info.max_model_len)
         self.config = SchedulerConfig(
@@ -128,7 +137,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 continue
             plan = scheduler.schedule()
             if not plan.is_empty:
-                await call.write(step_to_proto(plan))
+                step = step_to_proto(plan)
+                self.telemetry.on_schedule(plan, step, scheduler)
+                await call.write(step)
                 in_flight.append(plan)
             if in_flight and (
                 len(in_flight) >= self.options.max_steps_in_flight or not plan.num_scheduled_tokens
@@ -136,6 +147,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 result = await self._read(call)
                 done = in_flight.popleft()
                 outputs = scheduler.update_from_output(done, result.sampled_token_ids)
+                self.telemetry.on_update(done, outputs, scheduler)
                 self._dispatch(done, result, outputs)
             elif not in_flight:
                 # Nothing runnable (e.g. all waiting on blocks held by nobody yet).
@@ -265,6 +277,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         errors = []
         if msg.aborts and scheduler is not None:
             scheduler.abort(msg.aborts)
+            for request_id in msg.aborts:
+                self.telemetry.on_finish(request_id, "abort")
         for add in msg.adds:
             error = self._add(conn, add)
             if error is not None:
@@ -284,6 +298,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             )  # fmt: skip
         try:
             self.scheduler.add_request(request_from_proto(add, conn.router_id, self.eos_token_ids))
+            self.telemetry.on_add(add.request_id, len(add.prompt_token_ids), add.traceparent)
         except RequestRejected as e:
             return scheduler_pb2.RequestError(
                 request_id=add.request_id,
@@ -301,6 +316,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 r.request_id for r in self.scheduler.requests.values() if r.owner == conn.router_id
             ]
             self.scheduler.abort(owned)
+            for request_id in owned:
+                self.telemetry.on_finish(request_id, "abort")
 
     def _fail_all(self, code: grpc.StatusCode, message: str) -> None:
         if self.scheduler is None:
@@ -310,6 +327,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             by_owner.setdefault(request.owner, []).append(request.request_id)
         for owner, ids in by_owner.items():
             self.scheduler.abort(ids, RequestStatus.FINISHED_ERROR)
+            for request_id in ids:
+                self.telemetry.on_finish(request_id, "error")
             conn = self.routers.get(owner)
             if conn is not None:
                 errors = [

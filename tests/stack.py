@@ -31,6 +31,7 @@ class Stack:
     executor: str
     processes: dict[str, subprocess.Popen]
     log_dir: Path
+    metrics_ports: dict[str, int]
 
     def channel(self, address: str) -> grpc.Channel:
         return grpc.insecure_channel(address, options=wire.CHANNEL_OPTIONS)
@@ -77,9 +78,16 @@ class Stack:
 
 
 def start_stack(
-    model_dir: Path, log_dir: Path, *, executor_args=(), scheduler_args=(), router_args=()
+    model_dir: Path,
+    log_dir: Path,
+    *,
+    executor_args=(),
+    scheduler_args=(),
+    router_args=(),
+    env: dict[str, str] | None = None,
 ) -> Stack:
     ports = {name: free_port() for name in ("router", "scheduler", "executor")}
+    metrics_ports = {name: free_port() for name in ports}
     address = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
     commands = {
         "executor": ["-m", "executor", "--model", str(model_dir), *executor_args],
@@ -87,9 +95,17 @@ def start_stack(
         "router": ["-m", "router", "--model", str(model_dir), "--scheduler", address["scheduler"],
                    *router_args],
     }  # fmt: skip
-    processes = {name: spawn(name, [*args, "--port", str(ports[name])], log_dir)
-                 for name, args in commands.items()}  # fmt: skip
-    stack = Stack(address["router"], address["scheduler"], address["executor"], processes, log_dir)
+    processes = {
+        name: spawn(
+            name, [*args, "--port", str(ports[name]), "--metrics-port", str(metrics_ports[name])],
+            log_dir, env,
+        )
+        for name, args in commands.items()
+    }  # fmt: skip
+    stack = Stack(
+        address["router"], address["scheduler"], address["executor"], processes, log_dir,
+        metrics_ports,
+    )  # fmt: skip
     try:
         for name in ("executor", "scheduler", "router"):
             wait_serving(stack.channel(address[name]), processes[name])
@@ -99,8 +115,10 @@ def start_stack(
     return stack
 
 
-def spawn(name: str, args: list[str], log_dir: Path) -> subprocess.Popen:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+def spawn(
+    name: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     log_dir.mkdir(parents=True, exist_ok=True)
     log = (log_dir / f"{name}.log").open("w")
     return subprocess.Popen(

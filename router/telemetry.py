@@ -1,0 +1,87 @@
+"""What the router reports: one SERVER span per request with GenAI semantic-convention
+attributes, and the request-level Prometheus histograms and counters."""
+
+import time
+
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from prometheus_client import Counter, Histogram
+
+from flagstop.telemetry import extract_metadata, inject
+from flagstop.v1 import generation_pb2
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+TTFT = Histogram("vllm:time_to_first_token_seconds", "Time to first token", ["model_name"],
+                 buckets=LATENCY_BUCKETS)  # fmt: skip
+TPOT = Histogram("vllm:request_time_per_output_token_seconds", "Mean time per output token",
+                 ["model_name"], buckets=LATENCY_BUCKETS)  # fmt: skip
+E2E = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency",
+                ["model_name"], buckets=LATENCY_BUCKETS)  # fmt: skip
+SUCCESS = Counter("vllm:request_success", "Finished requests", ["model_name", "finished_reason"])
+PROMPT_TOKENS = Counter("vllm:prompt_tokens", "Prompt tokens of admitted requests", ["model_name"])
+GENERATION_TOKENS = Counter("vllm:generation_tokens", "Generated tokens", ["model_name"])
+
+FINISH_NAMES = {
+    generation_pb2.FINISH_REASON_STOP: "stop",
+    generation_pb2.FINISH_REASON_LENGTH: "length",
+}
+
+
+class RequestTrace:
+    """The span and clocks of one client request."""
+
+    __slots__ = ("first_token_at", "model", "span", "started")
+
+    def __init__(
+        self, tracer: trace.Tracer, model: str, request, num_prompt: int, metadata
+    ) -> None:
+        self.model, self.started, self.first_token_at = model, time.monotonic(), 0.0
+        attributes = {
+            "gen_ai.operation.name": "text_completion",
+            "gen_ai.request.model": model,
+            "gen_ai.request.temperature": request.temperature
+            if request.HasField("temperature")
+            else 1.0,
+            "gen_ai.request.top_p": request.top_p if request.HasField("top_p") else 1.0,
+            "gen_ai.request.top_k": request.top_k,
+            "gen_ai.usage.input_tokens": num_prompt,
+        }
+        if request.HasField("max_tokens"):
+            attributes["gen_ai.request.max_tokens"] = request.max_tokens
+        if request.HasField("seed"):
+            attributes["gen_ai.request.seed"] = request.seed
+        # An incoming W3C traceparent makes this span part of the client's trace.
+        self.span = tracer.start_span(
+            f"generate {model}", context=extract_metadata(metadata), kind=SpanKind.SERVER,
+            attributes=attributes,
+        )  # fmt: skip
+        PROMPT_TOKENS.labels(model).inc(num_prompt)
+
+    def traceparent(self) -> str:
+        return inject(self.span) if self.span.is_recording() else ""
+
+    def first_token(self) -> None:
+        self.first_token_at = time.monotonic()
+        self.span.add_event("first token")
+        self.span.set_attribute(
+            "gen_ai.server.time_to_first_token", self.first_token_at - self.started
+        )
+        TTFT.labels(self.model).observe(self.first_token_at - self.started)
+
+    def finish(self, reason: int, num_generated: int) -> None:
+        now, name = time.monotonic(), FINISH_NAMES[reason]
+        self.span.set_attribute("gen_ai.usage.output_tokens", num_generated)
+        self.span.set_attribute("gen_ai.response.finish_reasons", [name])
+        E2E.labels(self.model).observe(now - self.started)
+        if num_generated > 1:
+            TPOT.labels(self.model).observe((now - self.first_token_at) / (num_generated - 1))
+        GENERATION_TOKENS.labels(self.model).inc(num_generated)
+        SUCCESS.labels(self.model, name).inc()
+        self.span.end()
+
+    def abort(self, why: str) -> None:
+        """The stream ended early: cancelled, past its deadline, or failed."""
+        if self.span.is_recording():
+            self.span.add_event("abort", {"flagstop.reason": why})
+            self.span.set_status(Status(StatusCode.ERROR, why))
+            self.span.end()

@@ -1,0 +1,114 @@
+"""What the scheduler service reports: a span per request lifetime (child of the
+router's span), a `scheduler.step` span per iteration linked to the requests it
+served, and the Prometheus gauges and counters of the engine."""
+
+import time
+
+from opentelemetry import trace
+from opentelemetry.trace import Link
+from prometheus_client import Counter, Gauge, Histogram
+
+from flagstop.telemetry import Telemetry, extract, inject
+from flagstop.v1 import executor_pb2
+from scheduler_svc.output import OwnerOutputs, SchedulerOutput
+from scheduler_svc.scheduler import Scheduler
+
+RUNNING = Gauge("vllm:num_requests_running", "Requests in the running batch", ["model_name"])
+WAITING = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled", ["model_name"])
+KV_USAGE = Gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", ["model_name"])
+PREEMPTIONS = Counter("vllm:num_preemptions", "Requests preempted", ["model_name"])
+PREFIX_QUERIES = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up", ["model_name"])
+PREFIX_HITS = Counter("vllm:prefix_cache_hits", "Prompt tokens found cached", ["model_name"])
+STEP_SECONDS = Histogram(
+    "flagstop:step_duration_seconds", "From planning a step to applying its tokens",
+    ["model_name"], buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+)  # fmt: skip
+
+
+class SchedulerTelemetry:
+    def __init__(self, telemetry: Telemetry) -> None:
+        self.enabled, self.tracer = telemetry.enabled, telemetry.tracer
+        self.request_spans: dict[str, trace.Span] = {}
+        self.arrivals: dict[str, float] = {}
+        self.steps: dict[int, tuple[float, trace.Span | None]] = {}
+        self.model_name = ""
+        self.last_preemptions = self.last_queries = self.last_hits = 0
+
+    def on_add(self, request_id: str, num_prompt_tokens: int, traceparent: str) -> None:
+        if not self.enabled:
+            return
+        self.arrivals[request_id] = time.monotonic()
+        self.request_spans[request_id] = self.tracer.start_span(
+            "scheduler.request", context=extract(traceparent),
+            attributes={
+                "flagstop.request_id": request_id,
+                "gen_ai.usage.input_tokens": num_prompt_tokens,
+            },
+        )  # fmt: skip
+
+    def on_schedule(
+        self, plan: SchedulerOutput, step: executor_pb2.StepRequest, scheduler: Scheduler
+    ) -> None:
+        span = None
+        if self.enabled:
+            span = self._step_span(plan, scheduler)
+            step.traceparent = inject(span)
+        self.steps[plan.step_id] = (time.monotonic(), span)
+
+    def _step_span(self, plan: SchedulerOutput, scheduler: Scheduler) -> trace.Span:
+        now, spans = time.monotonic(), self.request_spans
+        for data in plan.scheduled_new_reqs:
+            if (span := spans.get(data.req_id)) is not None:
+                queued = now - self.arrivals.pop(data.req_id, now)
+                span.set_attribute("flagstop.queue_time_s", queued)
+                span.set_attribute("flagstop.num_cached_tokens", data.num_computed_tokens)
+        for req_id in plan.preempted_req_ids:
+            if (span := spans.get(req_id)) is not None:
+                span.add_event("preempted", {"flagstop.step": plan.step_id})
+        num_decodes = sum(1 for n in plan.num_scheduled_tokens.values() if n == 1)
+        links = [
+            Link(s.get_span_context()) for r in plan.num_scheduled_tokens if (s := spans.get(r))
+        ]
+        budget = scheduler.config.max_num_batched_tokens
+        return self.tracer.start_span("scheduler.step", links=links, attributes={
+            "flagstop.step": plan.step_id,
+            "flagstop.scheduled_tokens": plan.total_num_scheduled_tokens,
+            "flagstop.budget_used": plan.total_num_scheduled_tokens / budget,
+            "flagstop.decode_requests": num_decodes,
+            "flagstop.prefill_requests": len(plan.num_scheduled_tokens) - num_decodes,
+            "flagstop.running": len(scheduler.running),
+            "flagstop.waiting": len(scheduler.waiting),
+            "flagstop.preempted": len(plan.preempted_req_ids),
+            "flagstop.kv_cache_usage": scheduler.kv.pool.usage(),
+        })  # fmt: skip
+
+    def on_update(
+        self, plan: SchedulerOutput, outputs: dict[str, OwnerOutputs], scheduler: Scheduler
+    ) -> None:
+        started, span = self.steps.pop(plan.step_id, (time.monotonic(), None))
+        STEP_SECONDS.labels(self.model_name).observe(time.monotonic() - started)
+        if span is not None:
+            span.end()
+        if self.enabled:
+            for out in outputs.values():
+                for req_id, reason in out.finished.items():
+                    self.on_finish(req_id, reason.name.lower())
+        self._export_gauges(scheduler)
+
+    def on_finish(self, request_id: str, reason: str) -> None:
+        self.arrivals.pop(request_id, None)
+        span = self.request_spans.pop(request_id, None)
+        if span is not None:
+            span.set_attribute("gen_ai.response.finish_reasons", [reason])
+            span.end()
+
+    def _export_gauges(self, scheduler: Scheduler) -> None:
+        name, stats = self.model_name, scheduler.make_stats()
+        RUNNING.labels(name).set(stats.num_running_reqs)
+        WAITING.labels(name).set(stats.num_waiting_reqs)
+        KV_USAGE.labels(name).set(stats.kv_cache_usage)
+        PREEMPTIONS.labels(name).inc(stats.num_preemptions - self.last_preemptions)
+        PREFIX_QUERIES.labels(name).inc(stats.prefix_cache_queries - self.last_queries)
+        PREFIX_HITS.labels(name).inc(stats.prefix_cache_hits - self.last_hits)
+        self.last_preemptions = stats.num_preemptions
+        self.last_queries, self.last_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
