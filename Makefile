@@ -11,7 +11,11 @@ MODEL ?= $(MODEL_DIR)
 # Nothing is ever fetched from a model hub.
 export HF_HUB_OFFLINE := 1
 
-.PHONY: venv test lint bench model proto serve clean
+# Docker users: `make up` (GPU executor: `make up GPU=1`), `make logs`, `make ps`, `make down`.
+DOCKER_COMPOSE ?= docker compose
+COMPOSE := $(DOCKER_COMPOSE) -f compose/compose.yaml $(if $(GPU),-f compose/compose.gpu.yaml)
+
+.PHONY: venv test lint bench model proto serve up down logs ps clean
 
 venv: $(STAMP)
 
@@ -46,6 +50,18 @@ serve: $(STAMP) $(if $(filter $(MODEL_DIR),$(MODEL)),$(MODEL_DIR)/config.json)
 	$(PY) -m scheduler_svc --executor 127.0.0.1:50053 --port 50052 & s=$$!; \
 	$(PY) -m router --model $(MODEL) --scheduler 127.0.0.1:50052 --port 50051 & r=$$!; \
 	wait
+
+up:
+	$(COMPOSE) up -d --build
+
+down:
+	$(COMPOSE) down
+
+logs:
+	$(COMPOSE) logs -f
+
+ps:
+	$(COMPOSE) ps
 
 bench: $(STAMP)
 	$(PY) bench/scheduler_bench.py

@@ -166,6 +166,8 @@ def write_model(out: Path, size: str = "tiny", seed: int = 0) -> Path:
     )
     # Last: its presence is what marks a complete checkpoint (make model's target).
     write_json(out / "config.json", config)
+    for path in out.iterdir():
+        path.chmod(0o644)  # safetensors writes 0600; other users (containers) read it too
     return out
 
 
@@ -173,14 +175,22 @@ def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m executor.make_model", description=__doc__)
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
     parser.add_argument("--out", type=Path, default=None, help="default: models/flagstop-SIZE")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    out = write_model(args.out or Path("models") / f"flagstop-{args.size}", args.size, args.seed)
-    print(f"wrote {out}")
+    parser.add_argument("--if-missing", action="store_true", help="keep a complete model as is")
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
+    out = args.out or Path("models") / f"flagstop-{args.size}"
+    if args.if_missing and (out / "config.json").exists():
+        print(f"{out} is there")
+        return
+    print(f"wrote {write_model(out, args.size, args.seed)}")
 
 
 if __name__ == "__main__":
