@@ -11,9 +11,12 @@ MODEL ?= $(MODEL_DIR)
 # Nothing is ever fetched from a model hub.
 export HF_HUB_OFFLINE := 1
 
-# Docker users: `make up` (GPU executor: `make up GPU=1`), `make logs`, `make ps`, `make down`.
+# Docker users: `make up` (GPU executor: `make up GPU=1`; a remote scheduling policy:
+# `make up POLICY=fair-share` or POLICY=shortest-prompt-first), `make logs`, `make ps`,
+# `make down`.
 DOCKER_COMPOSE ?= docker compose
-COMPOSE := $(DOCKER_COMPOSE) -f compose/compose.yaml $(if $(GPU),-f compose/compose.gpu.yaml)
+COMPOSE := $(if $(POLICY),COMPOSE_PROFILES=policy SCHEDULER_POLICY=remote POLICY_STRATEGY=$(POLICY)) \
+	$(DOCKER_COMPOSE) -f compose/compose.yaml $(if $(GPU),-f compose/compose.gpu.yaml)
 
 .PHONY: venv test lint bench model proto serve up down logs ps clean
 

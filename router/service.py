@@ -205,7 +205,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             request_id=pending.request_id, prompt_token_ids=token_ids, sampling=sampling,
             min_tokens=request.min_tokens, ignore_eos=request.ignore_eos,
             stop_token_ids=request.stop_token_ids, priority=request.priority,
-            arrival_time=time.time(), traceparent=traceparent,
+            arrival_time=time.time(), traceparent=traceparent, labels=request.labels,
         )  # fmt: skip
         if request.HasField("max_tokens"):
             add.max_tokens = request.max_tokens

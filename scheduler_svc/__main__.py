@@ -5,6 +5,7 @@ from flagstop.telemetry import Telemetry, start_metrics_server
 from flagstop.v1 import scheduler_pb2_grpc
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.policy import POLICIES
+from scheduler_svc.policy_client import POLICY_SERVICE
 from scheduler_svc.service import SERVICE_NAME, SchedulerService, ServiceOptions
 from scheduler_svc.telemetry import SchedulerTelemetry
 
@@ -22,7 +23,11 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--long-prefill-token-threshold", type=int, default=0)
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--policy", choices=sorted(POLICIES), default="fcfs")
+    p.add_argument("--policy", choices=sorted(POLICIES), default="fcfs",
+                   help="remote: a SchedulerPolicy service at --policy-addr")  # fmt: skip
+    p.add_argument("--policy-addr", default="127.0.0.1:50060", help="the remote policy")
+    p.add_argument("--policy-deadline-ms", type=float, default=20.0,
+                   help="past it the query is dropped and FCFS used meanwhile")  # fmt: skip
     p.add_argument("--max-waiting-requests", type=int, default=256,
                    help="waiting here at most; the rest stay queued at the routers")  # fmt: skip
     p.add_argument("--max-steps-in-flight", type=int, choices=[1, 2], default=2,
@@ -48,9 +53,12 @@ def config_from_args(args) -> SchedulerConfig:
 async def serve(args) -> None:
     server = wire.new_server(args.port, args.host)
     health = wire.add_health_and_reflection(server, [SERVICE_NAME])
+    if args.policy == "remote":
+        wire.set_serving(health, [POLICY_SERVICE], False, overall=False)
     options = ServiceOptions(
-        args.executor, args.max_model_len, args.max_waiting_requests, args.max_steps_in_flight
-    )
+        args.executor, args.max_model_len, args.max_waiting_requests, args.max_steps_in_flight,
+        args.policy_addr, args.policy_deadline_ms / 1000,
+    )  # fmt: skip
     telemetry = SchedulerTelemetry(Telemetry("flagstop-scheduler"))
     service = SchedulerService(config_from_args(args), options, health, telemetry)
     start_metrics_server(args.metrics_port, args.host)

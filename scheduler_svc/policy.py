@@ -114,9 +114,81 @@ class PriorityPolicy:
         return max(range(len(running)), key=lambda i: running[i].sort_key())
 
 
-POLICIES: dict[str, type[FCFSPolicy] | type[PriorityPolicy]] = {
+class RankedQueue:
+    """Ordered by the freshest ranking decided elsewhere (a remote policy): ranked ids
+    first in the given order, the rest behind in arrival order. Without a ranking, or
+    after the ranker failed, it is plain FCFS."""
+
+    __slots__ = ("_queue",)
+
+    def __init__(self) -> None:
+        self._queue: deque[Request] = deque()
+
+    def add(self, request: Request) -> None:
+        # Behind everything ranked: the next ranking will place it.
+        self._queue.append(request)
+
+    def prepend(self, request: Request) -> None:
+        self._queue.appendleft(request)
+
+    def peek(self) -> Request:
+        return self._queue[0]
+
+    def pop(self) -> Request:
+        return self._queue.popleft()
+
+    def remove_all(self, request_ids: set[str]) -> None:
+        self._queue = deque(r for r in self._queue if r.request_id not in request_ids)
+
+    def apply_ranking(self, order: list[str]) -> None:
+        rank = {request_id: i for i, request_id in enumerate(order)}
+        unranked = len(rank)
+        self._queue = deque(
+            sorted(self._queue, key=lambda r: (rank.get(r.request_id, unranked), r.arrival_time))
+        )
+
+    def clear_ranking(self) -> None:
+        self._queue = deque(sorted(self._queue, key=lambda r: r.arrival_time))
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._queue)
+
+
+class RankedPolicy:
+    """The `remote` policy's mechanics: the service feeds it the rankings of a
+    SchedulerPolicy server, or fails it open to FCFS."""
+
+    name = "remote"
+
+    def __init__(self) -> None:
+        self.queue = RankedQueue()
+        self.preemption_order: dict[str, int] = {}
+
+    def new_waiting_queue(self) -> RequestQueue:
+        return self.queue
+
+    def apply(self, admission_order: list[str], preemption_order: list[str]) -> None:
+        self.queue.apply_ranking(admission_order)
+        self.preemption_order = {request_id: i for i, request_id in enumerate(preemption_order)}
+
+    def fail_open(self) -> None:
+        self.queue.clear_ranking()
+        self.preemption_order = {}
+
+    def select_victim(self, running: list[Request]) -> int:
+        ranked = [i for i, r in enumerate(running) if r.request_id in self.preemption_order]
+        if ranked:
+            return min(ranked, key=lambda i: self.preemption_order[running[i].request_id])
+        return len(running) - 1  # FCFS: the newest
+
+
+POLICIES: dict[str, type[FCFSPolicy] | type[PriorityPolicy] | type[RankedPolicy]] = {
     "fcfs": FCFSPolicy,
     "priority": PriorityPolicy,
+    "remote": RankedPolicy,
 }
 
 

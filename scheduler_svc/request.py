@@ -49,6 +49,8 @@ class Request:
     arrival_time: float = 0.0
     # Opaque to the scheduler: forwarded to the executor with the request's first step.
     sampling_params: Any = None
+    # Client labels (e.g. tenant), for the scheduling policy.
+    labels: dict[str, str] = field(default_factory=dict)
     status: RequestStatus = RequestStatus.WAITING
     all_token_ids: list[int] = field(init=False)
     num_prompt_tokens: int = field(init=False)

@@ -20,6 +20,8 @@ from flagstop.v1 import (
 )
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.output import OwnerOutputs, SchedulerOutput
+from scheduler_svc.policy import RankedPolicy
+from scheduler_svc.policy_client import POLICY_SERVICE, RemotePolicyClient
 from scheduler_svc.request import RequestStatus
 from scheduler_svc.scheduler import RequestRejected, Scheduler
 from scheduler_svc.telemetry import SchedulerTelemetry
@@ -52,6 +54,8 @@ class ServiceOptions:
     # 2: step N+1 is scheduled and sent while step N runs, so the executor never waits
     # for us. 1: strictly one at a time.
     max_steps_in_flight: int = 2
+    policy_address: str = "127.0.0.1:50060"  # with --policy remote
+    policy_deadline_s: float = 0.020
     drain_timeout_s: float = 30.0
 
 
@@ -74,6 +78,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.wakeup = asyncio.Event()
         self.executor_connected = False
         self.accepting = True
+        self.policy_client: RemotePolicyClient | None = None
 
     # -- the executor --------------------------------------------------------
 
@@ -105,6 +110,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             enable_prefix_caching=self.config.enable_prefix_caching, policy=self.config.policy,
         )  # fmt: skip
         self.scheduler = Scheduler(self.config, info.num_blocks)
+        if isinstance(self.scheduler.policy, RankedPolicy):
+            self.policy_client = RemotePolicyClient(
+                self.options.policy_address, self.scheduler.policy,
+                self.options.policy_deadline_s, self._policy_changed,
+            )  # fmt: skip
         log.info("executor %s: %s, %d blocks of %d", self.options.executor_address,
                  info.model_name, info.num_blocks, info.block_size)  # fmt: skip
 
@@ -135,6 +145,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             if not scheduler.has_unfinished_requests() and not in_flight:
                 await self._idle(call)
                 continue
+            if self.policy_client is not None:
+                self.policy_client.maybe_query(scheduler)
             plan = scheduler.schedule()
             if not plan.is_empty:
                 step = step_to_proto(plan)
@@ -209,6 +221,15 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 conn.outbox.put_nowait(
                     scheduler_pb2.SchedulerMessage(credits=self._take_credits(conn))
                 )
+
+    # -- the remote policy -----------------------------------------------------
+
+    def _policy_changed(self, active: bool, failure: str) -> None:
+        if failure:
+            self.telemetry.event("policy fallback", {"flagstop.reason": failure})
+        # Health detail: the policy's own entry is SERVING while its rankings are used;
+        # the scheduler as a whole keeps serving (FCFS) either way.
+        wire.set_serving(self.health, [POLICY_SERVICE], active, overall=False)
 
     # -- credits ---------------------------------------------------------------
 
@@ -359,6 +380,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             kv_cache_usage=s.kv_cache_usage, prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits, num_preemptions=s.num_preemptions,
             executor_connected=self.executor_connected,
+            remote_policy_active=self.policy_client is not None and self.policy_client.active,
+            remote_policy_failures=self.policy_client.num_failures if self.policy_client else 0,
         )  # fmt: skip
 
     # -- shutdown --------------------------------------------------------------

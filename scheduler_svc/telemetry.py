@@ -95,6 +95,19 @@ class SchedulerTelemetry:
                     self.on_finish(req_id, reason.name.lower())
         self._export_gauges(scheduler)
 
+    def event(self, name: str, attributes: dict) -> None:
+        """An event on the newest step still in flight (the iteration it happened in),
+        or on a span of its own when the engine is between steps."""
+        if not self.enabled:
+            return
+        open_steps = [span for _, span in self.steps.values() if span is not None]
+        if open_steps:
+            open_steps[-1].add_event(name, attributes)
+            return
+        span = self.tracer.start_span("scheduler.event")
+        span.add_event(name, attributes)
+        span.end()
+
     def on_finish(self, request_id: str, reason: str) -> None:
         self.arrivals.pop(request_id, None)
         span = self.request_spans.pop(request_id, None)

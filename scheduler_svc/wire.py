@@ -31,6 +31,7 @@ def request_from_proto(
         priority=add.priority,
         arrival_time=add.arrival_time,
         sampling_params=add.sampling,
+        labels=dict(add.labels),
     )
 
 

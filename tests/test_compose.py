@@ -18,6 +18,7 @@ import router.__main__
 import scheduler_svc.__main__
 from executor import make_model
 from flagstop.v1 import generation_pb2, generation_pb2_grpc
+from scheduler_svc import policy_server
 from tests.otlp_collector import start_collector
 from tests.stack import ROOT, free_port, spawn
 
@@ -28,6 +29,7 @@ PARSERS = {
     "scheduler_svc": (scheduler_svc.__main__.parse_args, "FLAGSTOP_SCHEDULER_"),
     "router": (router.__main__.parse_args, "FLAGSTOP_ROUTER_"),
     "executor.make_model": (make_model.parse_args, None),
+    "scheduler_svc.policy_server": (policy_server.parse_args, "FLAGSTOP_POLICY_"),
 }
 # Read by the OpenTelemetry SDK in flagstop.telemetry.
 OTEL_VARIABLES = {"OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_INSECURE", "OTEL_SERVICE_NAME"}
@@ -68,7 +70,7 @@ def test_every_command_flag_and_variable_is_one_our_code_takes(path, monkeypatch
             continue
         assert command[:2] == ["python", "-m"], name
         parse_args, prefix = PARSERS[command[2]]
-        environment = {str(k): str(v) for k, v in (service.get("environment") or {}).items()}
+        environment = {k: interpolate(v) for k, v in (service.get("environment") or {}).items()}
         with monkeypatch.context() as env:
             for variable, value in environment.items():
                 env.setenv(variable, value)
@@ -84,6 +86,11 @@ def test_every_command_flag_and_variable_is_one_our_code_takes(path, monkeypatch
             assert service["healthcheck"]["test"][1:4] == ["python", "-m", "flagstop.health"]
 
 
+def interpolate(value) -> str:
+    """${NAME:-default} as compose resolves it with NAME unset."""
+    return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", str(value))
+
+
 def localize(value: str, ports: dict[str, int], models: Path, otlp: str) -> str:
     """Service names and container ports -> loopback and free ports."""
     value = value.replace("http://jaeger:4317", otlp).replace("/models", str(models))
@@ -95,14 +102,14 @@ def localize(value: str, ports: dict[str, int], models: Path, otlp: str) -> str:
 def test_the_compose_topology_runs_as_local_processes(tmp_path):
     services = load(COMPOSE)
     server, collector, otlp_port = start_collector()
-    container_ports = {"50051", "50052", "50053", "8001", "8002", "8003"}
+    container_ports = {"50051", "50052", "50053", "50060", "8001", "8002", "8003"}
     ports = {p: free_port() for p in container_ports}
     loc = lambda v: localize(str(v), ports, tmp_path / "models", f"http://127.0.0.1:{otlp_port}")  # noqa: E731
     processes = {}
     try:
         for name in ("model-init", "executor", "scheduler", "router"):
             service = services[name]
-            env = {k: loc(v) for k, v in (service.get("environment") or {}).items()}
+            env = {k: loc(interpolate(v)) for k, v in (service.get("environment") or {}).items()}
             args = [loc(a) for a in service["command"][1:]]
             processes[name] = spawn(name, args, tmp_path / "logs", env)
             if name == "model-init":

@@ -165,3 +165,28 @@ def test_an_abandoned_stream_leaves_an_abort_event(traced):
         lambda: [r for r in collector.named("scheduler.request") if r.trace_id == span.trace_id]
     )
     assert attributes(request_span)["gen_ai.response.finish_reasons"] == ["abort"]
+
+
+def test_a_policy_fallback_is_an_event_on_the_step_in_flight():
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from flagstop.telemetry import Telemetry
+    from scheduler_svc.telemetry import SchedulerTelemetry
+
+    exporter, provider = InMemorySpanExporter(), TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    telemetry = SchedulerTelemetry(Telemetry("test"))
+    telemetry.enabled, telemetry.tracer = True, provider.get_tracer("test")
+    step = telemetry.tracer.start_span("scheduler.step")
+    telemetry.steps[7] = (0.0, step)
+    telemetry.event("policy fallback", {"flagstop.reason": "deadline"})
+    step.end()
+    telemetry.steps.clear()
+    telemetry.event("policy fallback", {"flagstop.reason": "unavailable"})
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert [(e.name, e.attributes["flagstop.reason"]) for e in spans["scheduler.step"].events] == [
+        ("policy fallback", "deadline")
+    ]
+    assert [e.name for e in spans["scheduler.event"].events] == ["policy fallback"]

@@ -374,3 +374,30 @@ def test_stats():
     stats = scheduler.make_stats()
     assert (stats.num_running_reqs, stats.num_waiting_reqs, stats.num_free_blocks) == (2, 0, 6)
     assert stats.kv_cache_usage == pytest.approx(0.4)
+
+
+# -- remote (ranked) policy ------------------------------------------------------
+
+
+def test_a_ranking_orders_admission_and_failing_open_restores_fcfs():
+    scheduler = make_scheduler(policy="remote", max_num_seqs=1)
+    for i, rid in enumerate("abcd"):
+        scheduler.add_request(make_request(rid, max_tokens=1, arrival_time=float(i)))
+    scheduler.policy.apply(["c", "a"], [])
+    assert [r.request_id for r in scheduler.waiting] == ["c", "a", "b", "d"]
+    assert next(iter(step(scheduler)[0].num_scheduled_tokens)) == "c"
+    scheduler.add_request(make_request("e", max_tokens=1, arrival_time=-1.0))
+    assert [r.request_id for r in scheduler.waiting] == ["a", "b", "d", "e"]  # behind the ranked
+    scheduler.policy.fail_open()
+    assert [r.request_id for r in scheduler.waiting] == ["e", "a", "b", "d"]  # arrival order
+    run_to_idle(scheduler)
+
+
+def test_a_preemption_order_picks_the_victim():
+    scheduler = make_scheduler(num_blocks=4, policy="remote")
+    scheduler.add_request(make_request("a", num_prompt=6, arrival_time=0, ignore_eos=True))
+    scheduler.add_request(make_request("b", num_prompt=6, arrival_time=1, ignore_eos=True))
+    step(scheduler)
+    scheduler.policy.apply([], ["a"])  # FCFS would pick the newest, b
+    assert step_until_preemption(scheduler).preempted_req_ids == {"a"}
+    run_to_idle(scheduler)

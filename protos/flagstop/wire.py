@@ -86,13 +86,16 @@ def add_health_and_reflection(
     return health_servicer
 
 
-def set_serving(health_servicer: health.HealthServicer, names: list[str], serving: bool) -> None:
+def set_serving(
+    health_servicer: health.HealthServicer, names: list[str], serving: bool, overall: bool = True
+) -> None:
+    """overall: the server's own entry ("") too, not only the named services'."""
     status = (
         health_pb2.HealthCheckResponse.SERVING
         if serving
         else health_pb2.HealthCheckResponse.NOT_SERVING
     )
-    for name in ["", *names]:
+    for name in ["", *names] if overall else names:
         health_servicer.set(name, status)
 
 

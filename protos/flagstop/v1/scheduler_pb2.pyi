@@ -23,7 +23,14 @@ REQUEST_FINISH_ABORT: RequestFinish
 REQUEST_FINISH_ERROR: RequestFinish
 
 class AddRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "max_tokens", "min_tokens", "ignore_eos", "stop_token_ids", "priority", "arrival_time", "traceparent")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "max_tokens", "min_tokens", "ignore_eos", "stop_token_ids", "priority", "arrival_time", "traceparent", "labels")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +41,7 @@ class AddRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_TIME_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _executor_pb2.SamplingParams
@@ -44,7 +52,8 @@ class AddRequest(_message.Message):
     priority: int
     arrival_time: float
     traceparent: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_executor_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., arrival_time: _Optional[float] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_executor_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., arrival_time: _Optional[float] = ..., traceparent: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class RouterMessage(_message.Message):
     __slots__ = ("router_id", "adds", "aborts", "num_queued")
@@ -93,7 +102,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("step_id", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "executor_connected")
+    __slots__ = ("step_id", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "executor_connected", "remote_policy_active", "remote_policy_failures")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +113,8 @@ class SchedulerStats(_message.Message):
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     EXECUTOR_CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_POLICY_ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_POLICY_FAILURES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     num_running: int
     num_waiting: int
@@ -114,4 +125,6 @@ class SchedulerStats(_message.Message):
     prefix_cache_hits: int
     num_preemptions: int
     executor_connected: bool
-    def __init__(self, step_id: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., executor_connected: _Optional[bool] = ...) -> None: ...
+    remote_policy_active: bool
+    remote_policy_failures: int
+    def __init__(self, step_id: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., executor_connected: _Optional[bool] = ..., remote_policy_active: _Optional[bool] = ..., remote_policy_failures: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,111 @@
+"""Consults a separately deployed SchedulerPolicy off the critical path: the engine
+loop only ever starts a query; the freshest answer that arrives in time orders the
+waiting queue, and a slow, absent or nonsensical policy fails open to FCFS."""
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import grpc
+from prometheus_client import Counter
+
+from flagstop import wire
+from flagstop.v1 import policy_pb2, policy_pb2_grpc
+from scheduler_svc.policy import RankedPolicy
+from scheduler_svc.scheduler import Scheduler
+
+log = logging.getLogger("flagstop.scheduler.policy")
+POLICY_SERVICE = policy_pb2.DESCRIPTOR.services_by_name["SchedulerPolicy"].full_name
+FAILURES = Counter("flagstop:policy_fallbacks", "Remote policy failures (FCFS used)", ["reason"])
+# After a failure, wait this long before asking again: a dead policy is not hammered.
+RETRY_AFTER_S = 0.5
+
+
+class RemotePolicyClient:
+    def __init__(
+        self, address: str, policy: RankedPolicy, deadline_s: float,
+        on_change: Callable[[bool, str], None],
+    ) -> None:  # fmt: skip
+        """on_change(active, failure reason or ""): after every failure and on recovery."""
+        self.stub = policy_pb2_grpc.SchedulerPolicyStub(wire.channel(address))
+        self.policy, self.deadline_s, self.on_change = policy, deadline_s, on_change
+        self.active = False  # its rankings are in use
+        self.num_failures = 0
+        self.query_id = 0
+        self.applied_id = 0
+        self.in_flight: asyncio.Task | None = None
+        self.asked_for: frozenset[str] = frozenset()
+        self.retry_at = 0.0
+
+    def maybe_query(self, scheduler: Scheduler) -> None:
+        """Start a query when the waiting queue changed and none is in flight."""
+        if self.in_flight is not None or time.monotonic() < self.retry_at:
+            return
+        waiting = frozenset(r.request_id for r in scheduler.waiting)
+        if not waiting or waiting == self.asked_for:
+            return
+        self.asked_for = waiting
+        self.query_id += 1
+        self.in_flight = asyncio.create_task(self._query(self._snapshot(scheduler)))
+
+    def _snapshot(self, scheduler: Scheduler) -> policy_pb2.PolicyQuery:
+        query = policy_pb2.PolicyQuery(
+            query_id=self.query_id, num_free_blocks=scheduler.kv.pool.num_free_blocks,
+            num_total_blocks=scheduler.kv.pool.num_blocks,
+        )  # fmt: skip
+        for request in scheduler.waiting:
+            query.waiting.add(
+                request_id=request.request_id, prompt_tokens=request.num_prompt_tokens,
+                priority=request.priority, arrival_time=request.arrival_time,
+                labels=request.labels,
+                prefix_hit_blocks=len(scheduler.kv.get_computed_blocks(request)),
+            )  # fmt: skip
+        for request in scheduler.running:
+            query.running.add(
+                request_id=request.request_id, prompt_tokens=request.num_prompt_tokens,
+                priority=request.priority, arrival_time=request.arrival_time,
+                labels=request.labels,
+            )  # fmt: skip
+        return query
+
+    async def _query(self, query: policy_pb2.PolicyQuery) -> None:
+        try:
+            decision = await self.stub.Rank(query, timeout=self.deadline_s)
+            problem = _check(decision, query)
+        except grpc.aio.AioRpcError as e:
+            problem = "deadline" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else "unavailable"
+        finally:
+            self.in_flight = None
+        if problem:
+            self._fail(problem)
+        elif query.query_id > self.applied_id:  # the freshest answer wins
+            self.applied_id = query.query_id
+            self.policy.apply(list(decision.admission_order), list(decision.preemption_order))
+            if not self.active:
+                log.info("remote policy in use")
+                self.active = True
+                self.on_change(True, "")
+
+    def _fail(self, reason: str) -> None:
+        if self.active:
+            log.warning("remote policy failed (%s): FCFS until it answers again", reason)
+        self.active = False
+        self.num_failures += 1
+        self.retry_at = time.monotonic() + RETRY_AFTER_S
+        self.asked_for = frozenset()
+        self.policy.fail_open()
+        FAILURES.labels(reason).inc()
+        self.on_change(False, reason)
+
+
+def _check(decision: policy_pb2.PolicyDecision, query: policy_pb2.PolicyQuery) -> str:
+    """Nonsense is refused whole: unknown or repeated ids."""
+    waiting = {r.request_id for r in query.waiting}
+    running = {r.request_id for r in query.running}
+    order, victims = list(decision.admission_order), list(decision.preemption_order)
+    if len(set(order)) != len(order) or not set(order) <= waiting:
+        return "nonsense"
+    if len(set(victims)) != len(victims) or not set(victims) <= running:
+        return "nonsense"
+    return ""

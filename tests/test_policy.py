@@ -1,0 +1,127 @@
+"""A separately deployed scheduling policy: its rankings order admission, and a dead,
+slow or silly one fails open to FCFS without errors or slower steps."""
+
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from executor.make_model import write_model
+from flagstop.v1 import generation_pb2
+from tests.stack import free_port, spawn, start_stack, wait_serving
+
+
+class PolicyProcess:
+    def __init__(self, log_dir) -> None:
+        self.port, self.log_dir, self.process = free_port(), log_dir, None
+
+    def start(self, strategy: str, sleep_ms: int = 0) -> None:
+        args = ["-m", "scheduler_svc.policy_server", "--strategy", strategy,
+                "--port", str(self.port), "--sleep-ms", str(sleep_ms)]  # fmt: skip
+        self.process = spawn(f"policy-{strategy}-{sleep_ms}", args, self.log_dir)
+        wait_serving(grpc.insecure_channel(f"127.0.0.1:{self.port}"), self.process)
+
+    def kill(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    policy = PolicyProcess(logs)
+    policy.start("shortest-prompt-first")
+    model_dir = write_model(tmp_path_factory.mktemp("model") / "flagstop-tiny", "tiny")
+    stack = start_stack(
+        model_dir, logs, executor_args=["--num-blocks", "256"],
+        # One seat: admission order is completion order.
+        scheduler_args=["--max-num-seqs", "1", "--policy", "remote", "--policy-addr",
+                        f"127.0.0.1:{policy.port}", "--policy-deadline-ms", "200"],
+    )  # fmt: skip
+    yield stack, policy
+    policy.kill()
+    assert set(stack.stop().values()) == {0}
+
+
+def run_behind_a_blocker(stack, requests: list[tuple[int, dict]]) -> list[int]:
+    """Occupy the only seat, queue `requests` (prompt length, labels) in this order,
+    and return the indexes in the order they finished (= were admitted)."""
+    finished: list[int] = []
+    lock = threading.Lock()
+
+    def one(index: int, length: int, labels: dict, max_tokens: int) -> None:
+        request = generation_pb2.GenerateRequest(
+            prompt_token_ids=[0] + [7] * (length - 1), max_tokens=max_tokens, ignore_eos=True,
+            labels=labels,
+        )  # fmt: skip
+        for _ in stack.generation().Generate(request, timeout=120):
+            pass
+        with lock:
+            finished.append(index)
+
+    blocker = threading.Thread(target=one, args=(-1, 4, {"tenant": "blocker"}, 150))
+    blocker.start()
+    while stack.stats().num_running == 0:
+        time.sleep(0.01)
+    threads = []
+    for i, (length, labels) in enumerate(requests):
+        threads.append(threading.Thread(target=one, args=(i, length, labels, 3)))
+        threads[-1].start()
+        while stack.stats().num_waiting < i + 1:
+            time.sleep(0.01)
+    for t in [blocker, *threads]:
+        t.join()
+    return [i for i in finished if i >= 0]
+
+
+def test_shortest_prompt_first_reorders_admission(setup):
+    stack, _ = setup
+    lengths = [40, 10, 30, 20, 5]
+    order = run_behind_a_blocker(stack, [(n, {}) for n in lengths])
+    assert [lengths[i] for i in order] == sorted(lengths)  # FCFS would be [40, 10, 30, 20, 5]
+    assert stack.stats().remote_policy_active
+
+
+def policy_health(stack) -> int:
+    stub = health_pb2_grpc.HealthStub(stack.channel(stack.scheduler))
+    return stub.Check(health_pb2.HealthCheckRequest(service="flagstop.v1.SchedulerPolicy")).status
+
+
+def test_a_killed_policy_fails_open_and_a_restarted_one_takes_over(setup):
+    stack, policy = setup
+    before = stack.stats().remote_policy_failures
+    policy.kill()
+    lengths = [40, 10, 30, 20]
+    # No errors, and FCFS order while the policy is gone.
+    assert run_behind_a_blocker(stack, [(n, {}) for n in lengths]) == [0, 1, 2, 3]
+    stats = stack.stats()
+    assert not stats.remote_policy_active and stats.remote_policy_failures > before
+    assert policy_health(stack) == health_pb2.HealthCheckResponse.NOT_SERVING
+    policy.start("fair-share")
+    # Two tenants at unequal load: the small one is interleaved, not served last.
+    tenants = ["a"] * 5 + ["b"] * 2
+    order = run_behind_a_blocker(stack, [(8, {"tenant": t}) for t in tenants])
+    assert [tenants[i] for i in order][:4] == ["a", "b", "a", "b"]
+    assert stack.stats().remote_policy_active
+    assert policy_health(stack) == health_pb2.HealthCheckResponse.SERVING
+
+
+def steps_per_second(stack, lengths) -> float:
+    start_step, start = stack.stats().step_id, time.monotonic()
+    run_behind_a_blocker(stack, [(n, {}) for n in lengths])
+    return (stack.stats().step_id - start_step) / (time.monotonic() - start)
+
+
+def test_a_policy_slower_than_its_deadline_does_not_slow_the_steps(setup):
+    stack, policy = setup
+    lengths = [12, 9, 6, 3] * 3
+    fast = steps_per_second(stack, lengths)
+    policy.kill()
+    policy.start("shortest-prompt-first", sleep_ms=1000)
+    failures = stack.stats().remote_policy_failures
+    slow = steps_per_second(stack, lengths)
+    assert stack.stats().remote_policy_failures > failures, "the deadline was meant to pass"
+    assert slow > 0.7 * fast, (slow, fast)
