@@ -51,9 +51,6 @@ class InputBatch:
         self.req_rows: dict[str, int] = {}
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
 
-    def __len__(self) -> int:
-        return len(self.req_rows)
-
     # -- the diff --------------------------------------------------------------
 
     def apply(self, plan: StepPlan) -> None:

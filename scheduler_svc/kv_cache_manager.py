@@ -22,10 +22,6 @@ class PrefixCacheStats:
         self.num_queries += num_queries
         self.num_hits += num_hits
 
-    @property
-    def hit_rate(self) -> float:
-        return self.num_hits / self.num_queries if self.num_queries else 0.0
-
 
 @dataclass(slots=True)
 class _RequestBlocks:
