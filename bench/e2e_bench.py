@@ -91,29 +91,40 @@ async def run_stack(router: str, requests) -> tuple[float, int]:
         return time.perf_counter() - start, sum(counts)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", default="small", choices=["tiny", "small"])
-    parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "e2e.md"))
-    args = parser.parse_args()
-    model_dir = Path("models") / f"flagstop-{args.size}"
-    if not (model_dir / "config.json").exists():
-        write_model(model_dir, args.size)
-    requests = workload(args.requests)
-    with torch.inference_mode():
-        in_process_s, in_process_tokens = run_in_process(model_dir, requests)
+def run_through_stack(model_dir: Path, requests, env: dict[str, str] | None = None):
+    """(wall seconds, generated tokens) through a fresh 3-process stack."""
     stack = start_stack(
-        model_dir, Path(tempfile.mkdtemp(prefix="e2e-bench-")),
+        model_dir, Path(tempfile.mkdtemp(prefix="bench-")),
         executor_args=["--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE)],
         scheduler_args=[
             "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", str(BUDGET)
         ],
+        env=env,
     )  # fmt: skip
     try:
-        stack_s, stack_tokens = asyncio.run(run_stack(stack.router, requests))
+        return asyncio.run(run_stack(stack.router, requests))
     finally:
         stack.stop()
+
+
+def parse_args(out_name: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=sys.modules["__main__"].__doc__.splitlines()[0])
+    parser.add_argument("--size", default="small", choices=["tiny", "small"])
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / out_name))
+    args = parser.parse_args()
+    args.model_dir = Path("models") / f"flagstop-{args.size}"
+    if not (args.model_dir / "config.json").exists():
+        write_model(args.model_dir, args.size)
+    return args
+
+
+def main() -> None:
+    args = parse_args("e2e.md")
+    model_dir, requests = args.model_dir, workload(args.requests)
+    with torch.inference_mode():
+        in_process_s, in_process_tokens = run_in_process(model_dir, requests)
+    stack_s, stack_tokens = run_through_stack(model_dir, requests)
     assert stack_tokens == in_process_tokens, (stack_tokens, in_process_tokens)
     rows = [("one process, no gRPC", in_process_s, in_process_tokens),
             ("router -> scheduler -> executor", stack_s, stack_tokens)]  # fmt: skip

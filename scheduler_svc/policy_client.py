@@ -13,6 +13,7 @@ from prometheus_client import Counter
 from flagstop import wire
 from flagstop.v1 import policy_pb2, policy_pb2_grpc
 from scheduler_svc.policy import RankedPolicy
+from scheduler_svc.request import Request
 from scheduler_svc.scheduler import Scheduler
 
 log = logging.getLogger("flagstop.scheduler.policy")
@@ -55,18 +56,11 @@ class RemotePolicyClient:
             num_total_blocks=scheduler.kv.pool.num_blocks,
         )  # fmt: skip
         for request in scheduler.waiting:
-            query.waiting.add(
-                request_id=request.request_id, prompt_tokens=request.num_prompt_tokens,
-                priority=request.priority, arrival_time=request.arrival_time,
-                labels=request.labels,
-                prefix_hit_blocks=len(scheduler.kv.get_computed_blocks(request)),
-            )  # fmt: skip
+            _describe(request, query.waiting.add()).prefix_hit_blocks = len(
+                scheduler.kv.get_computed_blocks(request)
+            )
         for request in scheduler.running:
-            query.running.add(
-                request_id=request.request_id, prompt_tokens=request.num_prompt_tokens,
-                priority=request.priority, arrival_time=request.arrival_time,
-                labels=request.labels,
-            )  # fmt: skip
+            _describe(request, query.running.add())
         return query
 
     async def _query(self, query: policy_pb2.PolicyQuery) -> None:
@@ -97,6 +91,13 @@ class RemotePolicyClient:
         self.policy.fail_open()
         FAILURES.labels(reason).inc()
         self.on_change(False, reason)
+
+
+def _describe(request: Request, out: policy_pb2.PolicyRequest) -> policy_pb2.PolicyRequest:
+    out.request_id, out.prompt_tokens = request.request_id, request.num_prompt_tokens
+    out.priority, out.arrival_time = request.priority, request.arrival_time
+    out.labels.update(request.labels)
+    return out
 
 
 def _check(decision: policy_pb2.PolicyDecision, query: policy_pb2.PolicyQuery) -> str:

@@ -84,6 +84,5 @@ class Request:
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[self.num_prompt_tokens :]
 
-
     def sort_key(self) -> tuple[int, float, str]:
         return (self.priority, self.arrival_time, self.request_id)
