@@ -124,4 +124,6 @@ def test_a_policy_slower_than_its_deadline_does_not_slow_the_steps(setup):
     failures = stack.stats().remote_policy_failures
     slow = steps_per_second(stack, lengths)
     assert stack.stats().remote_policy_failures > failures, "the deadline was meant to pass"
-    assert slow > 0.7 * fast, (slow, fast)
+    # Waiting on it would cap the loop at a few steps per second (one per deadline); the
+    # margin is for this machine's noise over a second-long window.
+    assert slow > 0.5 * fast, (slow, fast)
