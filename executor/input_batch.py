@@ -47,7 +47,15 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(max_num_reqs, np.int64)
         self.block_table = np.zeros((max_num_reqs, -(-max_model_len // block_size)), np.int32)
         self.num_blocks = np.zeros(max_num_reqs, np.int64)
-        self.sampling_params: list[SamplingParams | None] = [None] * max_num_reqs
+        # Sampling parameters by row, so that a step gathers them instead of looping
+        # over requests; the rare per-request work (seeds, min_tokens) reads the params.
+        self.sampling_params: list[SamplingParams] = [SamplingParams()] * max_num_reqs
+        self.temperature = np.zeros(max_num_reqs, np.float32)
+        self.top_p = np.ones(max_num_reqs, np.float32)
+        self.top_k = np.zeros(max_num_reqs, np.int64)  # vocab_size where off
+        self.min_tokens = np.zeros(max_num_reqs, np.int64)
+        self.seeded = np.zeros(max_num_reqs, np.bool_)
+        self.num_logprobs = np.full(max_num_reqs, -1, np.int64)  # -1: none asked
         self.req_rows: dict[str, int] = {}
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
 
@@ -57,7 +65,6 @@ class InputBatch:
         for req_id in (*plan.finished_req_ids, *plan.preempted_req_ids):
             row = self.req_rows.pop(req_id, None)
             if row is not None:
-                self.sampling_params[row] = None
                 self.free_rows.append(row)
         for data in (*plan.scheduled_new_reqs, *plan.scheduled_resumed_reqs):
             self._add(data)
@@ -92,7 +99,15 @@ class InputBatch:
         self.num_computed_tokens[row] = data.num_computed_tokens
         self.num_blocks[row] = 0
         self._append_blocks(row, data.block_ids)
-        self.sampling_params[row] = data.sampling_params
+        self._set_sampling(row, data.sampling_params or SamplingParams())
+
+    def _set_sampling(self, row: int, p: SamplingParams) -> None:
+        self.sampling_params[row] = p
+        self.temperature[row], self.top_p[row] = p.temperature, p.top_p
+        self.top_k[row] = p.top_k if p.top_k > 0 else self.vocab_size
+        self.min_tokens[row] = p.min_tokens if p.stop_token_ids else 0
+        self.seeded[row] = p.seed is not None and p.temperature > 0
+        self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
 
     def _append_blocks(self, row: int, block_ids: Sequence[int]) -> None:
         start = self.num_blocks[row]
@@ -155,25 +170,25 @@ class InputBatch:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
     def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
-        params = [self.sampling_params[r] or SamplingParams() for r in rows]
-        seeded, banned = [], []
-        for i, (row, p) in enumerate(zip(rows, params, strict=True)):
-            if p.seed is not None and p.temperature > 0:
-                seeded.append((i, p.seed, int(self.num_tokens[row])))
-            num_output = self.num_tokens[row] - self.num_prompt_tokens[row]
-            if num_output < p.min_tokens and p.stop_token_ids:
-                banned.append((i, p.stop_token_ids))
-        top_k = [p.top_k if p.top_k > 0 else self.vocab_size for p in params]
-        num_logprobs = [p.logprobs for p in params]
+        temperature, top_p, top_k = self.temperature[rows], self.top_p[rows], self.top_k[rows]
+        num_tokens, params = self.num_tokens[rows], self.sampling_params
+        seeded = [
+            (i, params[rows[i]].seed, int(num_tokens[i])) for i in np.flatnonzero(self.seeded[rows])
+        ]
+        below_min = num_tokens - self.num_prompt_tokens[rows] < self.min_tokens[rows]
+        banned = [(i, params[rows[i]].stop_token_ids) for i in np.flatnonzero(below_min)]
+        num_logprobs = self.num_logprobs[rows]
         return SamplingMetadata(
-            temperature=torch.tensor([p.temperature for p in params], device=self.device),
-            top_p=torch.tensor([p.top_p for p in params], device=self.device),
-            top_k=torch.tensor(top_k, device=self.device),
-            all_greedy=all(p.temperature == 0 for p in params),
-            needs_top_k_top_p=any(p.top_k > 0 or p.top_p < 1 for p in params),
+            temperature=self._to_device(temperature),
+            top_p=self._to_device(top_p),
+            top_k=self._to_device(top_k),
+            all_greedy=not temperature.any(),
+            needs_top_k_top_p=bool((top_k < self.vocab_size).any() or (top_p < 1).any()),
             seeded=seeded,
             banned=banned,
-            num_logprobs=num_logprobs if any(n is not None for n in num_logprobs) else None,
+            num_logprobs=[None if n < 0 else int(n) for n in num_logprobs]
+            if (num_logprobs >= 0).any()
+            else None,
         )
 
     def advance(self, inputs: StepInputs, sampled_token_ids: list[int]) -> None:
