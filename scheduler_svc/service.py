@@ -134,6 +134,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 call.cancel()
             self.executor_connected = False
             wire.set_serving(self.health, [SERVICE_NAME], False)
+            self.telemetry.drop_steps()
             self._fail_all(grpc.StatusCode.UNAVAILABLE, "the executor was lost; retry the request")
             await asyncio.sleep(1.0)
 

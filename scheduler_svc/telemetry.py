@@ -5,7 +5,7 @@ served, and the Prometheus gauges and counters of the engine."""
 import time
 
 from opentelemetry import trace
-from opentelemetry.trace import Link
+from opentelemetry.trace import Link, Status, StatusCode
 from prometheus_client import Counter, Gauge, Histogram
 
 from flagstop.telemetry import Telemetry, extract, inject
@@ -94,6 +94,14 @@ class SchedulerTelemetry:
                 for req_id, reason in out.finished.items():
                     self.on_finish(req_id, reason.name.lower())
         self._export_gauges(scheduler)
+
+    def drop_steps(self) -> None:
+        """The steps in flight will never report (the executor was lost)."""
+        for _, span in self.steps.values():
+            if span is not None:
+                span.set_status(Status(StatusCode.ERROR, "executor lost"))
+                span.end()
+        self.steps.clear()
 
     def event(self, name: str, attributes: dict) -> None:
         """An event on the newest step still in flight (the iteration it happened in),
