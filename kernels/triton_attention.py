@@ -55,6 +55,25 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 
 @triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """a @ b; fp32 in IEEE precision (no TF32), so that it compares tightly."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a.to(b.dtype), b)
+
+
+@triton.jit
+def _kv_offsets(
+    block_tables, seq, block_start, kv_head, stride_bt, stride_cache_block, stride_cache_token,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):  # fmt: skip
+    """Offsets of one KV head's rows of the cache block holding block_start."""
+    block = tl.load(block_tables + seq * stride_bt + block_start // BLOCK_SIZE).to(tl.int64)
+    rows = block * stride_cache_block + tl.arange(0, BLOCK_SIZE)[:, None] * stride_cache_token
+    return rows + kv_head * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+
+
+@triton.jit
 def _decode_partition_kernel(
     query,
     k_cache,
@@ -96,25 +115,26 @@ def _decode_partition_kernel(
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     offsets = tl.arange(0, BLOCK_SIZE)
     for block_start in range(start, tl.minimum(start + PARTITION, seq_len), BLOCK_SIZE):
-        block = tl.load(block_tables + seq * stride_bt + block_start // BLOCK_SIZE).to(tl.int64)
-        cache_rows = block * stride_cache_block + offsets[:, None] * stride_cache_token
-        kv_offsets = cache_rows + kv_head * HEAD_DIM + dims[None, :]
+        kv_offsets = _kv_offsets(
+            block_tables,
+            seq,
+            block_start,
+            kv_head,
+            stride_bt,
+            stride_cache_block,
+            stride_cache_token,
+            HEAD_DIM,
+            BLOCK_SIZE,
+        )
         k = tl.load(k_cache + kv_offsets)
         v = tl.load(v_cache + kv_offsets)
-        if IEEE:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
+        s = _dot(q, tl.trans(k), IEEE)
         s = tl.where((block_start + offsets)[None, :] < seq_len, s * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)  # noqa: E741
-        if IEEE:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
+        acc = acc * alpha[:, None] + _dot(p, v, IEEE)
         m = m_new
     out_row = (seq * tl.num_programs(1) * GROUP + heads) * num_partitions + part
     tl.store(partial_max + out_row, m, mask=rows < GROUP)
@@ -252,15 +272,20 @@ def _prefill_kernel(
         # Causality: no query of this tile sees past its last query's position.
         kv_end = tl.minimum(seq_len, num_context + (tile + 1) * BLOCK_M)
         for block_start in range(0, kv_end, BLOCK_SIZE):
-            block = tl.load(block_tables + seq * stride_bt + block_start // BLOCK_SIZE).to(tl.int64)
-            cache_rows = block * stride_cache_block + offsets[:, None] * stride_cache_token
-            kv_offsets = cache_rows + kv_head * HEAD_DIM + dims[None, :]
+            kv_offsets = _kv_offsets(
+                block_tables,
+                seq,
+                block_start,
+                kv_head,
+                stride_bt,
+                stride_cache_block,
+                stride_cache_token,
+                HEAD_DIM,
+                BLOCK_SIZE,
+            )
             k = tl.load(k_cache + kv_offsets)
             v = tl.load(v_cache + kv_offsets)
-            if IEEE:
-                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
+            s = _dot(q, tl.trans(k), IEEE)
             key_pos = block_start + offsets
             visible = (key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] < seq_len)
             s = tl.where(visible, s * scale, float("-inf"))
@@ -269,11 +294,7 @@ def _prefill_kernel(
             alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp(m - m_new))
             p = tl.where(visible, tl.exp(s - m_new[:, None]), 0.0)
             l = l * alpha + tl.sum(p, axis=1)  # noqa: E741
-            if IEEE:
-                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
+            acc = acc * alpha[:, None] + _dot(p, v, IEEE)
             m = m_new
         result = acc / tl.where(l == 0.0, 1.0, l)[:, None]
         tl.store(out + q_offsets, result.to(out.dtype.element_ty), mask=rows[:, None] < q_len)
