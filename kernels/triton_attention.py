@@ -74,6 +74,22 @@ def _kv_offsets(
 
 
 @triton.jit
+def _attend_block(q, k_cache, v_cache, kv_offsets, visible, scale, m, l, acc, IEEE: tl.constexpr):  # noqa: E741
+    """One KV block into an online softmax: returns the updated running max m, sum l
+    and unnormalised output acc of the query rows."""
+    k = tl.load(k_cache + kv_offsets)
+    v = tl.load(v_cache + kv_offsets)
+    s = tl.where(visible, _dot(q, tl.trans(k), IEEE) * scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    # Rows with nothing visible yet keep m = -inf: guard exp(-inf - -inf).
+    alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp(m - m_new))
+    p = tl.where(visible, tl.exp(s - m_new[:, None]), 0.0)
+    l = l * alpha + tl.sum(p, axis=1)  # noqa: E741
+    acc = acc * alpha[:, None] + _dot(p, v, IEEE)
+    return m_new, l, acc
+
+
+@triton.jit
 def _decode_partition_kernel(
     query,
     k_cache,
@@ -126,16 +142,10 @@ def _decode_partition_kernel(
             HEAD_DIM,
             BLOCK_SIZE,
         )
-        k = tl.load(k_cache + kv_offsets)
-        v = tl.load(v_cache + kv_offsets)
-        s = _dot(q, tl.trans(k), IEEE)
-        s = tl.where((block_start + offsets)[None, :] < seq_len, s * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)  # noqa: E741
-        acc = acc * alpha[:, None] + _dot(p, v, IEEE)
-        m = m_new
+        visible = (block_start + offsets)[None, :] < seq_len
+        m, l, acc = _attend_block(  # noqa: E741
+            q, k_cache, v_cache, kv_offsets, visible, scale, m, l, acc, IEEE
+        )
     out_row = (seq * tl.num_programs(1) * GROUP + heads) * num_partitions + part
     tl.store(partial_max + out_row, m, mask=rows < GROUP)
     tl.store(partial_sum + out_row, l, mask=rows < GROUP)
@@ -283,19 +293,11 @@ def _prefill_kernel(
                 HEAD_DIM,
                 BLOCK_SIZE,
             )
-            k = tl.load(k_cache + kv_offsets)
-            v = tl.load(v_cache + kv_offsets)
-            s = _dot(q, tl.trans(k), IEEE)
             key_pos = block_start + offsets
             visible = (key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] < seq_len)
-            s = tl.where(visible, s * scale, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            # Rows with nothing visible yet keep m = -inf: guard exp(-inf - -inf).
-            alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp(m - m_new))
-            p = tl.where(visible, tl.exp(s - m_new[:, None]), 0.0)
-            l = l * alpha + tl.sum(p, axis=1)  # noqa: E741
-            acc = acc * alpha[:, None] + _dot(p, v, IEEE)
-            m = m_new
+            m, l, acc = _attend_block(  # noqa: E741
+                q, k_cache, v_cache, kv_offsets, visible, scale, m, l, acc, IEEE
+            )
         result = acc / tl.where(l == 0.0, 1.0, l)[:, None]
         tl.store(out + q_offsets, result.to(out.dtype.element_ty), mask=rows[:, None] < q_len)
 

@@ -114,31 +114,13 @@ class PriorityPolicy:
         return max(range(len(running)), key=lambda i: running[i].sort_key())
 
 
-class RankedQueue:
+class RankedQueue(FCFSQueue):
     """Ordered by the freshest ranking decided elsewhere (a remote policy): ranked ids
     first in the given order, the rest behind in arrival order. Without a ranking, or
-    after the ranker failed, it is plain FCFS."""
+    after the ranker failed, it is plain FCFS (new arrivals go behind everything ranked,
+    until the next ranking places them)."""
 
-    __slots__ = ("_queue",)
-
-    def __init__(self) -> None:
-        self._queue: deque[Request] = deque()
-
-    def add(self, request: Request) -> None:
-        # Behind everything ranked: the next ranking will place it.
-        self._queue.append(request)
-
-    def prepend(self, request: Request) -> None:
-        self._queue.appendleft(request)
-
-    def peek(self) -> Request:
-        return self._queue[0]
-
-    def pop(self) -> Request:
-        return self._queue.popleft()
-
-    def remove_all(self, request_ids: set[str]) -> None:
-        self._queue = deque(r for r in self._queue if r.request_id not in request_ids)
+    __slots__ = ()
 
     def apply_ranking(self, order: list[str]) -> None:
         rank = {request_id: i for i, request_id in enumerate(order)}
@@ -149,12 +131,6 @@ class RankedQueue:
 
     def clear_ranking(self) -> None:
         self._queue = deque(sorted(self._queue, key=lambda r: r.arrival_time))
-
-    def __len__(self) -> int:
-        return len(self._queue)
-
-    def __iter__(self) -> Iterator[Request]:
-        return iter(self._queue)
 
 
 class RankedPolicy:
