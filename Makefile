@@ -18,7 +18,7 @@ DOCKER_COMPOSE ?= docker compose
 COMPOSE := $(if $(POLICY),COMPOSE_PROFILES=policy SCHEDULER_POLICY=remote POLICY_STRATEGY=$(POLICY)) \
 	$(DOCKER_COMPOSE) -f compose/compose.yaml $(if $(GPU),-f compose/compose.gpu.yaml)
 
-.PHONY: venv test lint bench model proto serve up down logs ps clean
+.PHONY: venv test lint bench bench-executor model proto serve up down logs ps clean
 
 venv: $(STAMP)
 
@@ -66,11 +66,19 @@ logs:
 ps:
 	$(COMPOSE) ps
 
+# The default set, under 10 minutes on a 2-core machine; bench/RESULTS.md gathers them.
 bench: $(STAMP)
 	$(PY) bench/scheduler_bench.py
-	$(PY) bench/executor_bench.py
-	$(PY) bench/e2e_bench.py
+	$(PY) bench/peers.py
+	$(PY) bench/serve_bench.py --request-rate 4 8 16 32 inf
 	$(PY) bench/tracing_bench.py
+	$(PY) bench/plots.py
+	$(PY) bench/report.py
+
+# Executor step time vs transformers, per batch size and context (about 5 minutes).
+bench-executor: $(STAMP)
+	$(PY) bench/executor_bench.py
+	$(PY) bench/report.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

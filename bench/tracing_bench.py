@@ -1,7 +1,7 @@
-"""The cost of tracing: the e2e workload through the 3-process stack with tracing off
-and with every request and step traced (100% sampling) into an OTLP collector.
+"""The cost of tracing: the peers workload through the 3-process stack with tracing
+off and with every request and step traced (100% sampling) into an OTLP collector.
 
-    python bench/tracing_bench.py [--size small] [--requests 32]
+    python bench/tracing_bench.py [--size small] [--requests 24]
 """
 
 import os
@@ -11,12 +11,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.e2e_bench import parse_args, run_through_stack, workload
+from bench.peers import parse_args, run_through_stack, workload
 from tests.otlp_collector import start_collector
 
 
 def main() -> None:
-    args = parse_args("tracing.md")
+    args = parse_args("tracing.md", 24)
     requests = workload(args.requests)
     server, collector, port = start_collector()
     traced_env = {
@@ -38,7 +38,7 @@ def main() -> None:
     print(f"{table}\n\nthroughput traced / untraced: {ratio:.2f}")
     Path(args.out).write_text(
         f"# The cost of tracing\n\n`python bench/tracing_bench.py --size {args.size} --requests "
-        f"{args.requests}` on {date.today()}, {os.cpu_count()} CPU cores: the e2e workload "
+        f"{args.requests}` on {date.today()}, {os.cpu_count()} CPU cores: the peers workload "
         f"through the 3-process stack.\n\n{table}\n\nTraced throughput is **{ratio:.2f}** of "
         "untraced.\n"
     )

@@ -109,7 +109,7 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
                 plan = plan_from_proto(step)
                 # On the event loop's own thread: the next step waits in gRPC's buffers
                 # anyway, and a forward on a worker thread ran ~20% slower on the CPU
-                # (measured with bench/e2e_bench.py), its threads contending with the loop.
+                # (measured with bench/peers.py), its threads contending with the loop.
                 with self.tracer.start_as_current_span(
                     "executor.step", context=extract(step.traceparent),
                     attributes={"flagstop.step": step.step_id},

@@ -1,0 +1,214 @@
+"""Online serving benchmark through the router's public gRPC API, in the manner of
+`vllm bench serve`: latency and throughput at given request rates.
+
+    python bench/serve_bench.py --router 127.0.0.1:50051 [--num-prompts 64]
+        [--request-rate 2 4 inf] [--burstiness 1.0] [--max-concurrency N]
+        [--slo-ttft-ms 1000] [--slo-tpot-ms 100] [--json bench/results/serve.json]
+    python bench/serve_bench.py --size tiny ...   # starts a stack of its own
+
+Arrivals are Poisson at each rate (gamma with shape --burstiness: < 1 burstier, > 1
+more even; inf sends all at t=0). Prompts and output lengths are the seeded skewed
+workload of bench/peers.py, greedy with EOS ignored so every run asks the same work.
+TTFT: send to first token; TPOT: (latency - TTFT) / (output tokens - 1); ITL: the
+gaps between streamed chunks; goodput: requests/s that met both SLOs.
+"""
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import date
+from pathlib import Path
+
+import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.peers import workload
+from executor.make_model import write_model
+from flagstop import wire
+from flagstop.v1 import generation_pb2, generation_pb2_grpc
+from tests.stack import start_stack
+
+RESULTS = Path(__file__).parent / "results"
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    ttft: float = math.nan
+    latency: float = math.nan
+    output_tokens: int = 0
+    itls: list[float] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def tpot(self) -> float:
+        return (self.latency - self.ttft) / (self.output_tokens - 1)
+
+
+def arrival_gaps(num: int, rate: float, burstiness: float, seed: int = 0) -> list[float]:
+    if math.isinf(rate):
+        return [0.0] * num
+    rng = random.Random(seed)
+    return [rng.gammavariate(burstiness, 1 / (rate * burstiness)) for _ in range(num)]
+
+
+async def one_request(stub, prompt: list[int], max_tokens: int) -> RequestRecord:
+    record, start = RequestRecord(), time.perf_counter()
+    request = generation_pb2.GenerateRequest(
+        prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True
+    )
+    last = start
+    try:
+        async for chunk in stub.Generate(request, timeout=3600):
+            now = time.perf_counter()
+            if not record.output_tokens:
+                record.ttft = now - start
+            else:
+                record.itls.append(now - last)
+            last, record.output_tokens = now, record.output_tokens + len(chunk.token_ids)
+        record.latency = last - start
+    except grpc.aio.AioRpcError as e:
+        record.error = f"{e.code().name}: {e.details()}"
+    return record
+
+
+class Progress:
+    def __init__(self, total: int, label: str) -> None:
+        self.total, self.done, self.label = total, 0, label
+
+    def advance(self) -> None:
+        self.done += 1
+        filled = 30 * self.done // self.total
+        if filled == 30 * (self.done - 1) // self.total and self.done < self.total:
+            return  # redraw only when the bar grows
+        end = "\n" if self.done == self.total else ""
+        sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (30 - filled)}] "
+                         f"{self.done}/{self.total}{end}")  # fmt: skip
+        sys.stderr.flush()
+
+
+async def run_rate(router: str, args, rate: float) -> tuple[list[RequestRecord], float]:
+    requests = workload(args.num_prompts, args.seed)
+    gaps = arrival_gaps(len(requests), rate, args.burstiness, args.seed)
+    limit = asyncio.Semaphore(args.max_concurrency or len(requests))
+    progress = Progress(len(requests), f"rate {rate:>5}")
+    async with wire.channel(router) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+
+        async def send(prompt, max_tokens) -> RequestRecord:
+            async with limit:
+                record = await one_request(stub, prompt, max_tokens)
+            progress.advance()
+            return record
+
+        start, tasks = time.perf_counter(), []
+        for gap, (prompt, max_tokens) in zip(gaps, requests, strict=True):
+            await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(send(prompt, max_tokens)))
+        records = await asyncio.gather(*tasks)
+        return records, time.perf_counter() - start
+
+
+def summarize(records: list[RequestRecord], duration: float, rate: float, args) -> dict:
+    ok = [r for r in records if not r.error]
+    ms = {
+        "ttft": [r.ttft * 1e3 for r in ok],
+        "tpot": [r.tpot * 1e3 for r in ok if r.output_tokens > 1],
+        "itl": [gap * 1e3 for r in ok for gap in r.itls],
+        "e2el": [r.latency * 1e3 for r in ok],
+    }
+    good = [r for r in ok if r.ttft * 1e3 <= args.slo_ttft_ms and
+            (r.output_tokens < 2 or r.tpot * 1e3 <= args.slo_tpot_ms)]  # fmt: skip
+    result = {
+        "request_rate": rate, "burstiness": args.burstiness,
+        "max_concurrency": args.max_concurrency, "completed": len(ok),
+        "failed": len(records) - len(ok), "errors": sorted({r.error for r in records if r.error}),
+        "duration_s": duration, "output_tokens": sum(r.output_tokens for r in ok),
+        "request_throughput": len(ok) / duration,
+        "output_throughput": sum(r.output_tokens for r in ok) / duration,
+        "goodput": len(good) / duration, "slo_ttft_ms": args.slo_ttft_ms,
+        "slo_tpot_ms": args.slo_tpot_ms,
+    }  # fmt: skip
+    for name, values in ms.items():
+        values = sorted(values) or [math.nan]
+        result[f"mean_{name}_ms"] = statistics.fmean(values)
+        result[f"median_{name}_ms"] = statistics.median(values)
+        result[f"p99_{name}_ms"] = values[min(len(values) - 1, int(0.99 * len(values)))]
+    return result
+
+
+def table(results: list[dict]) -> str:
+    head = ("| rate (req/s) | done | failed | req/s | out tok/s | goodput (req/s) | TTFT (ms) "
+            "mean / p50 / p99 | TPOT (ms) | ITL (ms) | E2E latency (ms) |")  # fmt: skip
+    lines = [head, "|" + "---:|" * 10]
+    for r in results:
+        cells = [f"{r['request_rate']}", str(r["completed"]), str(r["failed"]),
+                 f"{r['request_throughput']:.2f}", f"{r['output_throughput']:.1f}",
+                 f"{r['goodput']:.2f}"]  # fmt: skip
+        for name in ("ttft", "tpot", "itl", "e2el"):
+            stats = (r[f"{s}_{name}_ms"] for s in ("mean", "median", "p99"))
+            cells.append(" / ".join(f"{v:.0f}" for v in stats))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--router", help="a running router; otherwise a stack is started")
+    parser.add_argument("--size", default="tiny", choices=["tiny", "small"],
+                        help="model of the stack started without --router")  # fmt: skip
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--request-rate", type=float, nargs="+", default=[math.inf])
+    parser.add_argument("--burstiness", type=float, default=1.0)
+    parser.add_argument("--max-concurrency", type=int, default=0, help="0: unlimited")
+    parser.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    parser.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=str(RESULTS / "serve.json"))
+    parser.add_argument("--out", default=str(RESULTS / "serve.md"))
+    return parser.parse_args()
+
+
+def run(router: str, args) -> list[dict]:
+    results = []
+    for rate in args.request_rate:
+        records, duration = asyncio.run(run_rate(router, args, rate))
+        results.append(summarize(records, duration, rate, args))
+    return results
+
+
+def main() -> None:
+    args = parse_args()
+    if args.router:
+        results = run(args.router, args)
+    else:
+        model_dir = Path("models") / f"flagstop-{args.size}"
+        if not (model_dir / "config.json").exists():
+            write_model(model_dir, args.size)
+        stack = start_stack(model_dir, Path(tempfile.mkdtemp(prefix="serve-bench-")))
+        try:
+            results = run(stack.router, args)
+        finally:
+            stack.stop()
+    print(table(results))
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    target = args.router or f"a local stack on the {args.size} model with default flags"
+    Path(args.out).write_text(
+        f"# Online serving\n\n`python bench/serve_bench.py {' '.join(sys.argv[1:])}` on "
+        f"{date.today()}, {os.cpu_count()} CPU cores, against {target}: {args.num_prompts} "
+        f"requests per rate, Poisson arrivals (burstiness {args.burstiness}), SLOs TTFT <= "
+        f"{args.slo_ttft_ms:.0f} ms and TPOT <= {args.slo_tpot_ms:.0f} ms.\n\n{table(results)}\n"
+    )
+
+
+if __name__ == "__main__":
+    main()

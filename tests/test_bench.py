@@ -1,0 +1,79 @@
+"""The benchmark tools' own arithmetic: arrivals, percentiles, slot charts, PNG files."""
+
+import math
+import statistics
+import struct
+import zlib
+from types import SimpleNamespace
+
+import pytest
+
+from bench.peers import idle_fraction, workload
+from bench.plots import slot_rows
+from bench.png import Canvas
+from bench.serve_bench import RequestRecord, arrival_gaps, summarize
+
+
+def test_the_peers_workload_is_seeded_and_skewed_within_its_ranges():
+    requests = workload(64)
+    assert requests == workload(64) and requests != workload(64, seed=1)
+    prompts, outputs = [len(p) for p, _ in requests], [n for _, n in requests]
+    assert min(prompts) >= 17 and max(prompts) <= 511
+    assert min(outputs) >= 8 and max(outputs) <= 296
+    # Skewed short: the median well below the middle of the range.
+    assert statistics.median(outputs) < (8 + 296) / 2 and max(outputs) > 200
+
+
+def test_poisson_and_gamma_arrivals_have_the_asked_rate_and_burstiness():
+    assert arrival_gaps(5, math.inf, 1.0) == [0.0] * 5
+    poisson = arrival_gaps(4000, 4.0, 1.0)
+    bursty = arrival_gaps(4000, 4.0, 0.25)
+    assert statistics.fmean(poisson) == pytest.approx(0.25, rel=0.08)
+    assert statistics.fmean(bursty) == pytest.approx(0.25, rel=0.15)
+    cv2 = lambda gaps: statistics.pvariance(gaps) / statistics.fmean(gaps) ** 2  # noqa: E731
+    assert cv2(poisson) == pytest.approx(1.0, rel=0.15)
+    assert cv2(bursty) == pytest.approx(4.0, rel=0.2)  # 1 / shape
+
+
+def test_summary_percentiles_goodput_and_failures():
+    records = [
+        RequestRecord(ttft=0.1 * (i + 1), latency=0.1 * (i + 1) + 0.9, output_tokens=10,
+                      itls=[0.1] * 9)
+        for i in range(10)
+    ]  # fmt: skip
+    records.append(RequestRecord(error="UNAVAILABLE: gone"))
+    args = SimpleNamespace(burstiness=1.0, max_concurrency=0, slo_ttft_ms=500, slo_tpot_ms=150)
+    result = summarize(records, 2.0, 4.0, args)
+    assert (result["completed"], result["failed"]) == (10, 1)
+    assert result["errors"] == ["UNAVAILABLE: gone"]
+    assert result["output_throughput"] == 50.0 and result["request_throughput"] == 5.0
+    assert result["mean_ttft_ms"] == pytest.approx(550) and result["p99_ttft_ms"] == 1000
+    assert result["median_tpot_ms"] == pytest.approx(100)
+    assert result["goodput"] == 2.5  # TTFT <= 500 ms: 5 requests in 2 s
+
+
+def test_slots_are_kept_by_their_request_and_refilled_lowest_first():
+    steps = [["a", "b", "c"], ["a", "c"], ["a", "c", "d"], ["d"]]
+    assert slot_rows(steps, 3) == [
+        ["a", "b", "c"], ["a", None, "c"], ["a", "d", "c"], [None, "d", None],
+    ]  # fmt: skip
+    assert idle_fraction(steps) == pytest.approx(1 - 9 / (16 * 4))
+
+
+def test_the_png_writer_writes_what_was_drawn(tmp_path):
+    canvas = Canvas(7, 5)
+    canvas.rect(2, 1, 4, 3, (10, 20, 30))
+    Canvas(200, 20).text(0, 0, "ABCXYZ 0189 .,:%/()-+=<>_'", scale=1)  # every glyph draws
+    path = tmp_path / "x.png"
+    canvas.save(path)
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", data[16:24])
+    assert (width, height) == (7, 5)
+    idat = data.index(b"IDAT")
+    (length,) = struct.unpack(">I", data[idat - 4 : idat])
+    raw = zlib.decompress(data[idat + 4 : idat + 4 + length])
+    assert len(raw) == height * (1 + 3 * width)
+    row = raw[2 * (1 + 3 * width) : 3 * (1 + 3 * width)]
+    assert row[1 + 3 * 3 : 1 + 3 * 4] == bytes([10, 20, 30])
+    assert row[1 + 3 * 6 : 1 + 3 * 7] == bytes([255, 255, 255])
