@@ -29,6 +29,7 @@ def parse_args(argv: list[str] | None = None):
                    help="auto: triton on CUDA, torch on the CPU")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--metrics-port", type=int, default=8003, help="Prometheus /metrics; 0: off")
+    wire.add_tls_args(p)
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -47,7 +48,7 @@ async def serve(args) -> None:
     runner = ModelRunner(config_from_args(args))
     service = ExecutorService(runner, Path(args.model).name, Telemetry("flagstop-executor"))
     start_metrics_server(args.metrics_port, args.host)
-    server = wire.new_server(args.port, args.host)
+    server = wire.new_server(args.port, args.host, wire.TLSConfig.from_args(args))
     executor_pb2_grpc.add_ExecutorServicer_to_server(service, server)
     health = wire.add_health_and_reflection(server, [SERVICE_NAME])
     await server.start()

@@ -34,18 +34,35 @@ class Pending:
     """One client stream's request: what the fan-out hands its handler."""
 
     request_id: str
+    add: scheduler_pb2.AddRequest  # as first sent: kept to resubmit to a new scheduler
     # (token id or None, scheduler finish reason, logprob entry or None) or a RequestError
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    generated: list[int] = field(default_factory=list)
     sent: bool = False  # released to the scheduler
     finished: bool = False  # the scheduler holds nothing of it any more
+
+    def remainder(self) -> scheduler_pb2.AddRequest:
+        """What is left to do, for a scheduler that never saw this request: prompt +
+        the tokens already streamed, with the limits counted down by them."""
+        add, done = scheduler_pb2.AddRequest(), len(self.generated)
+        add.CopyFrom(self.add)
+        add.prompt_token_ids.extend(self.generated)
+        add.min_tokens = max(0, add.min_tokens - done)
+        if add.HasField("max_tokens"):
+            add.max_tokens -= done
+        return add
 
 
 @dataclass(slots=True)
 class RouterOptions:
     scheduler_address: str
     max_queued_requests: int = 1024
+    max_queued_tokens: int = 1 << 20  # prompt tokens waiting in the admission queue
     router_id: str = field(default_factory=lambda: f"router-{uuid.uuid4().hex[:8]}")
     drain_timeout_s: float = 30.0
+    # Requests wait this long for a lost scheduler to come back, then fail.
+    scheduler_timeout_s: float = 60.0
+    tls: wire.TLSConfig | None = None
 
 
 class RouterService(generation_pb2_grpc.GenerationServicer):
@@ -59,16 +76,19 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         self.requests: dict[str, Pending] = {}
         # The admission queue, in arrival order; a dict so that a cancel is O(1).
         self.queue: dict[str, scheduler_pb2.AddRequest] = {}
+        self.queued_tokens = 0
         self.aborts: list[str] = []
         self.credits = 0
         self.flush = asyncio.Event()
         self.connected = False
+        self.scheduler_lost_since: float | None = None
         self.accepting = True
 
     # -- the scheduler stream ------------------------------------------------
 
     async def run(self) -> None:
-        stub = scheduler_pb2_grpc.SchedulerStub(wire.channel(self.options.scheduler_address))
+        channel = wire.channel(self.options.scheduler_address, self.options.tls)
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
         delay = 0.1
         while True:
             try:
@@ -77,8 +97,16 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             except grpc.aio.AioRpcError as e:
                 log.warning("scheduler %s: %s", self.options.scheduler_address, e.code())
             self._lost_scheduler()
+            if self._scheduler_timed_out():
+                self._fail_all(f"no scheduler for {self.options.scheduler_timeout_s:g}s")
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
+
+    def _scheduler_timed_out(self) -> bool:
+        lost_since = self.scheduler_lost_since
+        return lost_since is not None and (
+            time.monotonic() - lost_since > self.options.scheduler_timeout_s
+        )
 
     async def _connect(self, stub) -> None:
         info = await stub.Describe(generation_pb2.GetModelInfoRequest(), timeout=5)
@@ -90,7 +118,8 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         )  # fmt: skip
         call = stub.Connect()
         await call.write(scheduler_pb2.RouterMessage(router_id=self.options.router_id))
-        self.connected, self.credits = True, 0
+        self.connected, self.credits, self.scheduler_lost_since = True, 0, None
+        self.flush.set()  # tell the scheduler what is queued (resubmissions included)
         wire.set_serving(self.health, [SERVICE_NAME], True)
         log.info("connected to scheduler %s (%s)", self.options.scheduler_address, info.model_name)
         writer = asyncio.create_task(self._write(call))
@@ -110,7 +139,9 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             self.aborts = []
             while self.credits and self.queue:
                 request_id = next(iter(self.queue))
-                msg.adds.append(self.queue.pop(request_id))
+                add = self.queue.pop(request_id)
+                self.queued_tokens -= len(add.prompt_token_ids)
+                msg.adds.append(add)
                 self.requests[request_id].sent = True
                 self.credits -= 1
             msg.num_queued = len(self.queue)
@@ -140,6 +171,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                 continue
             reason = finished.pop(request_id, 0) if finished else 0
             pending.finished = bool(reason)
+            pending.generated.append(token_id)
             pending.queue.put_nowait((token_id, reason, logprobs[i] if logprobs else None))
         for request_id, reason in finished.items():  # ended without a token
             if (pending := requests.get(request_id)) is not None:
@@ -151,17 +183,33 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                 pending.queue.put_nowait(error)
 
     def _lost_scheduler(self) -> None:
-        if self.connected:
-            log.error("lost the scheduler at %s", self.options.scheduler_address)
-        self.connected = False
+        """The scheduler and all it held are gone. Every request it was serving goes
+        back to the head of the admission queue as its remainder, for the next
+        scheduler: its client sees a pause, then the rest of its tokens."""
+        if not self.connected:
+            return
+        log.error("lost the scheduler at %s", self.options.scheduler_address)
+        self.connected, self.scheduler_lost_since = False, time.monotonic()
         wire.set_serving(self.health, [SERVICE_NAME], False)
-        for pending in self.requests.values():
+        self.aborts = []  # the new scheduler never knew them
+        resubmit = {}
+        for request_id, pending in self.requests.items():
             if pending.sent and not pending.finished:
+                pending.sent = False
+                resubmit[request_id] = pending.remainder()
+                self.queued_tokens += len(resubmit[request_id].prompt_token_ids)
+        self.queue = resubmit | self.queue
+
+    def _fail_all(self, why: str) -> None:
+        for pending in self.requests.values():
+            if not pending.finished:
                 pending.finished = True
                 pending.queue.put_nowait(scheduler_pb2.RequestError(
                     request_id=pending.request_id, code=grpc.StatusCode.UNAVAILABLE.value[0],
-                    message="the scheduler was lost; retry the request",
+                    message=f"{why}; retry the request",
                 ))  # fmt: skip
+        self.queue.clear()
+        self.queued_tokens = 0
 
     # -- clients ---------------------------------------------------------------
 
@@ -173,7 +221,8 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        if not self.accepting or not self.connected or self.limits is None:
+        # While a lost scheduler may still come back, new requests queue up here.
+        if not self.accepting or self.limits is None or self._scheduler_timed_out():
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE, "the router is not serving; retry later"
             )
@@ -186,6 +235,12 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the admission queue is full ({len(self.queue)} requests): retry later",
+            )
+        if self.queued_tokens + len(token_ids) > self.options.max_queued_tokens:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the admission queue holds {self.queued_tokens} prompt tokens and takes "
+                f"{self.options.max_queued_tokens} at most: retry later",
             )
         trace = RequestTrace(
             self.tracer, self.model_info.model_name, request, len(token_ids),
@@ -200,17 +255,18 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             self._release(pending)
 
     def _admit(self, request, token_ids: list[int], sampling, traceparent: str) -> Pending:
-        pending = Pending(uuid.uuid4().hex)
+        request_id = uuid.uuid4().hex
         add = scheduler_pb2.AddRequest(
-            request_id=pending.request_id, prompt_token_ids=token_ids, sampling=sampling,
+            request_id=request_id, prompt_token_ids=token_ids, sampling=sampling,
             min_tokens=request.min_tokens, ignore_eos=request.ignore_eos,
             stop_token_ids=request.stop_token_ids, priority=request.priority,
             arrival_time=time.time(), traceparent=traceparent, labels=request.labels,
         )  # fmt: skip
         if request.HasField("max_tokens"):
             add.max_tokens = request.max_tokens
-        self.requests[pending.request_id] = pending
-        self.queue[pending.request_id] = add
+        pending = self.requests[request_id] = Pending(request_id, add)
+        self.queue[request_id] = add
+        self.queued_tokens += len(token_ids)
         self.flush.set()
         return pending
 
@@ -218,7 +274,8 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         """The client stream ended: done, cancelled, past its deadline or stopped by a
         stop string. Whatever the scheduler still holds of it is aborted there."""
         self.requests.pop(pending.request_id, None)
-        if self.queue.pop(pending.request_id, None) is not None:
+        if (add := self.queue.pop(pending.request_id, None)) is not None:
+            self.queued_tokens -= len(add.prompt_token_ids)
             return  # never reached the scheduler
         if pending.sent and not pending.finished:
             self.aborts.append(pending.request_id)

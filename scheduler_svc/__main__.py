@@ -32,6 +32,12 @@ def parse_args(argv: list[str] | None = None):
                    help="waiting here at most; the rest stay queued at the routers")  # fmt: skip
     p.add_argument("--max-steps-in-flight", type=int, choices=[1, 2], default=2,
                    help="2: plan step N+1 while step N runs (no executor idle)")  # fmt: skip
+    p.add_argument("--executor-heartbeat-timeout", type=float, default=30.0,
+                   help="seconds a step or heartbeat may go unanswered before the "
+                   "executor counts as hung (lost)")  # fmt: skip
+    p.add_argument("--executor-timeout", type=float, default=60.0,
+                   help="seconds requests wait for a lost executor; then UNAVAILABLE")  # fmt: skip
+    wire.add_tls_args(p)
     p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus /metrics; 0: off")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
@@ -51,13 +57,16 @@ def config_from_args(args) -> SchedulerConfig:
 
 
 async def serve(args) -> None:
-    server = wire.new_server(args.port, args.host)
+    tls = wire.TLSConfig.from_args(args)
+    server = wire.new_server(args.port, args.host, tls)
     health = wire.add_health_and_reflection(server, [SERVICE_NAME])
     if args.policy == "remote":
         wire.set_serving(health, [POLICY_SERVICE], False, overall=False)
     options = ServiceOptions(
         args.executor, args.max_model_len, args.max_waiting_requests, args.max_steps_in_flight,
         args.policy_addr, args.policy_deadline_ms / 1000,
+        heartbeat_timeout_s=args.executor_heartbeat_timeout,
+        executor_timeout_s=args.executor_timeout, tls=tls,
     )  # fmt: skip
     telemetry = SchedulerTelemetry(Telemetry("flagstop-scheduler"))
     service = SchedulerService(config_from_args(args), options, health, telemetry)

@@ -26,10 +26,10 @@ RETRY_AFTER_S = 0.5
 class RemotePolicyClient:
     def __init__(
         self, address: str, policy: RankedPolicy, deadline_s: float,
-        on_change: Callable[[bool, str], None],
+        on_change: Callable[[bool, str], None], tls: wire.TLSConfig | None = None,
     ) -> None:  # fmt: skip
         """on_change(active, failure reason or ""): after every failure and on recovery."""
-        self.stub = policy_pb2_grpc.SchedulerPolicyStub(wire.channel(address))
+        self.stub = policy_pb2_grpc.SchedulerPolicyStub(wire.channel(address, tls))
         self.policy, self.deadline_s, self.on_change = policy, deadline_s, on_change
         self.active = False  # its rankings are in use
         self.num_failures = 0

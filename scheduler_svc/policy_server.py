@@ -57,12 +57,13 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50060)
     p.add_argument("--sleep-ms", type=float, default=0.0, help="answer this late (testing)")
+    wire.add_tls_args(p)
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
 
 async def serve(args) -> None:
-    server = wire.new_server(args.port, args.host)
+    server = wire.new_server(args.port, args.host, wire.TLSConfig.from_args(args))
     policy_pb2_grpc.add_SchedulerPolicyServicer_to_server(
         PolicyServer(args.strategy, args.sleep_ms / 1000), server
     )

@@ -125,6 +125,27 @@ class Scheduler:
         if found:
             self._drop_finished(queued_ids)
 
+    def reset_executor(self, num_blocks: int) -> None:
+        """The executor was lost, and the KV cache with it: every request starts over
+        by recompute (prompt + the tokens it already has), its steps in flight are
+        forgotten, and the pool, sized by the new executor, begins empty."""
+        # Oldest first back at the head of the queue, in the order they ran.
+        for request in reversed(self.running):
+            request.status = PREEMPTED
+            request.num_preemptions += 1
+            self.num_preemptions += 1
+            self.waiting.prepend(request)
+        self.running = []
+        for request in self.requests.values():
+            request.num_computed_tokens = 0
+            request.num_output_placeholders = 0
+        config, stats = self.config, self.kv.prefix_stats
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv.prefix_stats = stats
+        self.max_model_len = min(self.config.max_model_len, num_blocks * self.config.block_size)
+        # The new executor starts from an empty batch: nothing of the old to drop.
+        self.finished_req_ids = set()
+
     # -- one step ----------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:

@@ -3,6 +3,7 @@ engine loop between them keeping up to two steps in flight."""
 
 import asyncio
 import logging
+import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator
@@ -30,7 +31,6 @@ from scheduler_svc.wire import FINISH_TO_PROTO, request_from_proto, step_to_prot
 log = logging.getLogger("flagstop.scheduler")
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 HEARTBEAT_INTERVAL_S = 1.0
-HEARTBEAT_TIMEOUT_S = 10.0
 
 
 class ExecutorLost(Exception):
@@ -57,6 +57,11 @@ class ServiceOptions:
     policy_address: str = "127.0.0.1:50060"  # with --policy remote
     policy_deadline_s: float = 0.020
     drain_timeout_s: float = 30.0
+    # A step or heartbeat unanswered this long means the executor is hung.
+    heartbeat_timeout_s: float = 30.0
+    # Requests wait this long for a lost executor to come back, then fail.
+    executor_timeout_s: float = 60.0
+    tls: wire.TLSConfig | None = None
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
@@ -77,6 +82,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.routers: dict[str, RouterConnection] = {}
         self.wakeup = asyncio.Event()
         self.executor_connected = False
+        self.executor_lost_since: float | None = None
         self.accepting = True
         self.policy_client: RemotePolicyClient | None = None
 
@@ -84,19 +90,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     async def connect_executor(self) -> None:
         """Describe the executor (waiting for it to come up) and size the pool from it."""
-        self.channel = wire.channel(self.options.executor_address)
+        self.channel = wire.channel(self.options.executor_address, self.options.tls)
         self.executor = executor_pb2_grpc.ExecutorStub(self.channel)
-        delay = 0.1
-        while True:
-            try:
-                info = await self.executor.Describe(executor_pb2.DescribeRequest(), timeout=5)
-                break
-            except grpc.aio.AioRpcError as e:
-                log.info(
-                    "waiting for the executor at %s: %s", self.options.executor_address, e.code()
-                )
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+        info = await self._describe()
         self.model_info = info
         self.telemetry.model_name = info.model_name
         self.eos_token_ids = frozenset(info.eos_token_ids)
@@ -113,30 +109,66 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if isinstance(self.scheduler.policy, RankedPolicy):
             self.policy_client = RemotePolicyClient(
                 self.options.policy_address, self.scheduler.policy,
-                self.options.policy_deadline_s, self._policy_changed,
+                self.options.policy_deadline_s, self._policy_changed, self.options.tls,
             )  # fmt: skip
         log.info("executor %s: %s, %d blocks of %d", self.options.executor_address,
                  info.model_name, info.num_blocks, info.block_size)  # fmt: skip
 
+    async def _describe(self) -> generation_pb2.ModelInfo:
+        """Describe with backoff until an executor answers; requests that outwait
+        --executor-timeout meanwhile end with UNAVAILABLE."""
+        delay = 0.1
+        while True:
+            try:
+                return await self.executor.Describe(
+                    executor_pb2.DescribeRequest(), timeout=self.options.heartbeat_timeout_s
+                )
+            except grpc.aio.AioRpcError as e:
+                log.info("waiting for the executor at %s: %s", self.options.executor_address,
+                         e.code())  # fmt: skip
+            if self._executor_timed_out():
+                self._fail_all(grpc.StatusCode.UNAVAILABLE, (
+                    f"no executor for {self.options.executor_timeout_s:g}s: retry the request"
+                ))  # fmt: skip
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+    def _executor_timed_out(self) -> bool:
+        lost_since = self.executor_lost_since
+        return lost_since is not None and (
+            time.monotonic() - lost_since > self.options.executor_timeout_s
+        )
+
     async def run(self) -> None:
-        """The engine loop, reconnecting to the executor when its stream breaks."""
+        """The engine loop. When the executor is lost (dead, or silent past the
+        heartbeat deadline) its KV cache is gone with it: every request is preempted
+        for recompute and goes on, with the tokens it has, on the next executor."""
         while True:
             call = self.executor.Execute()
-            self.executor_connected = True
+            self.executor_connected, self.executor_lost_since = True, None
             wire.set_serving(self.health, [SERVICE_NAME], True)
             try:
                 await self._drive(call)
-            except (grpc.aio.AioRpcError, ExecutorLost) as e:
-                log.error("executor stream lost: %s", e)
+            except (grpc.aio.AioRpcError, ExecutorLost, TimeoutError) as e:
+                log.error("executor lost: %s", e if not isinstance(e, TimeoutError) else (
+                    f"silent for {self.options.heartbeat_timeout_s:g}s"))  # fmt: skip
             except Exception:  # a bug: fail what is in flight rather than hang forever
                 log.exception("engine loop failed")
+                self._fail_all(grpc.StatusCode.INTERNAL, "the scheduler failed; retry")
             finally:
                 call.cancel()
-            self.executor_connected = False
+            self.executor_connected, self.executor_lost_since = False, time.monotonic()
             wire.set_serving(self.health, [SERVICE_NAME], False)
-            self.telemetry.drop_steps()
-            self._fail_all(grpc.StatusCode.UNAVAILABLE, "the executor was lost; retry the request")
-            await asyncio.sleep(1.0)
+            self.telemetry.executor_lost(self.scheduler)
+            self.scheduler.reset_executor(self.scheduler.kv.pool.num_blocks)
+            info = await self._describe()
+            if (info.model_name, info.vocab_size) != (
+                self.model_info.model_name,
+                self.model_info.vocab_size,
+            ):
+                self._fail_all(grpc.StatusCode.UNAVAILABLE, "the executor came back with "
+                               f"another model ({info.model_name}); retry the request")  # fmt: skip
+            self.scheduler.reset_executor(info.num_blocks)
 
     async def _drive(self, call) -> None:
         scheduler = self.scheduler
@@ -176,15 +208,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         except TimeoutError:
             pass
         await call.write(executor_pb2.StepRequest(heartbeat=True))
-        try:
-            reply = await asyncio.wait_for(self._read(call), HEARTBEAT_TIMEOUT_S)
-        except TimeoutError:
-            raise ExecutorLost("the executor missed a heartbeat") from None
-        if not reply.heartbeat:
+        if not (await self._read(call)).heartbeat:
             raise ExecutorLost("a heartbeat got a step result")
 
     async def _read(self, call) -> executor_pb2.StepResult:
-        result = await call.read()
+        """The next result; an executor silent past the heartbeat deadline (hung, or
+        its host gone without a reset) counts as lost."""
+        async with asyncio.timeout(self.options.heartbeat_timeout_s):
+            result = await call.read()
         if result is grpc.aio.EOF:
             raise ExecutorLost("the executor closed the stream")
         return result
@@ -313,7 +344,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.wakeup.set()
 
     def _add(self, conn: RouterConnection, add: scheduler_pb2.AddRequest):
-        if not self.accepting or self.scheduler is None or not self.executor_connected:
+        # While a lost executor may still come back, new requests wait with the rest.
+        if not self.accepting or self.scheduler is None or self._executor_timed_out():
             return scheduler_pb2.RequestError(
                 request_id=add.request_id, code=grpc.StatusCode.UNAVAILABLE.value[0],
                 message="the scheduler is not serving (starting, stopping, or no executor)",

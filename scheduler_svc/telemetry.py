@@ -19,6 +19,9 @@ KV_USAGE = Gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)
 PREEMPTIONS = Counter("vllm:num_preemptions", "Requests preempted", ["model_name"])
 PREFIX_QUERIES = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up", ["model_name"])
 PREFIX_HITS = Counter("vllm:prefix_cache_hits", "Prompt tokens found cached", ["model_name"])
+EXECUTOR_LOSSES = Counter(
+    "flagstop:executor_losses", "Executor streams lost (dead or hung)", ["model_name"]
+)
 STEP_SECONDS = Histogram(
     "flagstop:step_duration_seconds", "From planning a step to applying its tokens",
     ["model_name"], buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
@@ -95,13 +98,17 @@ class SchedulerTelemetry:
                     self.on_finish(req_id, reason.name.lower())
         self._export_gauges(scheduler)
 
-    def drop_steps(self) -> None:
-        """The steps in flight will never report (the executor was lost)."""
+    def executor_lost(self, scheduler: Scheduler) -> None:
+        """The steps in flight will never report; every request starts over."""
+        EXECUTOR_LOSSES.labels(self.model_name).inc()
         for _, span in self.steps.values():
             if span is not None:
                 span.set_status(Status(StatusCode.ERROR, "executor lost"))
                 span.end()
         self.steps.clear()
+        for request_id in scheduler.requests:
+            if (span := self.request_spans.get(request_id)) is not None:
+                span.add_event("executor lost: recompute")
 
     def event(self, name: str, attributes: dict) -> None:
         """An event on the newest step still in flight (the iteration it happened in),

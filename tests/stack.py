@@ -32,9 +32,25 @@ class Stack:
     processes: dict[str, subprocess.Popen]
     log_dir: Path
     metrics_ports: dict[str, int]
+    commands: dict[str, list[str]]
+    env: dict[str, str] | None = None
+    channel_credentials: grpc.ChannelCredentials | None = None
 
     def channel(self, address: str) -> grpc.Channel:
+        if self.channel_credentials is not None:
+            return grpc.secure_channel(address, self.channel_credentials, wire.CHANNEL_OPTIONS)
         return grpc.insecure_channel(address, options=wire.CHANNEL_OPTIONS)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        self.processes[name].send_signal(sig)
+        if sig == signal.SIGKILL:
+            self.processes[name].wait()
+
+    def restart(self, name: str, wait: bool = True) -> None:
+        """The same command on the same port, as a supervisor would."""
+        self.processes[name] = spawn(name, self.commands[name], self.log_dir, self.env, "a")
+        if wait:
+            wait_serving(self.channel(getattr(self, name)), self.processes[name])
 
     def generation(self) -> generation_pb2_grpc.GenerationStub:
         return generation_pb2_grpc.GenerationStub(self.channel(self.router))
@@ -67,6 +83,7 @@ class Stack:
         codes: dict[str, int | None] = {}
         for name in ("router", "scheduler", "executor"):
             process = self.processes[name]
+            process.send_signal(signal.SIGCONT)  # a test may have stopped it
             process.send_signal(signal.SIGTERM)
             try:
                 codes[name] = process.wait(timeout)
@@ -85,7 +102,9 @@ def start_stack(
     scheduler_args=(),
     router_args=(),
     env: dict[str, str] | None = None,
+    channel_credentials: grpc.ChannelCredentials | None = None,
 ) -> Stack:
+    """channel_credentials: how the test talks to the three (with TLS on)."""
     ports = {name: free_port() for name in ("router", "scheduler", "executor")}
     metrics_ports = {name: free_port() for name in ports}
     address = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
@@ -95,16 +114,12 @@ def start_stack(
         "router": ["-m", "router", "--model", str(model_dir), "--scheduler", address["scheduler"],
                    *router_args],
     }  # fmt: skip
-    processes = {
-        name: spawn(
-            name, [*args, "--port", str(ports[name]), "--metrics-port", str(metrics_ports[name])],
-            log_dir, env,
-        )
-        for name, args in commands.items()
-    }  # fmt: skip
+    for name, args in commands.items():
+        args += ["--port", str(ports[name]), "--metrics-port", str(metrics_ports[name])]
+    processes = {name: spawn(name, args, log_dir, env) for name, args in commands.items()}
     stack = Stack(
         address["router"], address["scheduler"], address["executor"], processes, log_dir,
-        metrics_ports,
+        metrics_ports, commands, env, channel_credentials,
     )  # fmt: skip
     try:
         for name in ("executor", "scheduler", "router"):
@@ -116,11 +131,11 @@ def start_stack(
 
 
 def spawn(
-    name: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None
+    name: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None, mode: str = "w"
 ) -> subprocess.Popen:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     log_dir.mkdir(parents=True, exist_ok=True)
-    log = (log_dir / f"{name}.log").open("w")
+    log = (log_dir / f"{name}.log").open(mode)
     return subprocess.Popen(
         [sys.executable, *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
     )

@@ -92,17 +92,30 @@ def test_one_trace_per_request_across_the_three_processes(traced):
     request_ids = {
         r.span_id for r in requests if r.trace_id in {s.trace_id for s in routers.values()}
     }
-    steps = wait_for(lambda: collector.named("scheduler.step"))
-    linked = {link.span_id for step in steps for link in step.links}
-    assert request_ids <= linked, "every request span is linked from the steps that served it"
+
+    # Spans arrive in export batches: wait for all that the assertions need.
+    def steps_linking_every_request():
+        steps = collector.named("scheduler.step")
+        linked = {link.span_id for step in steps for link in step.links}
+        return steps if request_ids <= linked else None
+
+    steps = wait_for(steps_linking_every_request)
     assert all(link.span_id in {r.span_id for r in collector.named("scheduler.request")}
                for step in steps for link in step.links)  # fmt: skip
-    executors = wait_for(lambda: collector.named("executor.step"))
-    step_ids = {(s.trace_id, s.span_id) for s in steps}
-    assert all((e.trace_id, e.parent_span_id) in step_ids for e in executors)
     served = [s for s in steps if any(link.span_id in request_ids for link in s.links)]
-    children = {(e.trace_id, e.parent_span_id) for e in executors}
-    assert all((s.trace_id, s.span_id) in children for s in served)
+
+    def executor_spans_of_every_served_step():
+        children = {(e.trace_id, e.parent_span_id) for e in collector.named("executor.step")}
+        return all((s.trace_id, s.span_id) in children for s in served)
+
+    wait_for(executor_spans_of_every_served_step)
+
+    def executor_spans_all_under_steps():
+        step_ids = {(s.trace_id, s.span_id) for s in collector.named("scheduler.step")}
+        executors = collector.named("executor.step")
+        return all((e.trace_id, e.parent_span_id) in step_ids for e in executors)
+
+    wait_for(executor_spans_all_under_steps)
     assert sum(attributes(s)["flagstop.scheduled_tokens"] for s in served) >= 3 * 4 + 5 + 7 + 9 - 3
     assert collector.services() == {"flagstop-router", "flagstop-scheduler", "flagstop-executor"}
 

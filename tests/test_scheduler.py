@@ -401,3 +401,27 @@ def test_a_preemption_order_picks_the_victim():
     scheduler.policy.apply([], ["a"])  # FCFS would pick the newest, b
     assert step_until_preemption(scheduler).preempted_req_ids == {"a"}
     run_to_idle(scheduler)
+
+
+def test_a_lost_executor_restarts_every_request_by_recompute_on_a_new_pool():
+    scheduler = make_scheduler(num_blocks=64)
+    for rid in ("a", "b", "c"):
+        scheduler.add_request(make_request(rid, num_prompt=6, max_tokens=20))
+    for _ in range(3):
+        step(scheduler)
+    in_flight = scheduler.schedule()  # its tokens never come back
+    outputs_so_far = {r.request_id: list(r.output_token_ids) for r in scheduler.running}
+    scheduler.reset_executor(num_blocks=32)
+    check_invariants(scheduler)
+    assert not scheduler.running and [r.request_id for r in scheduler.waiting] == ["a", "b", "c"]
+    assert scheduler.kv.pool.num_blocks == 32 and scheduler.num_preemptions == 3
+    assert all(r.num_output_placeholders == 0 for r in scheduler.requests.values())
+    assert in_flight.sampling_requests
+    plan = scheduler.schedule()
+    # Resumed with every token they have, from position 0 on the new executor.
+    resumed = {d.req_id: d for d in plan.scheduled_resumed_reqs}
+    assert set(resumed) == {"a", "b", "c"} and not plan.finished_req_ids
+    for rid, data in resumed.items():
+        assert list(data.token_ids)[6:] == outputs_so_far[rid] and data.num_computed_tokens == 0
+    scheduler.update_from_output(plan, [7] * len(plan.sampling_requests))
+    run_to_idle(scheduler)

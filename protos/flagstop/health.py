@@ -8,9 +8,18 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from flagstop.wire import TLSConfig, add_tls_args
 
-def check(address: str, service: str = "", timeout: float = 3.0) -> bool:
-    with grpc.insecure_channel(address) as channel:
+
+def check(
+    address: str, service: str = "", timeout: float = 3.0, tls: TLSConfig | None = None
+) -> bool:
+    channel = (
+        grpc.secure_channel(address, tls.channel_credentials())
+        if tls
+        else grpc.insecure_channel(address)
+    )
+    with channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout
@@ -25,8 +34,10 @@ def main() -> None:
     parser.add_argument("address")
     parser.add_argument("--service", default="", help="default: the server as a whole")
     parser.add_argument("--timeout", type=float, default=3.0)
+    add_tls_args(parser)
     args = parser.parse_args()
-    sys.exit(0 if check(args.address, args.service, args.timeout) else 1)
+    tls = TLSConfig.from_args(args)
+    sys.exit(0 if check(args.address, args.service, args.timeout, tls) else 1)
 
 
 if __name__ == "__main__":

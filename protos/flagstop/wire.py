@@ -8,6 +8,8 @@ import logging
 import os
 import signal
 from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -34,8 +36,44 @@ SERVER_OPTIONS = [
 ]
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+@dataclass(frozen=True, slots=True)
+class TLSConfig:
+    """One process's certificate and key, presented on both ends of its links (so
+    every internal link is mutually authenticated), and the CA its peers' chain to."""
+
+    cert: bytes
+    key: bytes
+    ca: bytes
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "TLSConfig | None":
+        paths = (args.tls_cert, args.tls_key, args.tls_ca)
+        if not any(paths):
+            return None
+        if not all(paths):
+            raise SystemExit("--tls-cert, --tls-key and --tls-ca are needed together")
+        return cls(*(Path(path).read_bytes() for path in paths))
+
+    def server_credentials(self, require_client_cert: bool = True) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials(
+            [(self.key, self.cert)], root_certificates=self.ca,
+            require_client_auth=require_client_cert,
+        )  # fmt: skip
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(self.ca, self.key, self.cert)
+
+
+def add_tls_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tls-cert", help="PEM certificate: served, and shown to servers")
+    parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    parser.add_argument("--tls-ca", help="PEM CA that peers' certificates must chain to")
+
+
+def channel(address: str, tls: TLSConfig | None = None) -> grpc.aio.Channel:
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=CHANNEL_OPTIONS)
 
 
 class EnvArgumentParser(argparse.ArgumentParser):
@@ -63,9 +101,24 @@ class EnvArgumentParser(argparse.ArgumentParser):
         return convert(value)
 
 
-def new_server(port: int, host: str = "127.0.0.1") -> grpc.aio.Server:
-    server = grpc.aio.server(options=SERVER_OPTIONS)
-    bound = server.add_insecure_port(f"{host}:{port}")
+def new_server(
+    port: int,
+    host: str = "127.0.0.1",
+    tls: TLSConfig | None = None,
+    *,
+    require_client_cert: bool = True,
+    max_receive_bytes: int = MAX_MESSAGE_BYTES,
+    interceptors: tuple[grpc.aio.ServerInterceptor, ...] = (),
+) -> grpc.aio.Server:
+    """A larger message than max_receive_bytes is refused with RESOURCE_EXHAUSTED."""
+    options = [o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"]
+    options.append(("grpc.max_receive_message_length", max_receive_bytes))
+    server = grpc.aio.server(options=options, interceptors=interceptors)
+    address = f"{host}:{port}"
+    if tls is None:
+        bound = server.add_insecure_port(address)
+    else:
+        bound = server.add_secure_port(address, tls.server_credentials(require_client_cert))
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
     return server
