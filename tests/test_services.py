@@ -250,12 +250,13 @@ def test_a_passed_deadline_is_deadline_exceeded_and_frees_the_blocks(stack):
 
 @pytest.fixture(scope="module")
 def queue_stack(model_dir, tmp_path_factory):
-    """One seat, one waiting place at the scheduler, two places in the router's queue."""
+    """One seat, one waiting place at the scheduler; at the router, three requests or 40
+    prompt tokens in the queue."""
     yield from running_stack(
         model_dir, tmp_path_factory.mktemp("queue"),
         executor_args=["--num-blocks", "128"],
         scheduler_args=["--max-num-seqs", "1", "--max-waiting-requests", "1"],
-        router_args=["--max-queued-requests", "2"],
+        router_args=["--max-queued-requests", "3", "--max-queued-tokens", "40"],
     )  # fmt: skip
 
 
@@ -272,17 +273,23 @@ def test_a_full_admission_queue_is_resource_exhausted_at_once(queue_stack):
             time.sleep(0.01)
         return future
 
-    with ThreadPoolExecutor(4) as pool:
-        # 1 running + 1 waiting at the scheduler, then 2 queued at the router.
+    def refused(prompt_token_ids: list[int]) -> str:
+        start = time.monotonic()
+        with pytest.raises(grpc.RpcError) as error:
+            generate(queue_stack, prompt_token_ids=prompt_token_ids, max_tokens=5)
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert time.monotonic() - start < 1.0
+        return error.value.details()
+
+    with ThreadPoolExecutor(5) as pool:
+        # 1 running + 1 waiting at the scheduler, then 2 queued at the router (4 tokens).
         admitted = [submit_until(pool, 1, 0), submit_until(pool, 1, 1)]
         admitted += [pool.submit(long_request) for _ in range(2)]
         time.sleep(0.3)
-        start = time.monotonic()
-        with pytest.raises(grpc.RpcError) as error:
-            generate(queue_stack, prompt_token_ids=[0, 9], max_tokens=5)
-        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "admission queue is full" in error.value.details()
-        assert time.monotonic() - start < 1.0
+        assert "holds 4 prompt tokens" in refused([0] + [9] * 37)  # 4 + 38 > 40
+        admitted.append(pool.submit(long_request))  # the third place
+        time.sleep(0.3)
+        assert "admission queue is full" in refused([0, 9])
         assert all(len(f.result()[0]) == 300 for f in admitted)
 
 
