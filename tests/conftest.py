@@ -1,5 +1,7 @@
 import os
 
+import pytest
+
 # Models are local files only: never reach for a hub, whoever runs pytest.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -13,3 +15,18 @@ try:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 except ImportError:
     pass
+
+from executor.make_model import write_model
+from tests.checkpoints import load_reference
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """The embedded default checkpoint, written once for every stack test."""
+    return write_model(tmp_path_factory.mktemp("model") / "flagstop-tiny", "tiny")
+
+
+@pytest.fixture(scope="session")
+def reference(model_dir):
+    """transformers on the same weights: the oracle of greedy tokens."""
+    return load_reference(model_dir)

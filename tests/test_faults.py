@@ -13,21 +13,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from executor.make_model import write_model
 from flagstop import wire
 from flagstop.v1 import generation_pb2, generation_pb2_grpc
-from tests.checkpoints import load_reference, reference_generate
+from tests.checkpoints import reference_generate
 from tests.stack import ROOT, start_stack
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_model(tmp_path_factory.mktemp("model") / "flagstop-tiny", "tiny")
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir):
-    return load_reference(model_dir)
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from executor.make_model import write_model
 from flagstop import health, wire
 from flagstop.v1 import generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.certs import have_openssl, make_ca, make_cert
@@ -15,11 +14,6 @@ from tests.stack import generate, start_stack
 
 API_KEY = "s3cret-key"
 AUTH = (("authorization", f"Bearer {API_KEY}"),)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_model(tmp_path_factory.mktemp("model") / "flagstop-tiny", "tiny")
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from executor.make_model import write_model
 from flagstop.v1 import generation_pb2
-from tests.checkpoints import load_reference, reference_generate
+from tests.checkpoints import reference_generate
 from tests.stack import ROOT, free_port, generate, spawn, start_stack, wait_serving
 
 SERVICES = {
@@ -26,16 +25,6 @@ SERVICES = {
     "scheduler": "flagstop.v1.Scheduler",
     "executor": "flagstop.v1.Executor",
 }
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_model(tmp_path_factory.mktemp("model") / "flagstop-tiny", "tiny")
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir):
-    return load_reference(model_dir)
 
 
 def running_stack(model_dir, log_dir, **kwargs):
