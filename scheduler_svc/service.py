@@ -149,9 +149,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             wire.set_serving(self.health, [SERVICE_NAME], True)
             try:
                 await self._drive(call)
-            except (grpc.aio.AioRpcError, ExecutorLost, TimeoutError) as e:
-                log.error("executor lost: %s", e if not isinstance(e, TimeoutError) else (
-                    f"silent for {self.options.heartbeat_timeout_s:g}s"))  # fmt: skip
+            except (grpc.aio.AioRpcError, ExecutorLost) as e:
+                log.error("executor lost: %s", e)
+            except TimeoutError:
+                log.error("executor lost: silent for %gs", self.options.heartbeat_timeout_s)
             except Exception:  # a bug: fail what is in flight rather than hang forever
                 log.exception("engine loop failed")
                 self._fail_all(grpc.StatusCode.INTERNAL, "the scheduler failed; retry")
