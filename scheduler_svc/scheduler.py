@@ -142,7 +142,7 @@ class Scheduler:
         config, stats = self.config, self.kv.prefix_stats
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.kv.prefix_stats = stats
-        self.max_model_len = min(self.config.max_model_len, num_blocks * self.config.block_size)
+        self.max_model_len = min(config.max_model_len, num_blocks * config.block_size)
         # The new executor starts from an empty batch: nothing of the old to drop.
         self.finished_req_ids = set()
 

@@ -46,11 +46,10 @@ class Stack:
         if sig == signal.SIGKILL:
             self.processes[name].wait()
 
-    def restart(self, name: str, wait: bool = True) -> None:
+    def restart(self, name: str) -> None:
         """The same command on the same port, as a supervisor would."""
         self.processes[name] = spawn(name, self.commands[name], self.log_dir, self.env, "a")
-        if wait:
-            wait_serving(self.channel(getattr(self, name)), self.processes[name])
+        wait_serving(self.channel(getattr(self, name)), self.processes[name])
 
     def generation(self) -> generation_pb2_grpc.GenerationStub:
         return generation_pb2_grpc.GenerationStub(self.channel(self.router))

@@ -164,7 +164,7 @@ def fuzz_stub(stack):
 def test_fuzzed_requests_always_get_a_valid_status(fuzz_stub, request):
     try:
         for chunk in fuzz_stub.Generate(request, timeout=10):
-            assert len(chunk.token_ids) <= 1 or chunk.finish_reason
+            assert len(chunk.token_ids) <= 1  # one step's token per chunk
         code, details = grpc.StatusCode.OK, ""
     except grpc.RpcError as e:
         code, details = e.code(), e.details()
