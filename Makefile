@@ -36,22 +36,23 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# The contracts live in protos/; their stubs are generated into the flagstop package.
 proto: $(STAMP)
-	$(PY) -m grpc_tools.protoc -Iprotos --python_out=protos --pyi_out=protos \
-		--grpc_python_out=protos protos/flagstop/v1/*.proto
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. \
+		protos/flagstop/v1/*.proto
 
 model: $(MODEL_DIR)/config.json
 
-$(MODEL_DIR)/config.json: $(STAMP) executor/make_model.py
-	$(PY) -m executor.make_model --size $(SIZE) --out $(MODEL_DIR)
+$(MODEL_DIR)/config.json: $(STAMP) tools/make_model.py
+	$(PY) -m tools.make_model --size $(SIZE) --out $(MODEL_DIR)
 
 # Ctrl-C (SIGINT) reaches all three, and each drains and exits 0.
 serve: $(STAMP) $(if $(filter $(MODEL_DIR),$(MODEL)),$(MODEL_DIR)/config.json)
 	@echo "router 127.0.0.1:50051, scheduler :50052, executor :50053 on $(MODEL); Ctrl-C stops"
 	@trap 'kill -INT $$e $$s $$r 2>/dev/null; wait' INT TERM; \
-	$(PY) -m executor --model $(MODEL) --port 50053 & e=$$!; \
-	$(PY) -m scheduler_svc --executor 127.0.0.1:50053 --port 50052 & s=$$!; \
-	$(PY) -m router --model $(MODEL) --scheduler 127.0.0.1:50052 --port 50051 & r=$$!; \
+	$(VENV)/bin/flagstop-executor --model $(MODEL) --port 50053 & e=$$!; \
+	$(VENV)/bin/flagstop-scheduler --executor 127.0.0.1:50053 --port 50052 & s=$$!; \
+	$(VENV)/bin/flagstop-router --model $(MODEL) --scheduler 127.0.0.1:50052 --port 50051 & r=$$!; \
 	wait
 
 up:
@@ -69,6 +70,7 @@ ps:
 # The default set, under 10 minutes on a 2-core machine; bench/RESULTS.md gathers them.
 bench: $(STAMP)
 	$(PY) bench/scheduler_bench.py
+	$(PY) bench/detokenizer_bench.py
 	$(PY) bench/peers.py
 	$(PY) bench/serve_bench.py --request-rate 4 8 16 32 inf
 	$(PY) bench/tracing_bench.py

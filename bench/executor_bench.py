@@ -21,11 +21,12 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from executor.config import ExecutorConfig
-from executor.make_model import write_model
-from executor.model_runner import ModelRunner
-from executor.plan import NewRequest, StepPlan
-from executor.sampling import SamplingParams
+from flagstop.executor.config import ExecutorConfig
+from flagstop.executor.model_runner import ModelRunner
+from flagstop.executor.sampling import SamplingParams
+from flagstop.scheduler_svc.core.output import NewRequestData, SchedulerOutput
+from flagstop.utils import cdiv
+from tools.make_model import write_model
 
 BLOCK_SIZE = 16
 CASES = {  # model size -> (contexts, batch sizes)
@@ -47,19 +48,19 @@ def median_time(fn, repeats: int) -> float:
 def our_decode(runner: ModelRunner, batch: int, context: int, repeats: int) -> float:
     """B requests whose first context-1 tokens count as cached; each step decodes one."""
     runner.batch = runner._new_batch()
-    blocks_per_req = -(-(context + repeats + 2) // BLOCK_SIZE)
-    plan = StepPlan()
+    blocks_per_req = cdiv(context + repeats + 2, BLOCK_SIZE)
+    plan = SchedulerOutput()
     for i in range(batch):
         req_id = f"r{i}"
         blocks = list(range(i * blocks_per_req, (i + 1) * blocks_per_req))
         plan.scheduled_new_reqs.append(
-            NewRequest(req_id, [1] * context, context, SamplingParams(), blocks, context - 1)
+            NewRequestData(req_id, [1] * context, context, SamplingParams(), blocks, context - 1)
         )
         plan.num_scheduled_tokens[req_id] = 1
     runner.execute(plan)
 
     def step():
-        cached = StepPlan(num_scheduled_tokens={f"r{i}": 1 for i in range(batch)})
+        cached = SchedulerOutput(num_scheduled_tokens={f"r{i}": 1 for i in range(batch)})
         cached.scheduled_cached_reqs.req_ids = list(cached.num_scheduled_tokens)
         cached.scheduled_cached_reqs.num_computed_tokens = [
             int(runner.batch.num_computed_tokens[runner.batch.req_rows[r]])
@@ -95,7 +96,7 @@ def bench_model(size: str, repeats: int) -> list[tuple]:
         write_model(model_dir, size)
     contexts, batches = CASES[size]
     max_tokens = max(contexts) + repeats + 2
-    num_blocks = max(batches) * -(-max_tokens // BLOCK_SIZE)
+    num_blocks = max(batches) * cdiv(max_tokens, BLOCK_SIZE)
     runner = ModelRunner(
         ExecutorConfig(
             model=str(model_dir),
@@ -126,9 +127,11 @@ def bench_model(size: str, repeats: int) -> list[tuple]:
 def our_prefill(runner: ModelRunner, repeats: int) -> float:
     def step():
         runner.batch = runner._new_batch()
-        blocks = list(range(-(-512 // BLOCK_SIZE)))
-        request = NewRequest("p", [1] * 512, 512, SamplingParams(), blocks)
-        runner.execute(StepPlan(scheduled_new_reqs=[request], num_scheduled_tokens={"p": 512}))
+        blocks = list(range(cdiv(512, BLOCK_SIZE)))
+        request = NewRequestData("p", [1] * 512, 512, SamplingParams(), blocks)
+        runner.execute(
+            SchedulerOutput(scheduled_new_reqs=[request], num_scheduled_tokens={"p": 512})
+        )
 
     return median_time(step, repeats)
 

@@ -20,7 +20,8 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import triton_attention
+from flagstop.kernels import triton_attention
+from flagstop.utils import cdiv
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 HBM_TBPS = 4.8
@@ -28,7 +29,7 @@ DTYPE = torch.bfloat16
 
 
 def paged_cache(batch: int, context: int):
-    blocks_per_seq = -(-context // BLOCK)
+    blocks_per_seq = cdiv(context, BLOCK)
     shape = (batch * blocks_per_seq, BLOCK, KV_HEADS, HEAD_DIM)
     k = torch.randn(shape, device="cuda", dtype=DTYPE)
     v = torch.randn(shape, device="cuda", dtype=DTYPE)

@@ -30,17 +30,17 @@ from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, Generat
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.executor_bench import median_time, our_decode
-from executor.config import ExecutorConfig
-from executor.make_model import write_model
-from executor.model_runner import ModelRunner
-from executor.plan import NewRequest, StepPlan
-from executor.sampling import SamplingParams
-from flagstop import wire
+from flagstop.executor.config import ExecutorConfig
+from flagstop.executor.model_runner import ModelRunner
+from flagstop.executor.sampling import SamplingParams
+from flagstop.scheduler_svc.core.config import SchedulerConfig
+from flagstop.scheduler_svc.core.output import NewRequestData, SchedulerOutput
+from flagstop.scheduler_svc.core.request import Request, StopParams
+from flagstop.scheduler_svc.core.scheduler import Scheduler
+from flagstop.server import channel
 from flagstop.v1 import generation_pb2, generation_pb2_grpc
-from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.request import Request, StopParams
-from scheduler_svc.scheduler import Scheduler
-from tests.stack import start_stack
+from tools.make_model import write_model
+from tools.stack import start_stack
 
 NUM_BLOCKS, BLOCK_SIZE, SLOTS, BUDGET = 1024, 16, 16, 512
 Workload = list[tuple[list[int], int]]  # (prompt token ids, output tokens)
@@ -97,8 +97,8 @@ def run_in_process(
 
 
 async def run_stack(router: str, requests: Workload) -> tuple[float, int]:
-    async with wire.channel(router) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
+    async with channel(router) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
 
         async def one(prompt: list[int], max_tokens: int) -> int:
             request = generation_pb2.GenerateRequest(
@@ -188,8 +188,10 @@ def limit(model_dir: Path, requests: Workload) -> tuple[float, int]:
 
     def prefill_step():
         runner.batch = runner._new_batch()
-        request = NewRequest("p", [1] * BUDGET, BUDGET, SamplingParams(), blocks)
-        runner.execute(StepPlan(scheduled_new_reqs=[request], num_scheduled_tokens={"p": BUDGET}))
+        request = NewRequestData("p", [1] * BUDGET, BUDGET, SamplingParams(), blocks)
+        runner.execute(
+            SchedulerOutput(scheduled_new_reqs=[request], num_scheduled_tokens={"p": BUDGET})
+        )
 
     prompt_tokens = sum(len(p) for p, _ in requests)
     output_tokens = sum(n for _, n in requests)

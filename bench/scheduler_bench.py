@@ -21,9 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.request import Request, StopParams
-from scheduler_svc.scheduler import Scheduler
+from flagstop.scheduler_svc.core.config import SchedulerConfig
+from flagstop.scheduler_svc.core.request import Request, StopParams
+from flagstop.scheduler_svc.core.scheduler import Scheduler
 
 BLOCK_SIZE = 16
 VOCAB = 32000

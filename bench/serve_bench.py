@@ -32,10 +32,10 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.peers import workload
-from executor.make_model import write_model
-from flagstop import wire
+from flagstop.server import channel
 from flagstop.v1 import generation_pb2, generation_pb2_grpc
-from tests.stack import start_stack
+from tools.make_model import write_model
+from tools.stack import start_stack
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -100,8 +100,8 @@ async def run_rate(router: str, args, rate: float) -> tuple[list[RequestRecord],
     gaps = arrival_gaps(len(requests), rate, args.burstiness, args.seed)
     limit = asyncio.Semaphore(args.max_concurrency or len(requests))
     progress = Progress(len(requests), f"rate {rate:>5}")
-    async with wire.channel(router) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
+    async with channel(router) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
 
         async def send(prompt, max_tokens) -> RequestRecord:
             async with limit:

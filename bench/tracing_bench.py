@@ -12,7 +12,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.peers import parse_args, run_through_stack, workload
-from tests.otlp_collector import start_collector
+from tools.otlp_collector import start_collector
 
 
 def main() -> None:

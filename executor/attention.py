@@ -10,7 +10,7 @@ from types import ModuleType
 
 import torch
 
-from kernels import torch_ref
+from flagstop.kernels import torch_ref
 
 
 @dataclass(slots=True)
@@ -33,7 +33,7 @@ def attention_backend(name: str, device: torch.device) -> ModuleType:
         raise ValueError(f"unknown attention backend {name!r}: auto, torch or triton")
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("the triton backend needs CUDA (or TRITON_INTERPRET=1, for tests)")
-    from kernels import triton_attention
+    from flagstop.kernels import triton_attention
 
     return triton_attention
 

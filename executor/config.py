@@ -1,27 +1,37 @@
-from dataclasses import dataclass
+"""What the model runner needs: the model, the device, the KV cache and the batch
+limits. The executor's settings (executor/settings.py) are this plus what every
+service takes, so each field and its validation is written once."""
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from flagstop.settings import PositiveInt
 
 
-@dataclass(slots=True, frozen=True)
-class ExecutorConfig:
-    model: str
-    device: str = "auto"  # auto: cuda when available, else cpu
-    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
-    block_size: int = 16
-    # KV capacity: an explicit block count wins; else bytes (CPU) or a fraction of the
-    # GPU memory measured after a warm-up forward (CUDA).
-    num_blocks: int | None = None
-    kv_cache_bytes: int = 1 << 30
-    gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # None: the model's own limit
-    attention_backend: str = "auto"  # auto: triton on CUDA, torch on the CPU
+class ExecutorConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    model: str = "models/flagstop-tiny"
+    """a local Hugging Face checkpoint directory"""
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    """auto (cuda when available, else cpu), cpu, cuda or cuda:N"""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """auto: bfloat16 on CUDA, float32 on the CPU"""
+    block_size: PositiveInt = 16
+    """tokens per KV block"""
+    num_blocks: PositiveInt | None = None
+    """KV blocks; overrides the sizing by --kv-cache-bytes or --gpu-memory-utilization"""
+    kv_cache_bytes: PositiveInt = 1 << 30
+    """KV cache size on the CPU"""
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    """share of the GPU's memory for weights, activations and the KV cache (CUDA)"""
+    max_num_seqs: PositiveInt = 256
+    """requests in the batch at most"""
+    max_num_batched_tokens: PositiveInt = 2048
+    """tokens in one step at most"""
+    max_model_len: PositiveInt | None = None
+    """default: the model's own limit"""
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    """auto: triton on CUDA, torch on the CPU"""
     seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError("gpu_memory_utilization must be in (0, 1]")

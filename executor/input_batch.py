@@ -8,9 +8,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from executor.attention import AttentionMetadata
-from executor.plan import NewRequest, StepPlan
-from executor.sampling import SamplingMetadata, SamplingParams
+from flagstop.executor.attention import AttentionMetadata
+from flagstop.executor.sampling import SamplingMetadata, SamplingParams
+from flagstop.scheduler_svc.core.output import NewRequestData, SchedulerOutput
+from flagstop.utils import cdiv
 
 
 class BatchDesync(RuntimeError):
@@ -45,7 +46,7 @@ class InputBatch:
         self.num_tokens = np.zeros(max_num_reqs, np.int64)
         self.num_prompt_tokens = np.zeros(max_num_reqs, np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, np.int64)
-        self.block_table = np.zeros((max_num_reqs, -(-max_model_len // block_size)), np.int32)
+        self.block_table = np.zeros((max_num_reqs, cdiv(max_model_len, block_size)), np.int32)
         self.num_blocks = np.zeros(max_num_reqs, np.int64)
         # Sampling parameters by row, so that a step gathers them instead of looping
         # over requests; the rare per-request work (seeds, min_tokens) reads the params.
@@ -61,7 +62,7 @@ class InputBatch:
 
     # -- the diff --------------------------------------------------------------
 
-    def apply(self, plan: StepPlan) -> None:
+    def apply(self, plan: SchedulerOutput) -> None:
         for req_id in (*plan.finished_req_ids, *plan.preempted_req_ids):
             row = self.req_rows.pop(req_id, None)
             if row is not None:
@@ -81,7 +82,7 @@ class InputBatch:
             if new_block_ids:
                 self._append_blocks(row, new_block_ids)
 
-    def _add(self, data: NewRequest) -> None:
+    def _add(self, data: NewRequestData) -> None:
         if data.req_id in self.req_rows:
             raise BatchDesync(f"{data.req_id} is already in the batch")
         if not self.free_rows:
@@ -122,7 +123,7 @@ class InputBatch:
 
     # -- one step's inputs -----------------------------------------------------
 
-    def prepare(self, plan: StepPlan) -> StepInputs:
+    def prepare(self, plan: SchedulerOutput) -> StepInputs:
         rows = np.fromiter((self._row(r) for r in plan.num_scheduled_tokens), np.int64)
         num_scheduled = np.fromiter(plan.num_scheduled_tokens.values(), np.int64, len(rows))
         seq_lens = self.num_computed_tokens[rows] + num_scheduled
@@ -141,7 +142,7 @@ class InputBatch:
         block_ids = self.block_table[token_rows, positions // self.block_size].astype(np.int64)
         slots = block_ids * self.block_size + positions % self.block_size
         o_seq_lens = seq_lens[order]
-        max_blocks = -(-int(o_seq_lens.max()) // self.block_size)
+        max_blocks = cdiv(int(o_seq_lens.max()), self.block_size)
         # A request samples when this step reaches the end of its known tokens; its
         # logits row is its last token in the reordered batch, listed in plan order.
         samples = np.flatnonzero(seq_lens == self.num_tokens[rows])

@@ -3,13 +3,14 @@ batch and the sampler, on one device."""
 
 import torch
 
-from executor.attention import attention_backend
-from executor.config import ExecutorConfig
-from executor.input_batch import InputBatch, StepInputs
-from executor.models.llama import KVCache
-from executor.models.loader import load_model
-from executor.plan import NewRequest, StepPlan
-from executor.sampling import SampleOutput, SamplingParams, sample
+from flagstop.executor.attention import attention_backend
+from flagstop.executor.config import ExecutorConfig
+from flagstop.executor.input_batch import InputBatch, StepInputs
+from flagstop.executor.models.llama import KVCache
+from flagstop.executor.models.loader import load_model
+from flagstop.executor.sampling import SampleOutput, SamplingParams, sample
+from flagstop.scheduler_svc.core.output import NewRequestData, SchedulerOutput
+from flagstop.utils import cdiv
 
 
 def resolve_device(name: str) -> torch.device:
@@ -85,7 +86,7 @@ class ModelRunner:
         """Like vLLM's profiling: run the largest step once, on a cache just big enough
         for it, then give the KV cache what gpu_memory_utilization leaves at that peak."""
         num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len - 1)
-        self.kv_caches = self._allocate_kv_caches(-(-num_tokens // self.block_size))
+        self.kv_caches = self._allocate_kv_caches(cdiv(num_tokens, self.block_size))
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         self.batch = self._new_batch()
@@ -107,7 +108,7 @@ class ModelRunner:
         return int(budget // self.block_bytes)
 
     @torch.inference_mode()
-    def compute_logits(self, plan: StepPlan) -> tuple[torch.Tensor, StepInputs] | None:
+    def compute_logits(self, plan: SchedulerOutput) -> tuple[torch.Tensor, StepInputs] | None:
         """Apply the diff and run the forward: logits [num_sampling, vocab] in plan order."""
         self.batch.apply(plan)
         if not plan.num_scheduled_tokens:
@@ -117,7 +118,7 @@ class ModelRunner:
         return self.model.compute_logits(hidden[inputs.logits_indices]), inputs
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> SampleOutput:
+    def execute(self, plan: SchedulerOutput) -> SampleOutput:
         """One step: the tokens of the requests that sample, in plan order."""
         result = self.compute_logits(plan)
         if result is None:
@@ -128,13 +129,10 @@ class ModelRunner:
         return output
 
 
-def warmup_plan(num_tokens: int, block_size: int, vocab_size: int) -> StepPlan:
+def warmup_plan(num_tokens: int, block_size: int, vocab_size: int) -> SchedulerOutput:
     token_ids = [i % vocab_size for i in range(num_tokens)]
-    request = NewRequest(
-        "warmup", token_ids, num_tokens, SamplingParams(), list(range(-(-num_tokens // block_size)))
-    )
-    return StepPlan(
-        scheduled_new_reqs=[request],
-        num_scheduled_tokens={"warmup": num_tokens},
-        finished_req_ids=set(),
+    blocks = list(range(cdiv(num_tokens, block_size)))
+    request = NewRequestData("warmup", token_ids, num_tokens, SamplingParams(), blocks)
+    return SchedulerOutput(
+        scheduled_new_reqs=[request], num_scheduled_tokens={"warmup": num_tokens}
     )

@@ -7,68 +7,17 @@ from collections.abc import AsyncIterator
 import grpc
 from prometheus_client import Histogram
 
-from executor.model_runner import ModelRunner
-from executor.plan import CachedRequests, NewRequest, StepPlan
-from executor.sampling import SampleOutput, SamplingParams
-from flagstop.telemetry import Telemetry, extract
-from flagstop.v1 import executor_pb2, executor_pb2_grpc, generation_pb2
+from flagstop.executor.convert import plan_from_proto, result_to_proto
+from flagstop.executor.model_runner import ModelRunner
+from flagstop.telemetry import LATENCY_BUCKETS, Telemetry, extract
+from flagstop.v1 import executor_pb2, executor_pb2_grpc
 
 log = logging.getLogger("flagstop.executor")
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
 STEP_SECONDS = Histogram(
     "flagstop:executor_step_seconds", "Input preparation, forward and sampling of one step",
-    ["model_name"], buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+    ["model_name"], buckets=LATENCY_BUCKETS,
 )  # fmt: skip
-
-
-def sampling_from_proto(p: executor_pb2.SamplingParams) -> SamplingParams:
-    return SamplingParams(
-        temperature=p.temperature,
-        top_p=p.top_p,
-        top_k=p.top_k,
-        seed=p.seed if p.HasField("seed") else None,
-        min_tokens=p.min_tokens,
-        stop_token_ids=tuple(p.stop_token_ids),
-        logprobs=p.logprobs if p.HasField("logprobs") else None,
-    )
-
-
-def plan_from_proto(step: executor_pb2.StepRequest) -> StepPlan:
-    c = step.cached
-    req_ids = list(c.request_ids)
-    new_block_ids: list[list[int]] = [[] for _ in req_ids]
-    if c.new_block_ids:
-        flat, start = list(c.new_block_ids), 0
-        for i, n in enumerate(c.num_new_blocks):
-            new_block_ids[i], start = flat[start : start + n], start + n
-    plan = StepPlan(
-        scheduled_cached_reqs=CachedRequests(req_ids, list(c.num_computed_tokens), new_block_ids),
-        num_scheduled_tokens=dict(zip(req_ids, c.num_scheduled_tokens, strict=True)),
-        finished_req_ids=set(step.finished_ids),
-        preempted_req_ids=set(step.preempted_ids),
-    )
-    for r in step.new_requests:
-        plan.scheduled_new_reqs.append(
-            NewRequest(
-                r.request_id, list(r.token_ids), r.num_prompt_tokens,
-                sampling_from_proto(r.sampling), list(r.block_ids), r.num_computed_tokens,
-            )
-        )  # fmt: skip
-        plan.num_scheduled_tokens[r.request_id] = r.num_scheduled_tokens
-    return plan
-
-
-def result_to_proto(step_id: int, output: SampleOutput) -> executor_pb2.StepResult:
-    result = executor_pb2.StepResult(step_id=step_id, sampled_token_ids=output.token_ids)
-    for token_id, row in zip(output.token_ids, output.logprobs or (), strict=False):
-        entry = result.logprobs.add(token_id=token_id)
-        if row is not None:
-            entry.logprob = row[0]
-            entry.top.extend(
-                generation_pb2.TopLogprob(token_id=t, logprob=lp)
-                for t, lp in zip(row[1], row[2], strict=True)
-            )
-    return result
 
 
 class ExecutorService(executor_pb2_grpc.ExecutorServicer):
@@ -80,16 +29,15 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         # stream still open (a scheduler that died) is ended at its next message.
         self.generation = 0
 
-    async def Describe(self, request, context) -> generation_pb2.ModelInfo:
-        mc = self.runner.model_config
-        return generation_pb2.ModelInfo(
-            model_name=self.model_name,
-            vocab_size=mc.vocab_size,
-            max_model_len=self.runner.max_model_len,
-            eos_token_ids=list(mc.eos_token_ids),
-            block_size=self.runner.block_size,
-            num_blocks=self.runner.num_blocks,
-        )
+    async def Describe(self, request, context) -> executor_pb2.DescribeExecutorResponse:
+        runner, mc = self.runner, self.runner.model_config
+        return executor_pb2.DescribeExecutorResponse(
+            model_name=self.model_name, vocab_size=mc.vocab_size,
+            max_model_len=runner.max_model_len, eos_token_ids=list(mc.eos_token_ids),
+            block_size=runner.block_size, num_blocks=runner.num_blocks,
+            max_num_seqs=runner.config.max_num_seqs,
+            max_num_batched_tokens=runner.config.max_num_batched_tokens,
+        )  # fmt: skip
 
     async def Execute(
         self, request_iterator: AsyncIterator[executor_pb2.StepRequest], context

@@ -9,6 +9,8 @@ contiguous (one row copy to store) and a block is a contiguous tile to read.
 import torch
 import torch.nn.functional as F
 
+from flagstop.utils import cdiv
+
 
 def store_kv(
     key: torch.Tensor,
@@ -30,7 +32,7 @@ def store_kv(
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
     """[num_seqs, max_len, num_kv_heads, head_dim] read through the block tables."""
     num_seqs, block_size = block_tables.shape[0], cache.shape[1]
-    num_blocks = -(-max_len // block_size)
+    num_blocks = cdiv(max_len, block_size)
     block_ids = block_tables[:, :num_blocks].long().clamp(min=0).flatten()
     # index_select: about twice as fast as advanced indexing on the CPU.
     blocks = cache.index_select(0, block_ids)

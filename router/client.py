@@ -1,4 +1,5 @@
-"""python -m router.client "PROMPT": stream a generation from a flagstop router."""
+"""flagstop-client "PROMPT" (python -m flagstop.router.client): stream a generation
+from a flagstop router."""
 
 import argparse
 import asyncio
@@ -8,17 +9,13 @@ import time
 
 import grpc
 
-from flagstop import wire
+from flagstop.scheduler_svc.core.request import FinishReason
+from flagstop.server import channel
 from flagstop.v1 import generation_pb2, generation_pb2_grpc
-
-FINISH_NAMES = {
-    generation_pb2.FINISH_REASON_STOP: "stop",
-    generation_pb2.FINISH_REASON_LENGTH: "length",
-}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m router.client", description=__doc__)
+    p = argparse.ArgumentParser(prog="flagstop-client", description=__doc__)
     p.add_argument("prompt", nargs="?", default="", help="prompt text")
     p.add_argument("--prompt-ids", default="", help="comma-separated token ids instead of text")
     p.add_argument("--max-tokens", type=int, default=None)
@@ -50,8 +47,8 @@ def build_request(args: argparse.Namespace) -> generation_pb2.GenerateRequest:
 
 
 async def generate(args: argparse.Namespace) -> dict:
-    async with wire.channel(args.addr) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
+    async with channel(args.addr) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
         start, ttft = time.perf_counter(), None
         result = {"text": "", "token_ids": [], "finish_reason": None}
         async for chunk in stub.Generate(build_request(args), timeout=args.timeout):
@@ -62,7 +59,7 @@ async def generate(args: argparse.Namespace) -> dict:
             if not args.json:
                 print(chunk.text, end="", flush=True)
             if chunk.finish_reason:
-                result["finish_reason"] = FINISH_NAMES[chunk.finish_reason]
+                result["finish_reason"] = FinishReason(chunk.finish_reason).label
                 result["prompt_tokens"] = chunk.usage.prompt_tokens
                 result["completion_tokens"] = chunk.usage.completion_tokens
         result["ttft_s"], result["e2e_s"] = ttft, time.perf_counter() - start

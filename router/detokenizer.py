@@ -1,11 +1,55 @@
 """Incremental detokenization for streaming: text deltas that never split a
-multi-byte character, and stop strings matched across token boundaries."""
+multi-byte character, and stop strings matched across token boundaries.
+
+Fast tokenizers stream through `tokenizers`' own DecodeStream (Rust: it keeps the
+offsets and holds back incomplete UTF-8 itself; 0.9 CPU µs per token against 6.5 for
+decoding windows from Python, bench/detokenizer_bench.py); slow (pure-Python)
+tokenizers fall back to the windowed decode of IncrementalDetokenizer."""
 
 from dataclasses import dataclass, field
+
+from tokenizers.decoders import DecodeStream
 
 # Context tokens decoded before the new ones, so that merges and leading spaces come
 # out as in a full decode.
 CONTEXT_TOKENS = 5
+
+
+def new_detokenizer(tokenizer, prompt_token_ids: list[int]):
+    """The fastest detokenizer the tokenizer allows; both have add(ids, final)."""
+    if getattr(tokenizer, "is_fast", False):
+        return StreamDetokenizer(tokenizer, prompt_token_ids)
+    return IncrementalDetokenizer(tokenizer, prompt_token_ids)
+
+
+class StreamDetokenizer:
+    """A fast tokenizer's DecodeStream, primed with the end of the prompt."""
+
+    __slots__ = ("backend", "held", "stream", "tokenizer")
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.backend = tokenizer.backend_tokenizer
+        self.stream = DecodeStream(
+            ids=list(prompt_token_ids[-CONTEXT_TOKENS:]), skip_special_tokens=True
+        )
+        self.held: list[int] = []  # tokens of an incomplete character, not yet text
+
+    def add(self, token_ids: list[int], final: bool = False) -> str:
+        """The text the new tokens complete; at the end (final) an incomplete UTF-8
+        character comes out as U+FFFD rather than being lost."""
+        pieces = []
+        for token_id in token_ids:
+            text = self.stream.step(self.backend, token_id)
+            if text is None:
+                self.held.append(token_id)
+            else:
+                self.held.clear()
+                pieces.append(text)
+        if final and self.held:
+            pieces.append(self.tokenizer.decode(self.held, skip_special_tokens=True))
+            self.held = []
+        return "".join(pieces)
 
 
 class IncrementalDetokenizer:

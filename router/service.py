@@ -13,20 +13,24 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from flagstop import wire
+from flagstop.health import Health
+from flagstop.reconnect import Reconnect
+from flagstop.router.admission import AdmissionQueue
+from flagstop.router.detokenizer import StopStringMatcher, new_detokenizer
+from flagstop.router.settings import RouterSettings
+from flagstop.router.telemetry import RequestTrace
+from flagstop.router.validation import ModelLimits, prompt_ids, validate
+from flagstop.scheduler_svc.core.limits import RequestRejected
+from flagstop.scheduler_svc.core.request import FinishReason
+from flagstop.server import TLSConfig, channel
 from flagstop.telemetry import Telemetry
 from flagstop.v1 import generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from router.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from router.telemetry import RequestTrace
-from router.validation import InvalidRequest, ModelLimits, prompt_ids, validate
 
 log = logging.getLogger("flagstop.router")
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 STATUS = {code.value[0]: code for code in grpc.StatusCode}
-FINISH = {
-    scheduler_pb2.REQUEST_FINISH_STOP: generation_pb2.FINISH_REASON_STOP,
-    scheduler_pb2.REQUEST_FINISH_LENGTH: generation_pb2.FINISH_REASON_LENGTH,
-}
+# What a client stream can end with; the scheduler's other reasons are failures.
+CLIENT_FINISH = {FinishReason.STOP, FinishReason.LENGTH}
 
 
 @dataclass(slots=True, eq=False)
@@ -35,8 +39,9 @@ class Pending:
 
     request_id: str
     add: scheduler_pb2.AddRequest  # as first sent: kept to resubmit to a new scheduler
-    # (token id or None, scheduler finish reason, logprob entry or None) or a RequestError
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    # What the fan-out delivers to the client stream: (token id or None, scheduler
+    # finish reason, logprob entry or None), or a RequestError.
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
     generated: list[int] = field(default_factory=list)
     sent: bool = False  # released to the scheduler
     finished: bool = False  # the scheduler holds nothing of it any more
@@ -53,75 +58,59 @@ class Pending:
         return add
 
 
-@dataclass(slots=True)
-class RouterOptions:
-    scheduler_address: str
-    max_queued_requests: int = 1024
-    max_queued_tokens: int = 1 << 20  # prompt tokens waiting in the admission queue
-    router_id: str = field(default_factory=lambda: f"router-{uuid.uuid4().hex[:8]}")
-    drain_timeout_s: float = 30.0
-    # Requests wait this long for a lost scheduler to come back, then fail.
-    scheduler_timeout_s: float = 60.0
-    tls: wire.TLSConfig | None = None
-
-
 class RouterService(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, tokenizer, options: RouterOptions, health, telemetry: Telemetry) -> None:
+    def __init__(
+        self, tokenizer, settings: RouterSettings, health: Health, telemetry: Telemetry
+    ) -> None:
         self.tokenizer = tokenizer
         self.tracer = telemetry.tracer
-        self.options = options
+        self.settings = settings
+        self.tls = TLSConfig.from_settings(settings)
         self.health = health
-        self.model_info = generation_pb2.ModelInfo()
+        self.model_info = generation_pb2.GetModelInfoResponse()
         self.limits: ModelLimits | None = None
         self.requests: dict[str, Pending] = {}
-        # The admission queue, in arrival order; a dict so that a cancel is O(1).
-        self.queue: dict[str, scheduler_pb2.AddRequest] = {}
-        self.queued_tokens = 0
+        self.admission = AdmissionQueue(settings.max_queued_requests, settings.max_queued_tokens)
         self.aborts: list[str] = []
         self.credits = 0
         self.flush = asyncio.Event()
         self.connected = False
-        self.scheduler_lost_since: float | None = None
+        self.reconnect = Reconnect(give_up_after_s=settings.scheduler_timeout)
         self.accepting = True
 
     # -- the scheduler stream ------------------------------------------------
 
     async def run(self) -> None:
-        channel = wire.channel(self.options.scheduler_address, self.options.tls)
-        stub = scheduler_pb2_grpc.SchedulerStub(channel)
-        delay = 0.1
+        stub = scheduler_pb2_grpc.SchedulerStub(channel(self.settings.scheduler, self.tls))
         while True:
             try:
                 await self._connect(stub)
-                delay = 0.1
             except grpc.aio.AioRpcError as e:
-                log.warning("scheduler %s: %s", self.options.scheduler_address, e.code())
+                log.warning("scheduler %s: %s", self.settings.scheduler, e.code())
             self._lost_scheduler()
-            if self._scheduler_timed_out():
-                self._fail_all(f"no scheduler for {self.options.scheduler_timeout_s:g}s")
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
-
-    def _scheduler_timed_out(self) -> bool:
-        lost_since = self.scheduler_lost_since
-        return lost_since is not None and (
-            time.monotonic() - lost_since > self.options.scheduler_timeout_s
-        )
+            if self.reconnect.gave_up:
+                self._fail_all(f"no scheduler for {self.settings.scheduler_timeout:g}s")
+            await self.reconnect.wait()
 
     async def _connect(self, stub) -> None:
-        info = await stub.Describe(generation_pb2.GetModelInfoRequest(), timeout=5)
-        self.model_info = info
+        info = await stub.Describe(scheduler_pb2.DescribeSchedulerRequest(), timeout=5)
+        self.model_info = generation_pb2.GetModelInfoResponse(
+            model_name=info.model_name, vocab_size=info.vocab_size,
+            max_model_len=info.max_model_len, eos_token_ids=info.eos_token_ids,
+            block_size=info.block_size, num_blocks=info.num_blocks,
+        )  # fmt: skip
         self.limits = ModelLimits(
             vocab_size=info.vocab_size, max_model_len=info.max_model_len,
             kv_capacity_tokens=info.num_blocks * info.block_size,
             eos_token_ids=tuple(info.eos_token_ids),
         )  # fmt: skip
         call = stub.Connect()
-        await call.write(scheduler_pb2.RouterMessage(router_id=self.options.router_id))
-        self.connected, self.credits, self.scheduler_lost_since = True, 0, None
+        await call.write(scheduler_pb2.RouterMessage(router_id=self.settings.router_id))
+        self.connected, self.credits = True, 0
+        self.reconnect.connected()
         self.flush.set()  # tell the scheduler what is queued (resubmissions included)
-        wire.set_serving(self.health, [SERVICE_NAME], True)
-        log.info("connected to scheduler %s (%s)", self.options.scheduler_address, info.model_name)
+        self.health.set_ready(self.accepting)
+        log.info("connected to scheduler %s (%s)", self.settings.scheduler, info.model_name)
         writer = asyncio.create_task(self._write(call))
         try:
             await self._read(call)
@@ -137,14 +126,12 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             self.flush.clear()
             msg = scheduler_pb2.RouterMessage(aborts=self.aborts)
             self.aborts = []
-            while self.credits and self.queue:
-                request_id = next(iter(self.queue))
-                add = self.queue.pop(request_id)
-                self.queued_tokens -= len(add.prompt_token_ids)
+            while self.credits and self.admission:
+                add = self.admission.pop()
                 msg.adds.append(add)
-                self.requests[request_id].sent = True
+                self.requests[add.request_id].sent = True
                 self.credits -= 1
-            msg.num_queued = len(self.queue)
+            msg.num_queued = len(self.admission)
             if msg.adds or msg.aborts or msg.num_queued != last_queued:
                 last_queued = msg.num_queued
                 await call.write(msg)
@@ -172,15 +159,15 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             reason = finished.pop(request_id, 0) if finished else 0
             pending.finished = bool(reason)
             pending.generated.append(token_id)
-            pending.queue.put_nowait((token_id, reason, logprobs[i] if logprobs else None))
+            pending.events.put_nowait((token_id, reason, logprobs[i] if logprobs else None))
         for request_id, reason in finished.items():  # ended without a token
             if (pending := requests.get(request_id)) is not None:
                 pending.finished = True
-                pending.queue.put_nowait((None, reason, None))
+                pending.events.put_nowait((None, reason, None))
         for error in msg.errors:
             if (pending := requests.get(error.request_id)) is not None:
                 pending.finished = True
-                pending.queue.put_nowait(error)
+                pending.events.put_nowait(error)
 
     def _lost_scheduler(self) -> None:
         """The scheduler and all it held are gone. Every request it was serving goes
@@ -188,32 +175,31 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         scheduler: its client sees a pause, then the rest of its tokens."""
         if not self.connected:
             return
-        log.error("lost the scheduler at %s", self.options.scheduler_address)
-        self.connected, self.scheduler_lost_since = False, time.monotonic()
-        wire.set_serving(self.health, [SERVICE_NAME], False)
+        log.error("lost the scheduler at %s", self.settings.scheduler)
+        self.connected = False
+        self.reconnect.lost()
+        self.health.set_ready(False)  # still live: the queue waits for the scheduler
         self.aborts = []  # the new scheduler never knew them
-        resubmit = {}
-        for request_id, pending in self.requests.items():
+        resubmit = []
+        for pending in self.requests.values():
             if pending.sent and not pending.finished:
                 pending.sent = False
-                resubmit[request_id] = pending.remainder()
-                self.queued_tokens += len(resubmit[request_id].prompt_token_ids)
-        self.queue = resubmit | self.queue
+                resubmit.append(pending.remainder())
+        self.admission.push_front(resubmit)
 
     def _fail_all(self, why: str) -> None:
         for pending in self.requests.values():
             if not pending.finished:
                 pending.finished = True
-                pending.queue.put_nowait(scheduler_pb2.RequestError(
+                pending.events.put_nowait(scheduler_pb2.RequestError(
                     request_id=pending.request_id, code=grpc.StatusCode.UNAVAILABLE.value[0],
                     message=f"{why}; retry the request",
                 ))  # fmt: skip
-        self.queue.clear()
-        self.queued_tokens = 0
+        self.admission.clear()
 
     # -- clients ---------------------------------------------------------------
 
-    async def GetModelInfo(self, request, context) -> generation_pb2.ModelInfo:
+    async def GetModelInfo(self, request, context) -> generation_pb2.GetModelInfoResponse:
         if self.limits is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "not connected to a scheduler yet")
         return self.model_info
@@ -222,26 +208,17 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         self, request: generation_pb2.GenerateRequest, context
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         # While a lost scheduler may still come back, new requests queue up here.
-        if not self.accepting or self.limits is None or self._scheduler_timed_out():
+        if not self.accepting or self.limits is None or self.reconnect.gave_up:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE, "the router is not serving; retry later"
             )
         try:
             token_ids = prompt_ids(request, self.tokenizer)
             sampling = validate(request, token_ids, self.limits)
-        except InvalidRequest as e:
+        except RequestRejected as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if len(self.queue) >= self.options.max_queued_requests:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the admission queue is full ({len(self.queue)} requests): retry later",
-            )
-        if self.queued_tokens + len(token_ids) > self.options.max_queued_tokens:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the admission queue holds {self.queued_tokens} prompt tokens and takes "
-                f"{self.options.max_queued_tokens} at most: retry later",
-            )
+        if refusal := self.admission.refusal(len(token_ids)):
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
         trace = RequestTrace(
             self.tracer, self.model_info.model_name, request, len(token_ids),
             context.invocation_metadata(),
@@ -265,8 +242,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         if request.HasField("max_tokens"):
             add.max_tokens = request.max_tokens
         pending = self.requests[request_id] = Pending(request_id, add)
-        self.queue[request_id] = add
-        self.queued_tokens += len(token_ids)
+        self.admission.push(add)
         self.flush.set()
         return pending
 
@@ -274,23 +250,22 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         """The client stream ended: done, cancelled, past its deadline or stopped by a
         stop string. Whatever the scheduler still holds of it is aborted there."""
         self.requests.pop(pending.request_id, None)
-        if (add := self.queue.pop(pending.request_id, None)) is not None:
-            self.queued_tokens -= len(add.prompt_token_ids)
+        if self.admission.cancel(pending.request_id):
             return  # never reached the scheduler
         if pending.sent and not pending.finished:
             self.aborts.append(pending.request_id)
             self.flush.set()
 
     async def _stream(self, pending: Pending, request, token_ids: list[int], context, trace):
-        detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids)
+        detokenizer = new_detokenizer(self.tokenizer, token_ids)
         stops = StopStringMatcher(list(request.stop))
         num_generated = 0
         while True:
-            item = await pending.queue.get()
+            item = await pending.events.get()
             if isinstance(item, scheduler_pb2.RequestError):
                 await context.abort(STATUS.get(item.code, grpc.StatusCode.UNKNOWN), item.message)
             token_id, reason, logprob = item
-            if reason and reason not in FINISH:
+            if reason and reason not in CLIENT_FINISH:
                 await context.abort(grpc.StatusCode.INTERNAL, "the request failed in the engine")
             chunk = generation_pb2.GenerateResponse()
             text = ""
@@ -306,7 +281,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             if matched is not None:
                 chunk.finish_reason, chunk.stop_reason = generation_pb2.FINISH_REASON_STOP, matched
             elif reason:
-                chunk.finish_reason = FINISH[reason]
+                chunk.finish_reason = reason  # the same values (FinishReason)
                 if token_id in request.stop_token_ids:
                     chunk.stop_reason = str(token_id)
             if chunk.finish_reason:
@@ -321,7 +296,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
 
     async def drain(self) -> None:
         self.accepting = False
-        wire.set_serving(self.health, [SERVICE_NAME], False)
-        deadline = asyncio.get_running_loop().time() + self.options.drain_timeout_s
+        self.health.set_ready(False)
+        deadline = asyncio.get_running_loop().time() + self.settings.drain_timeout
         while self.requests and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)

@@ -7,10 +7,11 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import Counter, Histogram
 
-from flagstop.telemetry import extract_metadata, inject
-from flagstop.v1 import generation_pb2
+from flagstop.scheduler_svc.core.request import FinishReason
+from flagstop.telemetry import LATENCY_BUCKETS, extract_metadata, inject
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# vLLM's metric names: gateways (the Gateway API Inference Extension, llm-d), KEDA
+# autoscalers and Grafana dashboards for vLLM read these, so they read ours unchanged.
 TTFT = Histogram("vllm:time_to_first_token_seconds", "Time to first token", ["model_name"],
                  buckets=LATENCY_BUCKETS)  # fmt: skip
 TPOT = Histogram("vllm:request_time_per_output_token_seconds", "Mean time per output token",
@@ -20,11 +21,6 @@ E2E = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency"
 SUCCESS = Counter("vllm:request_success", "Finished requests", ["model_name", "finished_reason"])
 PROMPT_TOKENS = Counter("vllm:prompt_tokens", "Prompt tokens of admitted requests", ["model_name"])
 GENERATION_TOKENS = Counter("vllm:generation_tokens", "Generated tokens", ["model_name"])
-
-FINISH_NAMES = {
-    generation_pb2.FINISH_REASON_STOP: "stop",
-    generation_pb2.FINISH_REASON_LENGTH: "length",
-}
 
 
 class RequestTrace:
@@ -69,7 +65,7 @@ class RequestTrace:
         TTFT.labels(self.model).observe(self.first_token_at - self.started)
 
     def finish(self, reason: int, num_generated: int) -> None:
-        now, name = time.monotonic(), FINISH_NAMES[reason]
+        now, name = time.monotonic(), FinishReason(reason).label
         self.span.set_attribute("gen_ai.usage.output_tokens", num_generated)
         self.span.set_attribute("gen_ai.response.finish_reasons", [name])
         E2E.labels(self.model).observe(now - self.started)

@@ -10,11 +10,11 @@ from collections.abc import Callable
 import grpc
 from prometheus_client import Counter
 
-from flagstop import wire
+from flagstop.scheduler_svc.core.policy import RankedPolicy
+from flagstop.scheduler_svc.core.request import Request
+from flagstop.scheduler_svc.core.scheduler import Scheduler
+from flagstop.server import TLSConfig, channel
 from flagstop.v1 import policy_pb2, policy_pb2_grpc
-from scheduler_svc.policy import RankedPolicy
-from scheduler_svc.request import Request
-from scheduler_svc.scheduler import Scheduler
 
 log = logging.getLogger("flagstop.scheduler.policy")
 POLICY_SERVICE = policy_pb2.DESCRIPTOR.services_by_name["SchedulerPolicy"].full_name
@@ -26,10 +26,10 @@ RETRY_AFTER_S = 0.5
 class RemotePolicyClient:
     def __init__(
         self, address: str, policy: RankedPolicy, deadline_s: float,
-        on_change: Callable[[bool, str], None], tls: wire.TLSConfig | None = None,
+        on_change: Callable[[bool, str], None], tls: TLSConfig | None = None,
     ) -> None:  # fmt: skip
         """on_change(active, failure reason or ""): after every failure and on recovery."""
-        self.stub = policy_pb2_grpc.SchedulerPolicyStub(wire.channel(address, tls))
+        self.stub = policy_pb2_grpc.SchedulerPolicyStub(channel(address, tls))
         self.policy, self.deadline_s, self.on_change = policy, deadline_s, on_change
         self.active = False  # its rankings are in use
         self.num_failures = 0
@@ -52,13 +52,12 @@ class RemotePolicyClient:
 
     def _snapshot(self, scheduler: Scheduler) -> policy_pb2.PolicyQuery:
         query = policy_pb2.PolicyQuery(
-            query_id=self.query_id, num_free_blocks=scheduler.kv.pool.num_free_blocks,
-            num_total_blocks=scheduler.kv.pool.num_blocks,
+            query_id=self.query_id, num_free_blocks=scheduler.num_free_blocks,
+            num_total_blocks=scheduler.num_total_blocks,
         )  # fmt: skip
         for request in scheduler.waiting:
-            _describe(request, query.waiting.add()).prefix_hit_blocks = len(
-                scheduler.kv.get_computed_blocks(request)
-            )
+            entry = _describe(request, query.waiting.add())
+            entry.prefix_hit_blocks = scheduler.num_prefix_hit_blocks(request)
         for request in scheduler.running:
             _describe(request, query.running.add())
         return query

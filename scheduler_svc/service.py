@@ -3,7 +3,6 @@ engine loop between them keeping up to two steps in flight."""
 
 import asyncio
 import logging
-import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator
@@ -11,7 +10,17 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from flagstop import wire
+from flagstop.health import Health
+from flagstop.reconnect import Reconnect
+from flagstop.scheduler_svc.convert import request_from_proto, step_to_proto
+from flagstop.scheduler_svc.core.output import OwnerOutputs, SchedulerOutput
+from flagstop.scheduler_svc.core.policy import RankedPolicy
+from flagstop.scheduler_svc.core.request import FinishReason
+from flagstop.scheduler_svc.core.scheduler import RequestRejected, Scheduler
+from flagstop.scheduler_svc.policy_client import POLICY_SERVICE, RemotePolicyClient
+from flagstop.scheduler_svc.settings import SchedulerSettings
+from flagstop.scheduler_svc.telemetry import SchedulerTelemetry
+from flagstop.server import StartupError, TLSConfig, channel
 from flagstop.v1 import (
     executor_pb2,
     executor_pb2_grpc,
@@ -19,22 +28,19 @@ from flagstop.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from scheduler_svc.config import SchedulerConfig
-from scheduler_svc.output import OwnerOutputs, SchedulerOutput
-from scheduler_svc.policy import RankedPolicy
-from scheduler_svc.policy_client import POLICY_SERVICE, RemotePolicyClient
-from scheduler_svc.request import RequestStatus
-from scheduler_svc.scheduler import RequestRejected, Scheduler
-from scheduler_svc.telemetry import SchedulerTelemetry
-from scheduler_svc.wire import FINISH_TO_PROTO, request_from_proto, step_to_proto
 
 log = logging.getLogger("flagstop.scheduler")
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 HEARTBEAT_INTERVAL_S = 1.0
+EMPTY_LOGPROB = generation_pb2.TokenLogprob()
 
 
 class ExecutorLost(Exception):
     pass
+
+
+class ExecutorMismatch(Exception):
+    """The executor cannot honour this scheduler's settings; the message says which."""
 
 
 @dataclass(slots=True, eq=False)
@@ -45,131 +51,130 @@ class RouterConnection:
     num_queued: int = 0  # requests waiting at the router, as it last said
 
 
-@dataclass(slots=True)
-class ServiceOptions:
-    executor_address: str
-    max_model_len: int | None = None  # None: the executor's
-    # Requests waiting here beyond this are left queued at the routers (credits).
-    max_waiting_requests: int = 256
-    # 2: step N+1 is scheduled and sent while step N runs, so the executor never waits
-    # for us. 1: strictly one at a time.
-    max_steps_in_flight: int = 2
-    policy_address: str = "127.0.0.1:50060"  # with --policy remote
-    policy_deadline_s: float = 0.020
-    drain_timeout_s: float = 30.0
-    # A step or heartbeat unanswered this long means the executor is hung.
-    heartbeat_timeout_s: float = 30.0
-    # Requests wait this long for a lost executor to come back, then fail.
-    executor_timeout_s: float = 60.0
-    tls: wire.TLSConfig | None = None
-
-
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(
-        self,
-        config: SchedulerConfig,
-        options: ServiceOptions,
-        health,
-        telemetry: SchedulerTelemetry,
+        self, settings: SchedulerSettings, health: Health, telemetry: SchedulerTelemetry
     ) -> None:
-        self.config = config
-        self.options = options
+        self.settings = settings
+        self.tls = TLSConfig.from_settings(settings)
         self.health = health
         self.telemetry = telemetry
         self.scheduler: Scheduler | None = None
-        self.model_info = generation_pb2.ModelInfo()
+        self.executor_info = executor_pb2.DescribeExecutorResponse()
         self.eos_token_ids: frozenset[int] = frozenset()
         self.routers: dict[str, RouterConnection] = {}
         self.wakeup = asyncio.Event()
         self.executor_connected = False
-        self.executor_lost_since: float | None = None
+        self.reconnect = Reconnect(give_up_after_s=settings.executor_timeout)
         self.accepting = True
         self.policy_client: RemotePolicyClient | None = None
 
     # -- the executor --------------------------------------------------------
 
     async def connect_executor(self) -> None:
-        """Describe the executor (waiting for it to come up) and size the pool from it."""
-        self.channel = wire.channel(self.options.executor_address, self.options.tls)
-        self.executor = executor_pb2_grpc.ExecutorStub(self.channel)
+        """Describe the executor (waiting for it to come up) and size the pool from it;
+        a configuration it cannot honour stops start-up (StartupError)."""
+        s = self.settings
+        self.executor = executor_pb2_grpc.ExecutorStub(channel(s.executor, self.tls))
         info = await self._describe()
-        self.model_info = info
+        try:
+            self._check_executor(info)
+            config = s.core_config(info.max_model_len, info.block_size)
+        except (ExecutorMismatch, ValueError) as e:
+            raise StartupError(str(e)) from None
+        self.executor_info = info
         self.telemetry.model_name = info.model_name
         self.eos_token_ids = frozenset(info.eos_token_ids)
-        max_model_len = min(self.options.max_model_len or info.max_model_len, info.max_model_len)
-        self.config = SchedulerConfig(
-            max_num_batched_tokens=self.config.max_num_batched_tokens,
-            max_num_seqs=self.config.max_num_seqs, max_model_len=max_model_len,
-            block_size=info.block_size,
-            long_prefill_token_threshold=self.config.long_prefill_token_threshold,
-            enable_chunked_prefill=self.config.enable_chunked_prefill,
-            enable_prefix_caching=self.config.enable_prefix_caching, policy=self.config.policy,
-        )  # fmt: skip
-        self.scheduler = Scheduler(self.config, info.num_blocks)
+        self.scheduler = Scheduler(config, info.num_blocks)
         if isinstance(self.scheduler.policy, RankedPolicy):
             self.policy_client = RemotePolicyClient(
-                self.options.policy_address, self.scheduler.policy,
-                self.options.policy_deadline_s, self._policy_changed, self.options.tls,
+                s.policy_addr, self.scheduler.policy, s.policy_deadline_ms / 1000,
+                self._policy_changed, self.tls,
             )  # fmt: skip
-        log.info("executor %s: %s, %d blocks of %d", self.options.executor_address,
-                 info.model_name, info.num_blocks, info.block_size)  # fmt: skip
+        log.info("executor %s: %s, %d blocks of %d", s.executor, info.model_name,
+                 info.num_blocks, info.block_size)  # fmt: skip
 
-    async def _describe(self) -> generation_pb2.ModelInfo:
+    def _check_executor(self, info: executor_pb2.DescribeExecutorResponse) -> None:
+        """Refuse what the executor cannot honour now, not as a batch desync later."""
+        s, known = self.settings, self.executor_info
+        if known.model_name and (info.model_name, info.vocab_size, info.block_size) != (
+            known.model_name, known.vocab_size, known.block_size,
+        ):  # fmt: skip
+            raise ExecutorMismatch(
+                f"the executor came back with another model ({info.model_name}, block size "
+                f"{info.block_size}); retry the request"
+            )
+        for flag, ours, theirs in (
+            ("--max-num-seqs", s.max_num_seqs, info.max_num_seqs),
+            ("--max-num-batched-tokens", s.max_num_batched_tokens, info.max_num_batched_tokens),
+            ("--max-model-len", s.max_model_len or 0, info.max_model_len),
+        ):
+            if ours > theirs:
+                raise ExecutorMismatch(
+                    f"{flag} {ours} exceeds the executor's {theirs} ({s.executor}): "
+                    f"lower {flag} or raise the executor's"
+                )
+
+    async def _describe(self) -> executor_pb2.DescribeExecutorResponse:
         """Describe with backoff until an executor answers; requests that outwait
         --executor-timeout meanwhile end with UNAVAILABLE."""
-        delay = 0.1
         while True:
             try:
                 return await self.executor.Describe(
-                    executor_pb2.DescribeRequest(), timeout=self.options.heartbeat_timeout_s
+                    executor_pb2.DescribeExecutorRequest(),
+                    timeout=self.settings.executor_heartbeat_timeout,
                 )
             except grpc.aio.AioRpcError as e:
-                log.info("waiting for the executor at %s: %s", self.options.executor_address,
-                         e.code())  # fmt: skip
-            if self._executor_timed_out():
+                log.info("waiting for the executor at %s: %s", self.settings.executor, e.code())
+            if self.reconnect.gave_up:
                 self._fail_all(grpc.StatusCode.UNAVAILABLE, (
-                    f"no executor for {self.options.executor_timeout_s:g}s: retry the request"
+                    f"no executor for {self.settings.executor_timeout:g}s: retry the request"
                 ))  # fmt: skip
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
-
-    def _executor_timed_out(self) -> bool:
-        lost_since = self.executor_lost_since
-        return lost_since is not None and (
-            time.monotonic() - lost_since > self.options.executor_timeout_s
-        )
+            await self.reconnect.wait()
 
     async def run(self) -> None:
-        """The engine loop. When the executor is lost (dead, or silent past the
-        heartbeat deadline) its KV cache is gone with it: every request is preempted
-        for recompute and goes on, with the tokens it has, on the next executor."""
+        """Connect to the executor, then the engine loop. When the executor is lost
+        (dead, or silent past the heartbeat deadline) its KV cache is gone with it:
+        every request is preempted for recompute and goes on, with the tokens it has,
+        on the next executor."""
+        await self.connect_executor()
+        assert self.scheduler is not None
         while True:
             call = self.executor.Execute()
-            self.executor_connected, self.executor_lost_since = True, None
-            wire.set_serving(self.health, [SERVICE_NAME], True)
+            self.executor_connected = True
+            self.reconnect.connected()
+            self.health.set_ready(self.accepting)
             try:
                 await self._drive(call)
             except (grpc.aio.AioRpcError, ExecutorLost) as e:
                 log.error("executor lost: %s", e)
             except TimeoutError:
-                log.error("executor lost: silent for %gs", self.options.heartbeat_timeout_s)
+                log.error("executor lost: silent for %gs", self.settings.executor_heartbeat_timeout)
             except Exception:  # a bug: fail what is in flight rather than hang forever
                 log.exception("engine loop failed")
                 self._fail_all(grpc.StatusCode.INTERNAL, "the scheduler failed; retry")
             finally:
                 call.cancel()
-            self.executor_connected, self.executor_lost_since = False, time.monotonic()
-            wire.set_serving(self.health, [SERVICE_NAME], False)
+            self.executor_connected = False
+            self.reconnect.lost()
+            self.health.set_ready(False)  # still live: the queue waits for the executor
             self.telemetry.executor_lost(self.scheduler)
-            self.scheduler.reset_executor(self.scheduler.kv.pool.num_blocks)
+            self.scheduler.reset_executor()
+            await self._reconnect_executor()
+
+    async def _reconnect_executor(self) -> None:
+        """Until an executor that can serve the same requests answers."""
+        while True:
             info = await self._describe()
-            if (info.model_name, info.vocab_size) != (
-                self.model_info.model_name,
-                self.model_info.vocab_size,
-            ):
-                self._fail_all(grpc.StatusCode.UNAVAILABLE, "the executor came back with "
-                               f"another model ({info.model_name}); retry the request")  # fmt: skip
+            try:
+                self._check_executor(info)
+            except ExecutorMismatch as e:
+                log.error("%s", e)
+                self._fail_all(grpc.StatusCode.UNAVAILABLE, str(e))
+                await self.reconnect.wait()
+                continue
             self.scheduler.reset_executor(info.num_blocks)
+            return
 
     async def _drive(self, call) -> None:
         scheduler = self.scheduler
@@ -188,7 +193,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 await call.write(step)
                 in_flight.append(plan)
             if in_flight and (
-                len(in_flight) >= self.options.max_steps_in_flight or not plan.num_scheduled_tokens
+                len(in_flight) >= self.settings.max_steps_in_flight or not plan.num_scheduled_tokens
             ):
                 result = await self._read(call)
                 done = in_flight.popleft()
@@ -215,7 +220,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def _read(self, call) -> executor_pb2.StepResult:
         """The next result; an executor silent past the heartbeat deadline (hung, or
         its host gone without a reset) counts as lost."""
-        async with asyncio.timeout(self.options.heartbeat_timeout_s):
+        async with asyncio.timeout(self.settings.executor_heartbeat_timeout):
             result = await call.read()
         if result is grpc.aio.EOF:
             raise ExecutorLost("the executor closed the stream")
@@ -240,14 +245,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 continue
             msg = scheduler_pb2.SchedulerMessage(
                 step_id=plan.step_id, request_ids=out.req_ids, token_ids=out.new_token_ids,
-                finished_ids=list(out.finished),
-                finish_reasons=[FINISH_TO_PROTO[r] for r in out.finished.values()],
+                finished_ids=list(out.finished), finish_reasons=list(out.finished.values()),
                 credits=self._take_credits(conn),
             )  # fmt: skip
             if logprobs:
-                msg.logprobs.extend(
-                    logprobs.get(r, generation_pb2.TokenLogprob()) for r in out.req_ids
-                )
+                msg.logprobs.extend(logprobs.get(r, EMPTY_LOGPROB) for r in out.req_ids)
             conn.outbox.put_nowait(msg)
         for conn in self.routers.values():
             if conn.credits and conn.router_id not in outputs:
@@ -262,7 +264,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             self.telemetry.event("policy fallback", {"flagstop.reason": failure})
         # Health detail: the policy's own entry is SERVING while its rankings are used;
         # the scheduler as a whole keeps serving (FCFS) either way.
-        wire.set_serving(self.health, [POLICY_SERVICE], active, overall=False)
+        self.health.set_detail(POLICY_SERVICE, active)
 
     # -- credits ---------------------------------------------------------------
 
@@ -272,7 +274,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if self.scheduler is None or not self.accepting:
             return
         outstanding = sum(c.credits for c in self.routers.values())
-        room = self.options.max_waiting_requests - len(self.scheduler.waiting) - outstanding
+        room = self.settings.max_waiting_requests - len(self.scheduler.waiting) - outstanding
         wanting = [c for c in self.routers.values() if c.num_queued > c.credits]
         while room > 0 and wanting:
             for conn in list(wanting):
@@ -332,7 +334,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if msg.aborts and scheduler is not None:
             scheduler.abort(msg.aborts)
             for request_id in msg.aborts:
-                self.telemetry.on_finish(request_id, "abort")
+                self.telemetry.on_finish(request_id, FinishReason.ABORT)
         for add in msg.adds:
             error = self._add(conn, add)
             if error is not None:
@@ -346,7 +348,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     def _add(self, conn: RouterConnection, add: scheduler_pb2.AddRequest):
         # While a lost executor may still come back, new requests wait with the rest.
-        if not self.accepting or self.scheduler is None or self._executor_timed_out():
+        if not self.accepting or self.scheduler is None or self.reconnect.gave_up:
             return scheduler_pb2.RequestError(
                 request_id=add.request_id, code=grpc.StatusCode.UNAVAILABLE.value[0],
                 message="the scheduler is not serving (starting, stopping, or no executor)",
@@ -367,23 +369,17 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if self.routers.get(conn.router_id) is conn:
             del self.routers[conn.router_id]
         if self.scheduler is not None:
-            owned = [
-                r.request_id for r in self.scheduler.requests.values() if r.owner == conn.router_id
-            ]
+            owned = self.scheduler.request_ids_by_owner().get(conn.router_id, [])
             self.scheduler.abort(owned)
             for request_id in owned:
-                self.telemetry.on_finish(request_id, "abort")
+                self.telemetry.on_finish(request_id, FinishReason.ABORT)
 
     def _fail_all(self, code: grpc.StatusCode, message: str) -> None:
         if self.scheduler is None:
             return
-        by_owner: dict[str, list[str]] = {}
-        for request in self.scheduler.requests.values():
-            by_owner.setdefault(request.owner, []).append(request.request_id)
-        for owner, ids in by_owner.items():
-            self.scheduler.abort(ids, RequestStatus.FINISHED_ERROR)
+        for owner, ids in self.scheduler.abort_all().items():
             for request_id in ids:
-                self.telemetry.on_finish(request_id, "error")
+                self.telemetry.on_finish(request_id, FinishReason.ERROR)
             conn = self.routers.get(owner)
             if conn is not None:
                 errors = [
@@ -391,24 +387,25 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     for r in ids
                 ]
                 conn.outbox.put_nowait(scheduler_pb2.SchedulerMessage(errors=errors))
-        # A new executor stream starts from an empty batch: forget what the old one held.
-        self.scheduler.finished_req_ids.clear()
 
     # -- unary -----------------------------------------------------------------
 
-    async def Describe(self, request, context) -> generation_pb2.ModelInfo:
+    async def Describe(self, request, context) -> scheduler_pb2.DescribeSchedulerResponse:
         if self.scheduler is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "waiting for the executor")
-        info = generation_pb2.ModelInfo()
-        info.CopyFrom(self.model_info)
-        info.max_model_len = self.config.max_model_len  # --max-model-len may lower it
-        return info
+        info = self.executor_info
+        return scheduler_pb2.DescribeSchedulerResponse(
+            model_name=info.model_name, vocab_size=info.vocab_size,
+            max_model_len=self.scheduler.config.max_model_len,  # --max-model-len may lower it
+            eos_token_ids=info.eos_token_ids, block_size=info.block_size,
+            num_blocks=self.scheduler.num_total_blocks,
+        )  # fmt: skip
 
-    async def GetStats(self, request, context) -> scheduler_pb2.SchedulerStats:
+    async def GetStats(self, request, context) -> scheduler_pb2.GetStatsResponse:
         if self.scheduler is None:
-            return scheduler_pb2.SchedulerStats()
+            return scheduler_pb2.GetStatsResponse()
         s = self.scheduler.make_stats()
-        return scheduler_pb2.SchedulerStats(
+        return scheduler_pb2.GetStatsResponse(
             step_id=s.step_id, num_running=s.num_running_reqs, num_waiting=s.num_waiting_reqs,
             num_free_blocks=s.num_free_blocks, num_total_blocks=s.num_total_blocks,
             kv_cache_usage=s.kv_cache_usage, prefix_cache_queries=s.prefix_cache_queries,
@@ -424,8 +421,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         """Stop admitting, let the requests in flight finish (for a while), then abort
         what is left and close the router streams."""
         self.accepting = False
-        wire.set_serving(self.health, [SERVICE_NAME], False)
-        deadline = asyncio.get_running_loop().time() + self.options.drain_timeout_s
+        self.health.set_ready(False)
+        deadline = asyncio.get_running_loop().time() + self.settings.drain_timeout
         while self.scheduler is not None and self.scheduler.has_unfinished_requests():
             if asyncio.get_running_loop().time() > deadline:
                 self._fail_all(grpc.StatusCode.UNAVAILABLE, "the scheduler shut down")

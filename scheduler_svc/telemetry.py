@@ -8,10 +8,11 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, Status, StatusCode
 from prometheus_client import Counter, Gauge, Histogram
 
-from flagstop.telemetry import Telemetry, extract, inject
+from flagstop.scheduler_svc.core.output import OwnerOutputs, SchedulerOutput
+from flagstop.scheduler_svc.core.request import FinishReason
+from flagstop.scheduler_svc.core.scheduler import Scheduler
+from flagstop.telemetry import LATENCY_BUCKETS, Telemetry, extract, inject
 from flagstop.v1 import executor_pb2
-from scheduler_svc.output import OwnerOutputs, SchedulerOutput
-from scheduler_svc.scheduler import Scheduler
 
 RUNNING = Gauge("vllm:num_requests_running", "Requests in the running batch", ["model_name"])
 WAITING = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled", ["model_name"])
@@ -24,7 +25,7 @@ EXECUTOR_LOSSES = Counter(
 )
 STEP_SECONDS = Histogram(
     "flagstop:step_duration_seconds", "From planning a step to applying its tokens",
-    ["model_name"], buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+    ["model_name"], buckets=LATENCY_BUCKETS,
 )  # fmt: skip
 
 
@@ -82,7 +83,7 @@ class SchedulerTelemetry:
             "flagstop.running": len(scheduler.running),
             "flagstop.waiting": len(scheduler.waiting),
             "flagstop.preempted": len(plan.preempted_req_ids),
-            "flagstop.kv_cache_usage": scheduler.kv.pool.usage(),
+            "flagstop.kv_cache_usage": scheduler.kv_cache_usage,
         })  # fmt: skip
 
     def on_update(
@@ -95,7 +96,7 @@ class SchedulerTelemetry:
         if self.enabled:
             for out in outputs.values():
                 for req_id, reason in out.finished.items():
-                    self.on_finish(req_id, reason.name.lower())
+                    self.on_finish(req_id, reason)
         self._export_gauges(scheduler)
 
     def executor_lost(self, scheduler: Scheduler) -> None:
@@ -123,11 +124,11 @@ class SchedulerTelemetry:
         span.add_event(name, attributes)
         span.end()
 
-    def on_finish(self, request_id: str, reason: str) -> None:
+    def on_finish(self, request_id: str, reason: FinishReason) -> None:
         self.arrivals.pop(request_id, None)
         span = self.request_spans.pop(request_id, None)
         if span is not None:
-            span.set_attribute("gen_ai.response.finish_reasons", [reason])
+            span.set_attribute("gen_ai.response.finish_reasons", [reason.label])
             span.end()
 
     def _export_gauges(self, scheduler: Scheduler) -> None:

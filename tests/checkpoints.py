@@ -13,7 +13,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from executor.make_model import WEIGHT_SCALE, write_model
+from tools.make_model import WEIGHT_SCALE, write_model
 
 COMMON = dict(
     vocab_size=512,
@@ -55,7 +55,7 @@ def write_checkpoint(name: str, out: Path) -> Path:
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for param in model.parameters():
-            # Wide weights and random biases/norms: see executor/make_model.py.
+            # Wide weights and random biases/norms: see tools/make_model.py.
             if param.dim() == 2:
                 param.normal_(0, 0.02 * WEIGHT_SCALE)
             else:

@@ -16,8 +16,8 @@ try:
 except ImportError:
     pass
 
-from executor.make_model import write_model
 from tests.checkpoints import load_reference
+from tools.make_model import write_model
 
 
 @pytest.fixture(scope="session")

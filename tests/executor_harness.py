@@ -6,9 +6,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from executor.model_runner import ModelRunner
-from executor.plan import NewRequest, StepPlan
-from executor.sampling import SampleOutput, SamplingParams
+from flagstop.executor.model_runner import ModelRunner
+from flagstop.executor.sampling import SampleOutput, SamplingParams
+from flagstop.scheduler_svc.core.output import NewRequestData, SchedulerOutput
+from flagstop.utils import cdiv
 
 
 @dataclass
@@ -64,8 +65,10 @@ class Harness:
     def _free(self, tracked: Tracked) -> None:
         self.free_blocks = tracked.block_ids[::-1] + self.free_blocks
 
-    def plan(self, num_tokens: dict[str, int]) -> StepPlan:
-        plan = StepPlan(finished_req_ids=self.pending_drop, preempted_req_ids=self.pending_preempt)
+    def plan(self, num_tokens: dict[str, int]) -> SchedulerOutput:
+        plan = SchedulerOutput(
+            finished_req_ids=self.pending_drop, preempted_req_ids=self.pending_preempt
+        )
         self.pending_drop, self.pending_preempt = set(), set()
         for req_id, n in num_tokens.items():
             tracked = self.requests[req_id]
@@ -73,12 +76,12 @@ class Harness:
             assert total <= len(tracked.token_ids)
             new_blocks = [
                 self.free_blocks.pop(0)
-                for _ in range(-(-total // self.block_size) - len(tracked.block_ids))
+                for _ in range(cdiv(total, self.block_size) - len(tracked.block_ids))
             ]
             tracked.block_ids += new_blocks
             if not tracked.sent:
                 plan.scheduled_new_reqs.append(
-                    NewRequest(
+                    NewRequestData(
                         req_id,
                         list(tracked.token_ids),
                         tracked.num_prompt_tokens,
@@ -97,7 +100,7 @@ class Harness:
             tracked.num_computed_tokens = total
         return plan
 
-    def sampling_ids(self, plan: StepPlan) -> list[str]:
+    def sampling_ids(self, plan: SchedulerOutput) -> list[str]:
         requests = self.requests
         return [
             r

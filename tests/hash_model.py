@@ -11,9 +11,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from scheduler_svc.output import OwnerOutputs, SchedulerOutput
-from scheduler_svc.request import StopParams
-from scheduler_svc.scheduler import Scheduler
+from flagstop.scheduler_svc.core.output import OwnerOutputs, SchedulerOutput
+from flagstop.scheduler_svc.core.request import StopParams
+from flagstop.scheduler_svc.core.scheduler import Scheduler
 
 
 def next_token(tokens: list[int] | tuple[int, ...], vocab_size: int) -> int:

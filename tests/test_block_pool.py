@@ -1,8 +1,8 @@
 import pytest
 
-from scheduler_svc.block_pool import BlockPool
-from scheduler_svc.kv_cache_manager import KVCacheManager, hash_block
-from scheduler_svc.request import Request, StopParams
+from flagstop.scheduler_svc.core.block_pool import BlockPool
+from flagstop.scheduler_svc.core.kv_cache_manager import KVCacheManager, hash_block
+from flagstop.scheduler_svc.core.request import Request, StopParams
 
 
 def ids(blocks) -> list[int]:

@@ -13,23 +13,23 @@ import grpc
 import pytest
 import yaml
 
-import executor.__main__
-import router.__main__
-import scheduler_svc.__main__
-from executor import make_model
+from examples import policy_server
+from flagstop.executor.settings import ExecutorSettings
+from flagstop.router.settings import RouterSettings
+from flagstop.scheduler_svc.settings import SchedulerSettings
 from flagstop.v1 import generation_pb2, generation_pb2_grpc
-from scheduler_svc import policy_server
-from tests.otlp_collector import start_collector
-from tests.stack import ROOT, free_port, spawn
+from tools import make_model
+from tools.otlp_collector import start_collector
+from tools.stack import ROOT, free_port, spawn
 
 COMPOSE = ROOT / "compose" / "compose.yaml"
 GPU = ROOT / "compose" / "compose.gpu.yaml"
 PARSERS = {
-    "executor": (executor.__main__.parse_args, "FLAGSTOP_EXECUTOR_"),
-    "scheduler_svc": (scheduler_svc.__main__.parse_args, "FLAGSTOP_SCHEDULER_"),
-    "router": (router.__main__.parse_args, "FLAGSTOP_ROUTER_"),
-    "executor.make_model": (make_model.parse_args, None),
-    "scheduler_svc.policy_server": (policy_server.parse_args, "FLAGSTOP_POLICY_"),
+    "flagstop.executor": (ExecutorSettings.load, "FLAGSTOP_EXECUTOR_"),
+    "flagstop.scheduler_svc": (SchedulerSettings.load, "FLAGSTOP_SCHEDULER_"),
+    "flagstop.router": (RouterSettings.load, "FLAGSTOP_ROUTER_"),
+    "tools.make_model": (make_model.parse_args, None),
+    "examples.policy_server": (policy_server.PolicySettings.load, "FLAGSTOP_POLICY_"),
 }
 # Read by the OpenTelemetry SDK in flagstop.telemetry.
 OTEL_VARIABLES = {"OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_INSECURE", "OTEL_SERVICE_NAME"}

@@ -1,8 +1,19 @@
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from executor.make_model import write_model
-from router.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from flagstop.router.detokenizer import (
+    IncrementalDetokenizer,
+    StopStringMatcher,
+    StreamDetokenizer,
+    new_detokenizer,
+)
+from tools.make_model import write_model
+
+# The DecodeStream one for fast tokenizers, the windowed one for slow tokenizers: the
+# same guarantees hold for both.
+DETOKENIZERS = [StreamDetokenizer, IncrementalDetokenizer]
 
 
 @pytest.fixture(scope="module")
@@ -10,22 +21,49 @@ def tokenizer(tmp_path_factory):
     return AutoTokenizer.from_pretrained(write_model(tmp_path_factory.mktemp("tok"), "tiny"))
 
 
-def test_deltas_never_split_a_multibyte_character(tokenizer):
+@pytest.mark.parametrize("Detokenizer", DETOKENIZERS)
+def test_deltas_never_split_a_multibyte_character(tokenizer, Detokenizer):
     text = " héllo wörld ✓ 日本語 and 🙂 done"
     ids = tokenizer(text, add_special_tokens=False).input_ids
     # A byte-level vocabulary of 512 splits the CJK and emoji characters across tokens.
     assert any("\ufffd" in tokenizer.decode([i]) for i in ids)
-    detokenizer = IncrementalDetokenizer(tokenizer, tokenizer("Hi").input_ids)
+    detokenizer = Detokenizer(tokenizer, tokenizer("Hi").input_ids)
     deltas = [detokenizer.add([i]) for i in ids]
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == text
 
 
-def test_invalid_bytes_are_flushed_at_the_end(tokenizer):
+@pytest.mark.parametrize("Detokenizer", DETOKENIZERS)
+def test_invalid_bytes_are_flushed_at_the_end(tokenizer, Detokenizer):
     ids = tokenizer("日", add_special_tokens=False).input_ids
-    detokenizer = IncrementalDetokenizer(tokenizer, [0])
+    detokenizer = Detokenizer(tokenizer, [0])
     assert detokenizer.add(ids[:-1]) == ""  # an incomplete character waits
     assert detokenizer.add([], final=True) == "\ufffd"
+
+
+def test_a_fast_tokenizer_streams_through_decode_stream(tokenizer):
+    assert tokenizer.is_fast
+    assert isinstance(new_detokenizer(tokenizer, [0]), StreamDetokenizer)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    prompt=st.text(min_size=1, max_size=12),
+    generated=st.lists(st.integers(0, 511), min_size=1, max_size=40),
+    chunk=st.integers(1, 4),
+)
+def test_both_stream_what_a_full_decode_gives(tokenizer, prompt, generated, chunk):
+    """Any generated ids (special tokens, stray continuation bytes), in chunks of any
+    size: the deltas of both add up to what a full decode adds to the prompt's text."""
+    prompt_ids = tokenizer(prompt).input_ids
+    head = tokenizer.decode(prompt_ids, skip_special_tokens=True)
+    full = tokenizer.decode(prompt_ids + generated, skip_special_tokens=True)
+    for Detokenizer in DETOKENIZERS:
+        detokenizer, deltas = Detokenizer(tokenizer, prompt_ids), []
+        for start in range(0, len(generated), chunk):
+            final = start + chunk >= len(generated)
+            deltas.append(detokenizer.add(generated[start : start + chunk], final=final))
+        assert head + "".join(deltas) == full, Detokenizer.__name__
 
 
 @pytest.mark.parametrize(

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from executor.config import ExecutorConfig
-from executor.make_model import write_model
-from executor.model_runner import ModelRunner
-from executor.sampling import SamplingParams
+from flagstop.executor.config import ExecutorConfig
+from flagstop.executor.model_runner import ModelRunner
+from flagstop.executor.sampling import SamplingParams
 from tests.executor_harness import Harness
+from tools.make_model import write_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -5,8 +5,8 @@ import random
 import pytest
 import torch
 
-from executor.config import ExecutorConfig
-from executor.model_runner import ModelRunner
+from flagstop.executor.config import ExecutorConfig
+from flagstop.executor.model_runner import ModelRunner
 from tests.checkpoints import load_reference, reference_generate, write_checkpoint
 from tests.executor_harness import Harness
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from flagstop import wire
+from flagstop.server import channel
 from flagstop.v1 import generation_pb2, generation_pb2_grpc
 from tests.checkpoints import reference_generate
-from tests.stack import ROOT, start_stack
+from tools.stack import ROOT, start_stack
 
 
 @pytest.fixture
@@ -179,8 +179,8 @@ def rss_kib(pid: int) -> int:
 
 
 async def many_streams(router: str, n: int) -> list[int]:
-    async with wire.channel(router) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
+    async with channel(router) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
 
         async def one(i: int) -> int:
             request = generation_pb2.GenerateRequest(

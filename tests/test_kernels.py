@@ -4,7 +4,8 @@ the device when a GPU is present."""
 import pytest
 import torch
 
-from kernels import torch_ref, triton_attention
+from flagstop.kernels import torch_ref, triton_attention
+from flagstop.utils import cdiv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -33,7 +34,7 @@ def randn(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
 def block_tables(seq_lens: list[int], block_size: int, num_blocks: int, seed=0) -> torch.Tensor:
     """Each sequence gets its own blocks, scattered over the pool; padding is -1."""
     g = torch.Generator().manual_seed(seed)
-    needed = [-(-n // block_size) for n in seq_lens]
+    needed = [cdiv(n, block_size) for n in seq_lens]
     order = torch.randperm(num_blocks, generator=g).tolist()
     table = torch.full((len(seq_lens), max(needed)), -1, dtype=torch.int32)
     start = 0
@@ -69,7 +70,7 @@ def test_paged_attention_decode(num_heads, num_kv_heads, head_dim, block_size, d
     # Ragged: 1 token, block boundaries, and (with a 64-token partition) split-K.
     seq_lens = [1, block_size, block_size + 1, 2 * block_size - 1, 150]
     monkeypatch.setattr(triton_attention, "DECODE_PARTITION", 64)
-    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
+    num_blocks = sum(cdiv(n, block_size) for n in seq_lens) + 3
     k_cache, v_cache = make_caches(num_blocks, block_size, num_kv_heads, head_dim, dtype)
     tables = block_tables(seq_lens, block_size, num_blocks)
     query = randn(len(seq_lens), num_heads, head_dim, dtype=dtype)
@@ -93,7 +94,7 @@ def test_paged_attention_prefill(
     if with_context:
         shapes = [(1, 5), (block_size, block_size), (17, block_size - 1), (9, 2 * block_size + 1)]
     seq_lens = [q + c for q, c in shapes]
-    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
+    num_blocks = sum(cdiv(n, block_size) for n in seq_lens) + 3
     k_cache, v_cache = make_caches(num_blocks, block_size, num_kv_heads, head_dim, dtype)
     tables = block_tables(seq_lens, block_size, num_blocks)
     starts = torch.tensor([0] + [q for q, _ in shapes], dtype=torch.int32).cumsum(0).to(torch.int32)
@@ -110,8 +111,8 @@ def test_paged_attention_prefill(
 
 
 def test_the_model_on_triton_kernels_matches_transformers(tmp_path):
-    from executor.config import ExecutorConfig
-    from executor.model_runner import ModelRunner
+    from flagstop.executor.config import ExecutorConfig
+    from flagstop.executor.model_runner import ModelRunner
     from tests.checkpoints import load_reference, write_checkpoint
     from tests.executor_harness import Harness
     from tests.test_executor_model import assert_matches, prompt

@@ -6,10 +6,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
-from executor.make_model import write_model
-from executor.models.config import ModelConfig
-from executor.models.loader import load_model
-from kernels.torch_ref import gather_kv, store_kv
+from flagstop.executor.models.config import ModelConfig
+from flagstop.executor.models.loader import load_model
+from flagstop.kernels.torch_ref import gather_kv, store_kv
+from tools.make_model import write_model
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from executor.make_model import write_model
 from flagstop.v1 import generation_pb2
-from tests.otlp_collector import attributes, start_collector
-from tests.stack import start_stack
+from tools.make_model import write_model
+from tools.otlp_collector import attributes, start_collector
+from tools.stack import start_stack
 
 MODEL = "flagstop-tiny"
 
@@ -185,8 +185,8 @@ def test_a_policy_fallback_is_an_event_on_the_step_in_flight():
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+    from flagstop.scheduler_svc.telemetry import SchedulerTelemetry
     from flagstop.telemetry import Telemetry
-    from scheduler_svc.telemetry import SchedulerTelemetry
 
     exporter, provider = InMemorySpanExporter(), TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))

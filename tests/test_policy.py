@@ -9,9 +9,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from executor.make_model import write_model
 from flagstop.v1 import generation_pb2
-from tests.stack import free_port, spawn, start_stack, wait_serving
+from tools.make_model import write_model
+from tools.stack import free_port, spawn, start_stack, wait_serving
 
 
 class PolicyProcess:
@@ -19,7 +19,7 @@ class PolicyProcess:
         self.port, self.log_dir, self.process = free_port(), log_dir, None
 
     def start(self, strategy: str, sleep_ms: int = 0) -> None:
-        args = ["-m", "scheduler_svc.policy_server", "--strategy", strategy,
+        args = ["-m", "examples.policy_server", "--strategy", strategy,
                 "--port", str(self.port), "--sleep-ms", str(sleep_ms)]  # fmt: skip
         self.process = spawn(f"policy-{strategy}-{sleep_ms}", args, self.log_dir)
         wait_serving(grpc.insecure_channel(f"127.0.0.1:{self.port}"), self.process)

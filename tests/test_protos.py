@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PROTOS = ROOT / "protos" / "flagstop" / "v1"
+PROTOS = ROOT / "flagstop" / "v1"  # the committed stubs
 
 
 def test_generated_stubs_are_up_to_date(tmp_path):

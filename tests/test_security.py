@@ -7,10 +7,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flagstop import health, wire
+from flagstop import health
+from flagstop.server import CHANNEL_OPTIONS, TLSConfig
 from flagstop.v1 import generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.certs import have_openssl, make_ca, make_cert
-from tests.stack import generate, start_stack
+from tools.stack import generate, start_stack
 
 API_KEY = "s3cret-key"
 AUTH = (("authorization", f"Bearer {API_KEY}"),)
@@ -100,7 +101,7 @@ def test_health_needs_no_api_key(tls_stack):
 
 def test_the_health_command_speaks_tls(tls_stack, pki):
     cert, key = pki["client"]
-    tls = wire.TLSConfig(cert.read_bytes(), key.read_bytes(), pki["ca"].read_bytes())
+    tls = TLSConfig(cert.read_bytes(), key.read_bytes(), pki["ca"].read_bytes())
     assert health.check(tls_stack.scheduler, tls=tls)
     assert not health.check(tls_stack.scheduler, timeout=1)
 
@@ -155,7 +156,7 @@ ACCEPTABLE = {
 
 @pytest.fixture(scope="module")
 def fuzz_stub(stack):
-    with grpc.insecure_channel(stack.router, options=wire.CHANNEL_OPTIONS) as channel:
+    with grpc.insecure_channel(stack.router, options=CHANNEL_OPTIONS) as channel:
         yield generation_pb2_grpc.GenerationStub(channel)
 
 

@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from flagstop.v1 import generation_pb2
 from tests.checkpoints import reference_generate
-from tests.stack import ROOT, free_port, generate, spawn, start_stack, wait_serving
+from tools.stack import ROOT, free_port, generate, spawn, start_stack, wait_serving
 
 SERVICES = {
     "router": "flagstop.v1.Generation",
@@ -123,7 +123,7 @@ def test_greedy_outputs_survive_preemption_chunking_and_prefix_sharing(tight_sta
 
 def test_two_routers_share_one_scheduler(stack, model_dir, reference, tmp_path):
     port = free_port()
-    args = ["-m", "router", "--model", str(model_dir), "--scheduler", stack.scheduler]
+    args = ["-m", "flagstop.router", "--model", str(model_dir), "--scheduler", stack.scheduler]
     args += ["--port", str(port), "--metrics-port", "0"]
     second = spawn("router2", args, tmp_path)
     try:
@@ -295,7 +295,7 @@ def test_model_info(stack):
 
 def run_client(stack, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "router.client", "--addr", stack.router, *args],
+        [sys.executable, "-m", "flagstop.router.client", "--addr", stack.router, *args],
         capture_output=True, text=True, timeout=60, cwd=ROOT,
     )  # fmt: skip
 

@@ -7,10 +7,10 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from executor.attention import AttentionMetadata, paged_attention
-from executor.models.config import ModelConfig
-from executor.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
-from kernels import torch_ref
+from flagstop.executor.attention import AttentionMetadata, paged_attention
+from flagstop.executor.models.config import ModelConfig
+from flagstop.executor.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from flagstop.kernels import torch_ref
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 

@@ -6,8 +6,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from executor.models.config import ModelConfig
-from executor.models.llama import LlamaForCausalLM
+from flagstop.executor.models.config import ModelConfig
+from flagstop.executor.models.llama import LlamaForCausalLM
 
 # HF name fragment -> (our module, index of the shard inside the packed tensor)
 PACKED = {

@@ -1,0 +1,1 @@
+"""Examples to start from: a SchedulerPolicy service (policy_server.py)."""

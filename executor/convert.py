@@ -1,0 +1,62 @@
+"""Conversions between the flagstop.v1 executor messages and the executor's objects:
+the step plan (the scheduler core's SchedulerOutput) in, sampled tokens out."""
+
+from flagstop.executor.sampling import SampleOutput, SamplingParams
+from flagstop.scheduler_svc.core.output import (
+    CachedRequestData,
+    NewRequestData,
+    SchedulerOutput,
+)
+from flagstop.v1 import executor_pb2, generation_pb2
+
+
+def sampling_from_proto(p: executor_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        seed=p.seed if p.HasField("seed") else None,
+        min_tokens=p.min_tokens,
+        stop_token_ids=tuple(p.stop_token_ids),
+        logprobs=p.logprobs if p.HasField("logprobs") else None,
+    )
+
+
+def plan_from_proto(step: executor_pb2.StepRequest) -> SchedulerOutput:
+    p, c = step.plan, step.plan.scheduled_cached_reqs
+    req_ids = list(c.req_ids)
+    new_block_ids: list[list[int]] = [[] for _ in req_ids]
+    if c.new_block_ids:
+        flat, start = list(c.new_block_ids), 0
+        for i, n in enumerate(c.num_new_blocks):
+            new_block_ids[i], start = flat[start : start + n], start + n
+    plan = SchedulerOutput(
+        step_id=step.step_id,
+        scheduled_cached_reqs=CachedRequestData(
+            req_ids, list(c.num_computed_tokens), new_block_ids
+        ),
+        num_scheduled_tokens=dict(zip(req_ids, c.num_scheduled_tokens, strict=True)),
+        finished_req_ids=set(p.finished_req_ids),
+        preempted_req_ids=set(p.preempted_req_ids),
+    )
+    for r in p.scheduled_new_reqs:
+        plan.scheduled_new_reqs.append(NewRequestData(
+            r.req_id, list(r.token_ids), r.num_prompt_tokens,
+            sampling_from_proto(r.sampling_params), list(r.block_ids), r.num_computed_tokens,
+        ))  # fmt: skip
+        plan.num_scheduled_tokens[r.req_id] = r.num_scheduled_tokens
+    plan.total_num_scheduled_tokens = sum(plan.num_scheduled_tokens.values())
+    return plan
+
+
+def result_to_proto(step_id: int, output: SampleOutput) -> executor_pb2.StepResult:
+    result = executor_pb2.StepResult(step_id=step_id, sampled_token_ids=output.token_ids)
+    for token_id, row in zip(output.token_ids, output.logprobs or (), strict=False):
+        entry = result.logprobs.add(token_id=token_id)
+        if row is not None:
+            entry.logprob = row[0]
+            entry.top.extend(
+                generation_pb2.TopLogprob(token_id=t, logprob=lp)
+                for t, lp in zip(row[1], row[2], strict=True)
+            )
+    return result

@@ -1,0 +1,154 @@
+"""How every flagstop process serves and connects: message-size limits and keepalive
+matched on both ends, TLS (mutual between services), and the bootstrap of a service
+process: settings, logging, serve until SIGTERM/SIGINT, drain, exit 0."""
+
+import asyncio
+import signal
+import sys
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+
+from flagstop import logs
+from flagstop.settings import ServiceSettings, SettingsInvalid
+
+# A prompt of a long-context model is ~0.5 MB of token ids; 64 MiB bounds any step.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+_KEEPALIVE = [
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    *_KEEPALIVE,
+]
+SERVER_OPTIONS = [
+    *CHANNEL_OPTIONS,
+    # Accept the clients' keepalive pings (the default minimum is 5 minutes).
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    # gRPC's default SO_REUSEPORT would let a second process bind a port already
+    # served, and the two would silently split its connections: a taken port must
+    # stop start-up instead.
+    ("grpc.so_reuseport", 0),
+]
+
+
+class StartupError(RuntimeError):
+    """The process cannot start as configured; the message says what to change."""
+
+
+@dataclass(frozen=True, slots=True)
+class TLSConfig:
+    """One process's certificate and key, presented on both ends of its links (so
+    every internal link is mutually authenticated), and the CA its peers' chain to."""
+
+    cert: bytes
+    key: bytes
+    ca: bytes
+
+    @classmethod
+    def from_settings(cls, settings: ServiceSettings) -> "TLSConfig | None":
+        paths = (settings.tls_cert, settings.tls_key, settings.tls_ca)
+        if not all(paths):
+            return None  # the settings already refused some without the others
+        return cls(*(path.read_bytes() for path in paths))
+
+    def server_credentials(self, require_client_cert: bool = True) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials(
+            [(self.key, self.cert)], root_certificates=self.ca,
+            require_client_auth=require_client_cert,
+        )  # fmt: skip
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(self.ca, self.key, self.cert)
+
+
+def channel(address: str, tls: TLSConfig | None = None) -> grpc.aio.Channel:
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=CHANNEL_OPTIONS)
+
+
+def new_server(
+    port: int,
+    host: str = "127.0.0.1",
+    tls: TLSConfig | None = None,
+    *,
+    require_client_cert: bool = True,
+    max_receive_bytes: int = MAX_MESSAGE_BYTES,
+    interceptors: tuple[grpc.aio.ServerInterceptor, ...] = (),
+) -> grpc.aio.Server:
+    """A larger message than max_receive_bytes is refused with RESOURCE_EXHAUSTED."""
+    options = [o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"]
+    options.append(("grpc.max_receive_message_length", max_receive_bytes))
+    server = grpc.aio.server(options=options, interceptors=interceptors)
+    address = f"{host}:{port}"
+    try:
+        if tls is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, tls.server_credentials(require_client_cert))
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        raise StartupError(f"cannot listen on {address}: is the port taken?")
+    return server
+
+
+async def run_until_signalled(
+    server: grpc.aio.Server,
+    drain: Callable[[], Awaitable[None]],
+    *background: Coroutine[Any, Any, None],
+    grace_s: float = 10.0,
+) -> None:
+    """Serve (the server is started) with the background tasks running until SIGTERM
+    or SIGINT, then drain (stop admitting, finish or abort the work in flight) and
+    stop; the process exits 0. A background task that fails (a StartupError, say)
+    stops the server and raises."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    signalled = asyncio.create_task(stop.wait())
+    tasks = [asyncio.create_task(coroutine) for coroutine in background]
+    try:
+        done, _ = await asyncio.wait([signalled, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        failed = [t for t in done if t is not signalled and t.exception() is not None]
+        if failed:
+            await server.stop(0)
+            raise failed[0].exception()
+        await drain()
+        await server.stop(grace_s)
+    finally:
+        for task in (signalled, *tasks):
+            task.cancel()
+
+
+S = TypeVar("S", bound=ServiceSettings)
+
+
+def load_or_exit(settings_cls: type[S], argv: list[str] | None = None) -> S:
+    """The settings, or one line on stderr and exit 2 (argparse's code for bad usage)."""
+    try:
+        return settings_cls.load(sys.argv[1:] if argv is None else argv)
+    except SettingsInvalid as e:
+        print(f"{settings_cls.prog()}: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def run_service(settings_cls: type[S], serve: Callable[[S], Awaitable[None]]) -> None:
+    """A service's entry point: settings, logging, then serve(settings) until signalled.
+    A start-up failure the operator must fix (a port taken, a model that does not
+    load) ends with one line and exit 1, not a traceback."""
+    settings = load_or_exit(settings_cls)
+    logs.configure(settings.log_level, settings.log_format)
+    try:
+        asyncio.run(serve(settings))
+    except StartupError as e:
+        print(f"{settings_cls.prog()}: {e}", file=sys.stderr)
+        sys.exit(1)

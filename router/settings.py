@@ -1,0 +1,41 @@
+"""The router's settings: flags, FLAGSTOP_ROUTER_* variables, --config."""
+
+import uuid
+
+from pydantic import Field, SecretStr
+from pydantic_settings import SettingsConfigDict
+
+from flagstop.settings import Port, PositiveFloat, PositiveInt, ServiceSettings
+
+
+class RouterSettings(ServiceSettings):
+    """python -m flagstop.router: the client-facing gRPC server (flagstop.v1.Generation)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="FLAGSTOP_ROUTER_", cli_prog_name="flagstop-router"
+    )
+
+    model: str = "models/flagstop-tiny"
+    """tokenizer (model) directory"""
+    port: Port = 50051
+    metrics_port: Port = 8001
+    """Prometheus /metrics; 0: off"""
+    scheduler: str = "127.0.0.1:50052"
+    """scheduler address"""
+    max_queued_requests: PositiveInt = 1024
+    """admission queue bound; past it RESOURCE_EXHAUSTED"""
+    max_queued_tokens: PositiveInt = 1 << 20
+    """prompt tokens in the admission queue at most; past it RESOURCE_EXHAUSTED"""
+    max_request_bytes: PositiveInt = 4 << 20
+    """largest client message; past it RESOURCE_EXHAUSTED"""
+    scheduler_timeout: PositiveFloat = 60.0
+    """seconds requests wait for a lost scheduler; then UNAVAILABLE"""
+    api_key: SecretStr | None = None
+    """require 'authorization: Bearer KEY' (UNAUTHENTICATED otherwise); better set by
+    FLAGSTOP_ROUTER_API_KEY than on the command line"""
+    tls_require_client_cert: bool = False
+    """clients must show a certificate from --tls-ca too"""
+    router_id: str = Field(default_factory=lambda: f"router-{uuid.uuid4().hex[:8]}")
+    """this router's name at the scheduler (default: random)"""
+    drain_timeout: PositiveFloat = 30.0
+    """on SIGTERM: seconds the streams in flight get to finish"""

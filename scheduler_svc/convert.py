@@ -1,0 +1,54 @@
+"""Conversions between the scheduler core's objects and the flagstop.v1 messages."""
+
+import itertools
+
+from flagstop.scheduler_svc.core.output import SchedulerOutput
+from flagstop.scheduler_svc.core.request import Request, StopParams
+from flagstop.v1 import executor_pb2, scheduler_pb2
+
+
+def request_from_proto(
+    add: scheduler_pb2.AddRequest, owner: str, eos_token_ids: frozenset[int]
+) -> Request:
+    return Request(
+        request_id=add.request_id,
+        owner=owner,
+        prompt_token_ids=list(add.prompt_token_ids),
+        stop=StopParams(
+            max_tokens=add.max_tokens if add.HasField("max_tokens") else None,
+            min_tokens=add.min_tokens,
+            ignore_eos=add.ignore_eos,
+            stop_token_ids=frozenset(add.stop_token_ids),
+        ),
+        eos_token_ids=eos_token_ids,
+        priority=add.priority,
+        arrival_time=add.arrival_time,
+        sampling_params=add.sampling,
+        labels=dict(add.labels),
+    )
+
+
+def step_to_proto(plan: SchedulerOutput) -> executor_pb2.StepRequest:
+    step = executor_pb2.StepRequest(step_id=plan.step_id)
+    out = step.plan
+    out.finished_req_ids.extend(plan.finished_req_ids)
+    out.preempted_req_ids.extend(plan.preempted_req_ids)
+    c, cached = plan.scheduled_cached_reqs, out.scheduled_cached_reqs
+    cached.req_ids.extend(c.req_ids)
+    cached.num_computed_tokens.extend(c.num_computed_tokens)
+    num_scheduled = plan.num_scheduled_tokens
+    cached.num_scheduled_tokens.extend([num_scheduled[r] for r in c.req_ids])
+    if any(c.new_block_ids):
+        cached.num_new_blocks.extend([len(b) for b in c.new_block_ids])
+        cached.new_block_ids.extend(itertools.chain.from_iterable(c.new_block_ids))
+    admitted = {d.req_id: d for d in (*plan.scheduled_new_reqs, *plan.scheduled_resumed_reqs)}
+    # Batch order: running first, then admitted in admission order, as the core
+    # scheduled them (the order in which sampled tokens come back).
+    for req_id in itertools.islice(num_scheduled, len(c.req_ids), None):
+        d = admitted[req_id]
+        out.scheduled_new_reqs.add(
+            req_id=d.req_id, token_ids=d.token_ids, num_prompt_tokens=d.num_prompt_tokens,
+            sampling_params=d.sampling_params, block_ids=d.block_ids,
+            num_computed_tokens=d.num_computed_tokens, num_scheduled_tokens=num_scheduled[req_id],
+        )  # fmt: skip
+    return step

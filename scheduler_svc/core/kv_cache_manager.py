@@ -1,0 +1,121 @@
+import hashlib
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from flagstop.scheduler_svc.core.block_pool import BlockPool, KVCacheBlock
+from flagstop.scheduler_svc.core.request import Request
+from flagstop.utils import cdiv
+
+
+def hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:
+    # sha256 rather than hash(): the cache is shared by every client, and a colliding
+    # hash would hand one request another's KV (vLLM moved to sha256 for this reason).
+    return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    num_queries: int = 0  # prompt tokens looked up
+    num_hits: int = 0  # of those, tokens served from the cache
+
+    def record(self, num_queries: int, num_hits: int) -> None:
+        self.num_queries += num_queries
+        self.num_hits += num_hits
+
+
+@dataclass(slots=True)
+class _RequestBlocks:
+    blocks: list[KVCacheBlock]
+    # How many leading blocks are already in the prefix cache.
+    num_cached_blocks: int = 0
+
+
+NO_NEW_BLOCKS: tuple[int, ...] = ()
+
+
+class KVCacheManager:
+    """Maps requests to blocks: prefix lookups, slot allocation, caching and freeing."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks)
+        self.req_blocks: dict[str, _RequestBlocks] = {}
+        self.prefix_stats = PrefixCacheStats()
+
+    def update_block_hashes(self, request: Request) -> None:
+        """Hash the request's newly completed full blocks (called as tokens arrive)."""
+        if not self.enable_caching:
+            return
+        bs, hashes, tokens = self.block_size, request.block_hashes, request.all_token_ids
+        parent = hashes[-1] if hashes else b""
+        for start in range(len(hashes) * bs, len(tokens) - bs + 1, bs):
+            parent = hash_block(parent, tokens[start : start + bs])
+            hashes.append(parent)
+
+    def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:
+        """The longest cached prefix of full blocks, never covering the last token:
+        its logits are what the next step must produce."""
+        if not self.enable_caching:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+    ) -> Sequence[int] | None:
+        """Give the request room for num_new_tokens more tokens (after the prefix hits).
+        All or nothing: None when the free blocks cannot cover it. Returns the block ids
+        appended to the request's block table."""
+        state = self.req_blocks.get(request.request_id)
+        num_total = request.num_computed_tokens + num_new_tokens
+        if state is not None and num_total <= len(state.blocks) * self.block_size:
+            # The decode fast path: room was already allocated, at most a block to cache.
+            self._cache_full_blocks(request, state, num_total)
+            return NO_NEW_BLOCKS
+        hits = new_computed_blocks or []
+        num_total += len(hits) * self.block_size
+        num_allocated = len(state.blocks) if state is not None else 0
+        num_needed = cdiv(num_total, self.block_size) - num_allocated - len(hits)
+        # Hits sitting in the free queue (ref 0) are taken from the same free pool.
+        num_revived = sum(1 for b in hits if b.ref_cnt == 0)
+        if num_needed + num_revived > self.pool.free_queue.num_free_blocks:
+            return None
+        if state is None:
+            state = self.req_blocks[request.request_id] = _RequestBlocks([])
+        self.pool.touch(hits)
+        new_blocks = hits + self.pool.get_new_blocks(num_needed)
+        state.blocks.extend(new_blocks)
+        self._cache_full_blocks(request, state, num_total)
+        return [b.block_id for b in new_blocks]
+
+    def _cache_full_blocks(self, request: Request, state: _RequestBlocks, num_total: int) -> None:
+        # Only blocks whose tokens are all known and computed once this step has run;
+        # a block ending in a token still in flight is cached on a later call.
+        num_full = min(num_total, len(request.all_token_ids)) // self.block_size
+        if num_full <= state.num_cached_blocks or not self.enable_caching:
+            return
+        for i in range(state.num_cached_blocks, num_full):
+            self.pool.cache_block(state.blocks[i], request.block_hashes[i])
+        state.num_cached_blocks = num_full
+
+    def free(self, request: Request) -> None:
+        state = self.req_blocks.pop(request.request_id, None)
+        if state is not None:
+            # Tail blocks first: they join the free queue ahead of the prefix blocks and
+            # are evicted first, so shared prefixes stay cached longest.
+            self.pool.free_blocks(reversed(state.blocks))
+
+    def block_ids(self, request_id: str) -> list[int]:
+        state = self.req_blocks.get(request_id)
+        return [b.block_id for b in state.blocks] if state is not None else []

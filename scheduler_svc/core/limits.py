@@ -1,0 +1,39 @@
+"""The rules a request must meet to be served at all, written once: the router applies
+them before queueing (INVALID_ARGUMENT), the scheduler again on admission (its own
+limits may be tighter, and a resubmitted remainder is checked anew)."""
+
+from collections.abc import Iterable
+
+
+class RequestRejected(ValueError):
+    """The request can never be served as asked; the message says why."""
+
+
+def check_request_length(
+    num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, kv_capacity_tokens: int
+) -> None:
+    """max_tokens None: up to max_model_len (at least one token is generated)."""
+    if num_prompt_tokens == 0:
+        raise RequestRejected("the prompt is empty: send at least one token")
+    if max_tokens is not None and max_tokens < 1:
+        raise RequestRejected(f"max_tokens must be >= 1, got {max_tokens}")
+    total = num_prompt_tokens + (max_tokens or 1)
+    what = f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens or 1})"
+    if total > max_model_len:
+        raise RequestRejected(
+            f"{what} exceeds the model's max_model_len of {max_model_len}: "
+            "shorten the prompt or lower max_tokens"
+        )
+    if total > kv_capacity_tokens:
+        # It could never finish: alone on the engine it would still run out of blocks.
+        raise RequestRejected(
+            f"{what} exceeds the whole KV cache ({kv_capacity_tokens} tokens): "
+            "shorten the prompt or lower max_tokens"
+        )
+
+
+def stop_token_ids(
+    stop_token_ids: Iterable[int], eos_token_ids: Iterable[int], ignore_eos: bool
+) -> frozenset[int]:
+    """The tokens that end a request: its own stop tokens, and EOS unless ignore_eos."""
+    return frozenset(stop_token_ids) | (frozenset() if ignore_eos else frozenset(eos_token_ids))

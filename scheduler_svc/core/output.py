@@ -1,0 +1,67 @@
+"""What the scheduler hands out: the step plan, `SchedulerOutput`, a diff for the
+executor's persistent batch (the executor runs this same type, converted from its
+protobuf twin on the wire), and each step's new tokens, grouped by the router that
+owns the requests."""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from flagstop.scheduler_svc.core.request import FinishReason, Request
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the executor does not hold: sent once, in full. Also used for a
+    resumed request, whose token ids then include its outputs so far."""
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    # Opaque to the scheduler (the router's validated parameters, passed through);
+    # the executor's conversion makes them its own SamplingParams.
+    sampling_params: Any
+    block_ids: list[int]
+    num_computed_tokens: int = 0  # prefix-cache hits: already in the KV cache
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """Requests the executor already holds, column by column: a decode costs an id,
+    a counter and (once every block_size tokens) a block id."""
+
+    req_ids: list[str] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    step_id: int = 0
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_resumed_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
+    # Tokens to compute this step per request, in batch order. A request samples a
+    # token when its chunk reaches the end of its known tokens (the executor's tokens
+    # include the ones it sampled in steps we have not seen the outputs of yet).
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    # To drop from the persistent batch before this step runs.
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+    # Scheduler-side only: the requests that sample this step, in batch order; the
+    # executor returns one token for each, in this order. (The executor finds them
+    # from its own token counts and leaves this empty.)
+    sampling_requests: list[Request] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.num_scheduled_tokens or self.finished_req_ids or self.preempted_req_ids)
+
+
+@dataclass(slots=True)
+class OwnerOutputs:
+    """One step's new tokens for every request of one owner (router), column by column."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_token_ids: list[int] = field(default_factory=list)
+    finished: dict[str, FinishReason] = field(default_factory=dict)

@@ -1,0 +1,105 @@
+"""A request as the scheduler tracks it, its status and why it finished."""
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    is_finished: bool  # set on each member below
+
+
+# A plain attribute of each member: read per sampled token, it costs a third of a
+# property (38 vs 114 ns).
+for _status in RequestStatus:
+    _status.is_finished = _status >= RequestStatus.FINISHED_STOPPED
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request ended: the one vocabulary of every layer. The values are those of
+    the protos' RequestFinish and FinishReason (a test holds them equal), and `label`
+    is the name in metrics, spans, the client and the OpenAI API."""
+
+    STOP = 1  # EOS, a stop token or a stop string
+    LENGTH = 2  # max_tokens or max_model_len
+    ABORT = 3
+    ERROR = 4
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+@dataclass(slots=True, frozen=True)
+class StopParams:
+    # None: until the engine's max_model_len.
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: frozenset[int] = frozenset()
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    owner: str
+    prompt_token_ids: list[int]
+    stop: StopParams
+    eos_token_ids: frozenset[int] = frozenset()
+    priority: int = 0
+    arrival_time: float = 0.0
+    # Opaque to the scheduler: forwarded to the executor with the request's first step.
+    sampling_params: Any = None
+    # Client labels (e.g. tenant), for the scheduling policy.
+    labels: dict[str, str] = field(default_factory=dict)
+    status: RequestStatus = RequestStatus.WAITING
+    all_token_ids: list[int] = field(init=False)
+    num_prompt_tokens: int = field(init=False)
+    # Derived once at admission for the per-token stop check: length at which the
+    # request ends (max_tokens or max_model_len) and the ids that stop it.
+    max_num_tokens: int = field(init=False, default=0)
+    stop_ids: frozenset[int] = field(init=False, default=frozenset())
+    num_computed_tokens: int = 0
+    # Tokens sampled by steps still in flight (async scheduling): they count as known
+    # to the executor but not yet to us.
+    num_output_placeholders: int = 0
+    num_preemptions: int = 0
+    num_cached_tokens: int = -1
+    # Chained hashes of the full blocks of known tokens, kept up to date by the
+    # KVCacheManager (which owns the block size).
+    block_hashes: list[bytes] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    def sort_key(self) -> tuple[int, float, str]:
+        return (self.priority, self.arrival_time, self.request_id)

@@ -1,0 +1,396 @@
+"""Iteration-level scheduling (vLLM V1 style): no prefill or decode phases, each
+request's `num_computed_tokens` is pushed towards its known tokens under a token
+budget, and requests join and leave the batch at every step."""
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from flagstop.scheduler_svc.core.config import SchedulerConfig
+from flagstop.scheduler_svc.core.kv_cache_manager import KVCacheManager
+from flagstop.scheduler_svc.core.limits import (
+    RequestRejected,
+    check_request_length,
+    stop_token_ids,
+)
+from flagstop.scheduler_svc.core.output import (
+    CachedRequestData,
+    NewRequestData,
+    OwnerOutputs,
+    SchedulerOutput,
+)
+from flagstop.scheduler_svc.core.policy import SchedulingPolicy, make_policy
+from flagstop.scheduler_svc.core.request import FINISH_REASON, Request, RequestStatus
+
+RUNNING, PREEMPTED = RequestStatus.RUNNING, RequestStatus.PREEMPTED
+STOPPED, LENGTH = RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH
+ERROR = RequestStatus.FINISHED_ERROR
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    step_id: int
+    num_running_reqs: int
+    num_waiting_reqs: int
+    num_free_blocks: int
+    num_total_blocks: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+@dataclass(slots=True)
+class _Step:
+    """The plan of one step while it is being built."""
+
+    token_budget: int
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    running_reqs: list[Request] = field(default_factory=list)
+    running_new_block_ids: list[Sequence[int]] = field(default_factory=list)
+    # Admitted from the waiting queue, in order: new ones and resumed ones.
+    admitted_reqs: list[Request] = field(default_factory=list)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    def unschedule(self, request: Request) -> None:
+        """A request scheduled earlier in this step became a preemption victim (only
+        the priority policy picks one that was): give its tokens back."""
+        num_tokens = self.num_scheduled_tokens.pop(request.request_id, None)
+        if num_tokens is None:
+            return
+        index = self.running_reqs.index(request)
+        del self.running_reqs[index], self.running_new_block_ids[index]
+        self.token_budget += num_tokens
+
+
+class Scheduler:
+    def __init__(
+        self, config: SchedulerConfig, num_blocks: int, policy: SchedulingPolicy | None = None
+    ) -> None:
+        self.config = config
+        self.policy = policy or make_policy(config.policy)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # The longest sequence this engine can hold: the model's limit or the whole pool.
+        self.max_model_len = min(config.max_model_len, num_blocks * config.block_size)
+        self.requests: dict[str, Request] = {}
+        self.waiting = self.policy.new_waiting_queue()
+        # Oldest first: they are served first and the FCFS victim is popped from the end.
+        self.running: list[Request] = []
+        # Finished since the last plan while the executor still holds them.
+        self.finished_req_ids: set[str] = set()
+        self.step_id = 0
+        self.num_preemptions = 0
+
+    # -- requests in -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        self._check_admissible(request)
+        stop = request.stop
+        request.max_num_tokens = self.max_model_len
+        if stop.max_tokens is not None:
+            request.max_num_tokens = min(
+                request.num_prompt_tokens + stop.max_tokens, self.max_model_len
+            )
+        request.stop_ids = stop_token_ids(
+            stop.stop_token_ids, request.eos_token_ids, stop.ignore_eos
+        )
+        self.kv.update_block_hashes(request)
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def _check_admissible(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise RequestRejected(f"request id {request.request_id!r} is already in use")
+        check_request_length(
+            request.num_prompt_tokens, request.stop.max_tokens, self.config.max_model_len,
+            self.kv.pool.num_blocks * self.config.block_size,
+        )  # fmt: skip
+
+    def abort(
+        self, request_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> None:
+        """Idempotent: unknown or already finished ids are ignored. A request whose
+        step is in flight is freed now; its late token is dropped on arrival."""
+        unique_ids = dict.fromkeys(request_ids)
+        found = [r for rid in unique_ids if (r := self.requests.get(rid)) is not None]
+        queued_ids = {r.request_id for r in found if not self._finish(r, status)}
+        if found:
+            self._drop_finished(queued_ids)
+
+    def abort_all(self) -> dict[str, list[str]]:
+        """Fail every request (FINISHED_ERROR); returns their ids by owner."""
+        by_owner = self.request_ids_by_owner()
+        self.abort(list(self.requests), RequestStatus.FINISHED_ERROR)
+        return by_owner
+
+    def reset_executor(self, num_blocks: int | None = None) -> None:
+        """The executor was lost, and the KV cache with it: every request starts over
+        by recompute (prompt + the tokens it already has), its steps in flight are
+        forgotten, and the pool, sized by the new executor (None: the same size),
+        begins empty."""
+        # Oldest first back at the head of the queue, in the order they ran.
+        for request in reversed(self.running):
+            request.status = PREEMPTED
+            request.num_preemptions += 1
+            self.num_preemptions += 1
+            self.waiting.prepend(request)
+        self.running = []
+        for request in self.requests.values():
+            request.num_computed_tokens = 0
+            request.num_output_placeholders = 0
+        config, stats = self.config, self.kv.prefix_stats
+        num_blocks = num_blocks or self.kv.pool.num_blocks
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv.prefix_stats = stats
+        self.max_model_len = min(config.max_model_len, num_blocks * config.block_size)
+        # The new executor starts from an empty batch: nothing of the old to drop.
+        self.finished_req_ids = set()
+
+    # -- one step ----------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        step = _Step(token_budget=self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        # Admitting while we had to preempt would only hand the freed blocks to a
+        # newcomer and preempt again next step (thrashing).
+        if not step.preempted_req_ids:
+            self._schedule_waiting(step)
+        return self._make_output(step)
+
+    def _num_new_tokens(self, request: Request, token_budget: int) -> int:
+        num_tokens = len(request.all_token_ids) + request.num_output_placeholders
+        if num_tokens >= request.max_num_tokens:
+            return 0  # the token in flight ends it: computing another would be waste
+        num_new = num_tokens - request.num_computed_tokens
+        threshold = self.config.long_prefill_token_threshold
+        if threshold and num_new > threshold:
+            num_new = threshold
+        return num_new if num_new < token_budget else token_budget
+
+    def _schedule_running(self, step: _Step) -> None:
+        # Running requests go first: they already hold KV blocks, and finishing them
+        # is what frees the blocks that waiting requests need.
+        running, i = self.running, 0
+        while i < len(running) and step.token_budget > 0:
+            request = running[i]
+            num_new = self._num_new_tokens(request, step.token_budget)
+            if num_new == 0:
+                i += 1
+                continue
+            block_ids = self.kv.allocate_slots(request, num_new)
+            while block_ids is None:
+                victim_index = self.policy.select_victim(running)
+                victim = running.pop(victim_index)
+                step.unschedule(victim)
+                self._preempt(victim, step)
+                if victim is request:
+                    return
+                if victim_index < i:
+                    i -= 1
+                block_ids = self.kv.allocate_slots(request, num_new)
+            step.num_scheduled_tokens[request.request_id] = num_new
+            step.running_reqs.append(request)
+            step.running_new_block_ids.append(block_ids)
+            step.token_budget -= num_new
+            i += 1
+
+    def _preempt(self, request: Request, step: _Step) -> None:
+        # Recompute, not swap: the blocks go back now and the request later
+        # recomputes prompt + outputs (cheap while its prefix stays cached).
+        self.kv.free(request)
+        request.status = PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(request)
+        step.preempted_req_ids.add(request.request_id)
+
+    def _schedule_waiting(self, step: _Step) -> None:
+        config = self.config
+        while self.waiting and step.token_budget > 0 and len(self.running) < config.max_num_seqs:
+            request = self.waiting.peek()
+            if request.num_output_placeholders:
+                break  # preempted with a token still in flight: resume once it is known
+            hits = self.kv.get_computed_blocks(request)
+            num_cached = len(hits) * config.block_size
+            num_new = request.num_tokens - num_cached
+            if config.enable_chunked_prefill:
+                num_new = min(
+                    num_new, config.long_prefill_token_threshold or num_new, step.token_budget
+                )
+            elif num_new > step.token_budget:
+                break  # head-of-line blocking keeps FCFS fair
+            if self.kv.allocate_slots(request, num_new, hits) is None:
+                break
+            self.waiting.pop()
+            self.kv.prefix_stats.record(request.num_tokens, num_cached)
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            request.num_computed_tokens = num_cached
+            step.admitted_reqs.append(request)
+            self.running.append(request)
+            step.num_scheduled_tokens[request.request_id] = num_new
+            step.token_budget -= num_new
+
+    def _make_output(self, step: _Step) -> SchedulerOutput:
+        new_reqs, resumed_reqs = [], []
+        for request in step.admitted_reqs:
+            if request.status == PREEMPTED:
+                resumed_reqs.append(self._new_request_data(request, list(request.all_token_ids)))
+            else:
+                new_reqs.append(self._new_request_data(request, request.prompt_token_ids))
+            request.status = RUNNING
+        output = SchedulerOutput(
+            step_id=self.step_id,
+            scheduled_new_reqs=new_reqs,
+            scheduled_resumed_reqs=resumed_reqs,
+            scheduled_cached_reqs=CachedRequestData(
+                req_ids=[r.request_id for r in step.running_reqs],
+                num_computed_tokens=[r.num_computed_tokens for r in step.running_reqs],
+                new_block_ids=step.running_new_block_ids,
+            ),
+            num_scheduled_tokens=step.num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(step.num_scheduled_tokens.values()),
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=step.preempted_req_ids,
+            sampling_requests=[],
+        )
+        # In num_scheduled_tokens order: running first, then admitted.
+        self._advance(step.running_reqs, step.num_scheduled_tokens, output.sampling_requests)
+        self._advance(step.admitted_reqs, step.num_scheduled_tokens, output.sampling_requests)
+        self.finished_req_ids = set()
+        self.step_id += 1
+        return output
+
+    def _new_request_data(self, request: Request, token_ids: list[int]) -> NewRequestData:
+        return NewRequestData(
+            req_id=request.request_id,
+            token_ids=token_ids,
+            num_prompt_tokens=request.num_prompt_tokens,
+            sampling_params=request.sampling_params,
+            block_ids=self.kv.block_ids(request.request_id),
+            num_computed_tokens=request.num_computed_tokens,
+        )
+
+    @staticmethod
+    def _advance(
+        requests: list[Request], num_scheduled_tokens: dict[str, int], sampling: list[Request]
+    ) -> None:
+        # Advanced at schedule time, not on output, so that the next step can be
+        # planned while this one runs: a chunked prefill continues, and a request
+        # whose chunk reaches its end holds a placeholder for the token in flight.
+        for request in requests:
+            request.num_computed_tokens += num_scheduled_tokens[request.request_id]
+            if (
+                request.num_computed_tokens
+                == len(request.all_token_ids) + request.num_output_placeholders
+            ):
+                request.num_output_placeholders += 1
+                sampling.append(request)
+
+    # -- results in --------------------------------------------------------------
+
+    def update_from_output(
+        self, plan: SchedulerOutput, sampled_token_ids: Sequence[int]
+    ) -> dict[str, OwnerOutputs]:
+        """Apply one step's tokens: sampled_token_ids[i] belongs to plan.sampling_requests[i],
+        and a negative id marks a request the executor failed (it ends with an error,
+        the rest of the batch goes on). Returns new tokens and finish reasons by owner."""
+        if len(sampled_token_ids) != len(plan.sampling_requests):
+            raise ValueError(
+                f"step {plan.step_id}: {len(sampled_token_ids)} sampled tokens for "
+                f"{len(plan.sampling_requests)} sampling requests"
+            )
+        outputs: dict[str, OwnerOutputs] = {}
+        queued_ids: set[str] | None = None  # None: nothing finished
+        block_size = self.config.block_size
+        for request, token_id in zip(plan.sampling_requests, sampled_token_ids, strict=True):
+            if request.status.is_finished:
+                continue  # finished or aborted while this step was in flight
+            request.num_output_placeholders -= 1
+            out = outputs.get(request.owner)
+            if out is None:
+                out = outputs[request.owner] = OwnerOutputs()
+            if token_id < 0:
+                status = ERROR
+            else:
+                tokens = request.all_token_ids
+                tokens.append(token_id)
+                if len(tokens) % block_size == 0:
+                    self.kv.update_block_hashes(request)
+                out.req_ids.append(request.request_id)
+                out.new_token_ids.append(token_id)
+                if token_id in request.stop_ids and (
+                    len(tokens) - request.num_prompt_tokens >= request.stop.min_tokens
+                ):
+                    status = STOPPED
+                elif len(tokens) >= request.max_num_tokens:
+                    status = LENGTH
+                else:
+                    continue
+            out.finished[request.request_id] = FINISH_REASON[status]
+            if queued_ids is None:
+                queued_ids = set()
+            if not self._finish(request, status):
+                queued_ids.add(request.request_id)  # preempted: its late token ended it
+        if queued_ids is not None:
+            self._drop_finished(queued_ids)
+        return outputs
+
+    def _finish(self, request: Request, status: RequestStatus) -> bool:
+        """Free the request; the caller takes it out of the queues. Returns whether it
+        was running (else it sits in the waiting queue)."""
+        was_running = request.status == RUNNING
+        if was_running:
+            # The executor still holds it; preempted ones were already dropped there.
+            self.finished_req_ids.add(request.request_id)
+        request.status = status
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        return was_running
+
+    def _drop_finished(self, queued_ids: set[str]) -> None:
+        # One pass per step over the running list, not a list.remove per request.
+        self.running = [r for r in self.running if not r.status.is_finished]
+        if queued_ids:
+            self.waiting.remove_all(queued_ids)
+
+    # -- introspection -----------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def request_ids_by_owner(self) -> dict[str, list[str]]:
+        by_owner: dict[str, list[str]] = {}
+        for request in self.requests.values():
+            by_owner.setdefault(request.owner, []).append(request.request_id)
+        return by_owner
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv.pool.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.kv.pool.num_blocks
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv.pool.usage()
+
+    def num_prefix_hit_blocks(self, request: Request) -> int:
+        """Full blocks of the request's known tokens already in the prefix cache."""
+        return len(self.kv.get_computed_blocks(request))
+
+    def make_stats(self) -> SchedulerStats:
+        pool = self.kv.pool
+        return SchedulerStats(
+            step_id=self.step_id,
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            num_free_blocks=pool.num_free_blocks,
+            num_total_blocks=pool.num_blocks,
+            kv_cache_usage=pool.usage(),
+            prefix_cache_queries=self.kv.prefix_stats.num_queries,
+            prefix_cache_hits=self.kv.prefix_stats.num_hits,
+            num_preemptions=self.num_preemptions,
+        )

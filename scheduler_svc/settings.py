@@ -1,0 +1,67 @@
+"""The scheduler service's settings: flags, FLAGSTOP_SCHEDULER_* variables, --config."""
+
+from typing import Annotated, Literal
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from flagstop.scheduler_svc.core.config import SchedulerConfig
+from flagstop.scheduler_svc.core.policy import POLICIES
+from flagstop.settings import NonNegativeInt, Port, PositiveFloat, PositiveInt, ServiceSettings
+
+CORE = SchedulerConfig()  # the core's defaults are the flags' defaults
+
+
+class SchedulerSettings(ServiceSettings):
+    """python -m flagstop.scheduler_svc: the scheduling service between routers and an
+    executor."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="FLAGSTOP_SCHEDULER_", cli_prog_name="flagstop-scheduler"
+    )
+
+    port: Port = 50052
+    metrics_port: Port = 8002
+    """Prometheus /metrics; 0: off"""
+    executor: str = "127.0.0.1:50053"
+    """executor address"""
+    max_num_batched_tokens: PositiveInt = CORE.max_num_batched_tokens
+    """token budget of a step"""
+    max_num_seqs: PositiveInt = CORE.max_num_seqs
+    """running requests at most"""
+    max_model_len: PositiveInt | None = None
+    """default: the executor's"""
+    long_prefill_token_threshold: NonNegativeInt = CORE.long_prefill_token_threshold
+    """largest prefill chunk of one request in a step; 0: no cap"""
+    no_chunked_prefill: bool = False
+    no_prefix_caching: bool = False
+    policy: Literal[tuple(POLICIES)] = CORE.policy  # type: ignore[valid-type]
+    """remote: a SchedulerPolicy service at --policy-addr"""
+    policy_addr: str = "127.0.0.1:50060"
+    """the remote policy's address"""
+    policy_deadline_ms: PositiveFloat = 20.0
+    """past it a policy query is dropped and FCFS used meanwhile"""
+    max_waiting_requests: PositiveInt = 256
+    """waiting here at most; the rest stay queued at the routers"""
+    max_steps_in_flight: Annotated[int, Field(ge=1, le=2)] = 2
+    """2: plan step N+1 while step N runs, so the executor never waits for us"""
+    executor_heartbeat_timeout: PositiveFloat = 30.0
+    """seconds a step or heartbeat may go unanswered before the executor counts as hung"""
+    executor_timeout: PositiveFloat = 60.0
+    """seconds requests wait for a lost executor; then UNAVAILABLE"""
+    drain_timeout: PositiveFloat = 30.0
+    """on SIGTERM: seconds the requests in flight get to finish"""
+
+    def core_config(self, executor_max_model_len: int, block_size: int) -> SchedulerConfig:
+        """The core's config once the executor has described itself (raises ValueError
+        for a combination the core cannot run)."""
+        return SchedulerConfig(
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len or executor_max_model_len,
+            block_size=block_size,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            enable_chunked_prefill=not self.no_chunked_prefill,
+            enable_prefix_caching=not self.no_prefix_caching,
+            policy=self.policy,
+        )

@@ -1,0 +1,197 @@
+"""Write the embedded default model: a seeded random-weight Llama checkpoint with a
+locally trained byte-level BPE tokenizer, in the normal Hugging Face layout.
+
+    python -m tools.make_model [--size tiny|small] [--out DIR] [--seed N]
+
+The default initialisation (std 0.02) makes greedy continuations collapse into short
+loops, which a broken KV cache can still reproduce; the 2-D weights are therefore drawn
+WEIGHT_SCALE times wider (std 0.02 x 6), which gives long non-repeating continuations
+and wide top-1/top-2 logit gaps: a discriminating test subject."""
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+WEIGHT_SCALE = 6.0
+VOCAB_SIZE = 512
+BOS, EOS, PAD = "<s>", "</s>", "<pad>"
+
+SIZES = {
+    "tiny": dict(
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+    "small": dict(
+        hidden_size=768,
+        intermediate_size=3072,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+    ),
+}
+
+# Training text for the tokenizer: plain English about the product, so that prompts in
+# tests and demos tokenize into a realistic mix of merged and single-byte tokens.
+CORPUS = """\
+A continuous batching server keeps the accelerator busy by letting requests join and
+leave the running batch at every decoding step. The scheduler owns the waiting and
+running queues, the token budget of each step and the accounting of key and value
+cache blocks. When the cache runs out of blocks, the newest request is preempted: its
+blocks are freed and it is computed again later from its prompt and its tokens so far.
+Prefix caching lets requests that share a system prompt reuse the blocks that hold it.
+The router tokenizes prompts, validates parameters, queues requests and streams text
+back to every client as soon as each token is sampled. The executor runs one flattened
+forward pass per step over prefill chunks and decodes, writes keys and values into a
+paged cache by slot mapping, and samples the next token of every request.
+Once upon a time, a small model learned to count: one, two, three, four, five, six,
+seven, eight, nine, ten. It wrote poems about the sea, the wind and the mountains, and
+it answered questions: What is the capital of France? Paris. How many days are in a
+week? Seven. Numbers like 2026, 3.14159 and 1,000,000 appear in text; so do symbols
+such as (parentheses), [brackets], {braces}, "quotes", 'apostrophes', and e-mail
+addresses like hello@example.com or paths like /usr/local/bin/python3.
+"""
+
+
+def train_tokenizer() -> Tokenizer:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=[BOS, EOS, PAD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(CORPUS.splitlines(), trainer=trainer)
+    bos_id = tokenizer.token_to_id(BOS)
+    # Llama-style: the tokenizer adds BOS in front of every prompt.
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+    )
+    return tokenizer
+
+
+def model_config(size: str, tokenizer: Tokenizer) -> dict:
+    dims = SIZES[size]
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": tokenizer.get_vocab_size(),
+        **dims,
+        "head_dim": dims["hidden_size"] // dims["num_attention_heads"],
+        "hidden_act": "silu",
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "bos_token_id": tokenizer.token_to_id(BOS),
+        "eos_token_id": tokenizer.token_to_id(EOS),
+        "pad_token_id": tokenizer.token_to_id(PAD),
+        "torch_dtype": "float32",
+    }
+
+
+def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    h, v, i = config["hidden_size"], config["vocab_size"], config["intermediate_size"]
+    d = config["head_dim"]
+    q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
+    shapes = {
+        "model.embed_tokens.weight": (v, h),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (v, h),
+    }
+    for n in range(config["num_hidden_layers"]):
+        p = f"model.layers.{n}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (i, h),
+            p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+        }
+    return shapes
+
+
+def random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
+    # One generator per tensor, seeded by its name's rank: the same checkpoint on every
+    # machine, whatever the order in which tensors are created.
+    weights = {}
+    for index, (name, shape) in enumerate(sorted(tensor_shapes(config).items())):
+        generator = torch.Generator().manual_seed(seed * 100_003 + index)
+        noise = torch.randn(shape, generator=generator)
+        # Norm weights around 1 (not exactly 1) so that a misloaded norm shows.
+        weights[name] = noise * 0.02 * WEIGHT_SCALE if len(shape) == 2 else 1.0 + 0.1 * noise
+    return weights
+
+
+def write_model(out: Path, size: str = "tiny", seed: int = 0) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer()
+    config = model_config(size, tokenizer)
+    save_file(
+        random_weights(config, seed), str(out / "model.safetensors"), metadata={"format": "pt"}
+    )
+    tokenizer.save(str(out / "tokenizer.json"))
+    special = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}
+    write_json(
+        out / "generation_config.json",
+        {
+            "bos_token_id": config["bos_token_id"],
+            "eos_token_id": config["eos_token_id"],
+            "pad_token_id": config["pad_token_id"],
+        },
+    )
+    write_json(out / "special_tokens_map.json", special)
+    write_json(
+        out / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "model_max_length": 2048,
+            "clean_up_tokenization_spaces": False,
+            **special,
+        },
+    )
+    # Last: its presence is what marks a complete checkpoint (make model's target).
+    write_json(out / "config.json", config)
+    for path in out.iterdir():
+        path.chmod(0o644)  # safetensors writes 0600; other users (containers) read it too
+    return out
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m tools.make_model", description=__doc__)
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    parser.add_argument("--out", type=Path, default=None, help="default: models/flagstop-SIZE")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--if-missing", action="store_true", help="keep a complete model as is")
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
+    out = args.out or Path("models") / f"flagstop-{args.size}"
+    if args.if_missing and (out / "config.json").exists():
+        print(f"{out} is there")
+        return
+    print(f"wrote {write_model(out, args.size, args.seed)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""The three services as real processes on free loopback ports, for integration tests."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from flagstop.server import CHANNEL_OPTIONS
+from flagstop.v1 import generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Stack:
+    router: str
+    scheduler: str
+    executor: str
+    processes: dict[str, subprocess.Popen]
+    log_dir: Path
+    metrics_ports: dict[str, int]
+    commands: dict[str, list[str]]
+    env: dict[str, str] | None = None
+    channel_credentials: grpc.ChannelCredentials | None = None
+
+    def channel(self, address: str) -> grpc.Channel:
+        if self.channel_credentials is not None:
+            return grpc.secure_channel(address, self.channel_credentials, CHANNEL_OPTIONS)
+        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        self.processes[name].send_signal(sig)
+        if sig == signal.SIGKILL:
+            self.processes[name].wait()
+
+    def restart(self, name: str) -> None:
+        """The same command on the same port, as a supervisor would."""
+        self.processes[name] = spawn(name, self.commands[name], self.log_dir, self.env, "a")
+        wait_serving(self.channel(getattr(self, name)), self.processes[name])
+
+    def generation(self) -> generation_pb2_grpc.GenerationStub:
+        return generation_pb2_grpc.GenerationStub(self.channel(self.router))
+
+    def stats(self) -> scheduler_pb2.GetStatsResponse:
+        stub = scheduler_pb2_grpc.SchedulerStub(self.channel(self.scheduler))
+        return stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5)
+
+    def wait_idle(self, timeout: float = 15.0) -> scheduler_pb2.GetStatsResponse:
+        """The idle invariant: nothing running or waiting, every block free."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.stats()
+            if (stats.num_running, stats.num_waiting) == (0, 0) and (
+                stats.num_free_blocks == stats.num_total_blocks
+            ):
+                return stats
+            if time.monotonic() > deadline:
+                raise AssertionError(f"scheduler not idle after {timeout}s: {stats}")
+            time.sleep(0.05)
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"--- {name}\n" + (self.log_dir / f"{name}.log").read_text()[-3000:]
+            for name in self.processes
+        )
+
+    def stop(self, timeout: float = 30.0) -> dict[str, int | None]:
+        """SIGTERM, router first; the exit codes (None: had to be killed)."""
+        codes: dict[str, int | None] = {}
+        for name in ("router", "scheduler", "executor"):
+            process = self.processes[name]
+            process.send_signal(signal.SIGCONT)  # a test may have stopped it
+            process.send_signal(signal.SIGTERM)
+            try:
+                codes[name] = process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+                codes[name] = None
+        return codes
+
+
+def start_stack(
+    model_dir: Path,
+    log_dir: Path,
+    *,
+    executor_args=(),
+    scheduler_args=(),
+    router_args=(),
+    env: dict[str, str] | None = None,
+    channel_credentials: grpc.ChannelCredentials | None = None,
+) -> Stack:
+    """channel_credentials: how the test talks to the three (with TLS on)."""
+    ports = {name: free_port() for name in ("router", "scheduler", "executor")}
+    metrics_ports = {name: free_port() for name in ports}
+    address = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
+    commands = {
+        "executor": ["-m", "flagstop.executor", "--model", str(model_dir), *executor_args],
+        "scheduler": ["-m", "flagstop.scheduler_svc", "--executor", address["executor"],
+                      *scheduler_args],
+        "router": ["-m", "flagstop.router", "--model", str(model_dir), "--scheduler",
+                   address["scheduler"], *router_args],
+    }  # fmt: skip
+    for name, args in commands.items():
+        args += ["--port", str(ports[name]), "--metrics-port", str(metrics_ports[name])]
+    processes = {name: spawn(name, args, log_dir, env) for name, args in commands.items()}
+    stack = Stack(
+        address["router"], address["scheduler"], address["executor"], processes, log_dir,
+        metrics_ports, commands, env, channel_credentials,
+    )  # fmt: skip
+    try:
+        for name in ("executor", "scheduler", "router"):
+            wait_serving(stack.channel(address[name]), processes[name])
+    except Exception:
+        stack.stop(5)
+        raise RuntimeError(f"the stack did not come up:\n{stack.logs()}") from None
+    return stack
+
+
+def spawn(
+    name: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None, mode: str = "w"
+) -> subprocess.Popen:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = (log_dir / f"{name}.log").open(mode)
+    return subprocess.Popen(
+        [sys.executable, *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+    )
+
+
+def wait_serving(channel: grpc.Channel, process: subprocess.Popen, timeout: float = 90.0) -> None:
+    stub = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"exited with {process.returncode}")
+        try:
+            reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                return
+        except grpc.RpcError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError("not SERVING in time")
+
+
+def generate(stack: Stack, timeout: float = 60.0, **fields) -> tuple[list[int], str, object]:
+    """Token ids, text and the last chunk of one streamed request."""
+    tokens, text, last = [], "", None
+    for chunk in stack.generation().Generate(
+        generation_pb2.GenerateRequest(**fields), timeout=timeout
+    ):
+        tokens += chunk.token_ids
+        text += chunk.text
+        last = chunk
+    return tokens, text, last
