@@ -73,6 +73,8 @@ bench: $(STAMP)
 	$(PY) bench/detokenizer_bench.py
 	$(PY) bench/peers.py
 	$(PY) bench/serve_bench.py --request-rate 4 8 16 32 inf
+	$(PY) bench/serve_bench.py --backend grpc openai grpc openai --request-rate 16 \
+		--json bench/results/serve_backends.json --out bench/results/serve_backends.md
 	$(PY) bench/tracing_bench.py
 	$(PY) bench/plots.py
 	$(PY) bench/report.py

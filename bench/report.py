@@ -14,7 +14,7 @@ import torch
 import transformers
 
 HERE = Path(__file__).parent
-ORDER = ["peers", "serve", "scheduler", "detokenizer", "tracing", "executor"]
+ORDER = ["peers", "serve", "serve_backends", "scheduler", "detokenizer", "tracing", "executor"]
 
 
 def machine() -> str:

@@ -1,10 +1,17 @@
-"""Online serving benchmark through the router's public gRPC API, in the manner of
+"""Online serving benchmark through the router's public APIs, in the manner of
 `vllm bench serve`: latency and throughput at given request rates.
 
     python bench/serve_bench.py --router 127.0.0.1:50051 [--num-prompts 64]
         [--request-rate 2 4 inf] [--burstiness 1.0] [--max-concurrency N]
         [--slo-ttft-ms 1000] [--slo-tpot-ms 100] [--json bench/results/serve.json]
-    python bench/serve_bench.py --size tiny ...   # starts a stack of its own
+    python bench/serve_bench.py --backend openai --router 127.0.0.1:8000 ...
+    python bench/serve_bench.py --size tiny --backend grpc openai ...   # a stack of its own
+
+--backend grpc: flagstop.v1.Generation/Generate; openai: POST /v1/completions with
+stream=true, Server-Sent Events parsed as they arrive (TTFT at the first chunk with
+text, the token count from the final usage chunk). With a stack of its own, every
+backend runs on the same stack and load, and the router's CPU time per delivered
+token (from /proc, the router process's own counters) is reported beside each.
 
 Arrivals are Poisson at each rate (gamma with shape --burstiness: < 1 burstier, > 1
 more even; inf sends all at t=0). Prompts and output lengths are the seeded skewed
@@ -15,6 +22,7 @@ gaps between streamed chunks; goodput: requests/s that met both SLOs.
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -28,6 +36,7 @@ from datetime import date
 from pathlib import Path
 
 import grpc
+import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -60,7 +69,7 @@ def arrival_gaps(num: int, rate: float, burstiness: float, seed: int = 0) -> lis
     return [rng.gammavariate(burstiness, 1 / (rate * burstiness)) for _ in range(num)]
 
 
-async def one_request(stub, prompt: list[int], max_tokens: int) -> RequestRecord:
+async def grpc_request(stub, prompt: list[int], max_tokens: int) -> RequestRecord:
     record, start = RequestRecord(), time.perf_counter()
     request = generation_pb2.GenerateRequest(
         prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True
@@ -80,6 +89,43 @@ async def one_request(stub, prompt: list[int], max_tokens: int) -> RequestRecord
     return record
 
 
+async def openai_request(client: httpx.AsyncClient, prompt: list[int], max_tokens: int):
+    record, start = RequestRecord(), time.perf_counter()
+    body = {"model": client.model, "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    last = start
+    try:
+        async with client.stream("POST", "/completions", json=body) as reply:
+            if reply.status_code != 200:
+                error = json.loads(await reply.aread())["error"]
+                record.error = f"HTTP {reply.status_code}: {error['message']}"
+                return record
+            async for line in reply.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    record.output_tokens = chunk["usage"]["completion_tokens"]
+                elif chunk["choices"] and chunk["choices"][0]["text"]:
+                    now = time.perf_counter()
+                    if math.isnan(record.ttft):
+                        record.ttft = now - start
+                    else:
+                        record.itls.append(now - last)
+                    last = now
+        record.latency = last - start
+    except httpx.HTTPError as e:
+        record.error = f"{type(e).__name__}: {e}"
+    return record
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, from its own counters."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class Progress:
     def __init__(self, total: int, label: str) -> None:
         self.total, self.done, self.label = total, 0, label
@@ -95,17 +141,31 @@ class Progress:
         sys.stderr.flush()
 
 
-async def run_rate(router: str, args, rate: float) -> tuple[list[RequestRecord], float]:
+@contextlib.asynccontextmanager
+async def backend_sender(backend: str, address: str):
+    """send(prompt, max_tokens) -> RequestRecord over the chosen API."""
+    if backend == "grpc":
+        async with channel(address) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            yield lambda prompt, max_tokens: grpc_request(stub, prompt, max_tokens)
+        return
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=f"http://{address}/v1", timeout=3600,
+                                 limits=limits) as client:  # fmt: skip
+        client.model = (await client.get("/models")).json()["data"][0]["id"]
+        yield lambda prompt, max_tokens: openai_request(client, prompt, max_tokens)
+
+
+async def run_rate(address: str, args, rate: float, backend: str):
     requests = workload(args.num_prompts, args.seed)
     gaps = arrival_gaps(len(requests), rate, args.burstiness, args.seed)
     limit = asyncio.Semaphore(args.max_concurrency or len(requests))
-    progress = Progress(len(requests), f"rate {rate:>5}")
-    async with channel(router) as ch:
-        stub = generation_pb2_grpc.GenerationStub(ch)
+    progress = Progress(len(requests), f"{backend} rate {rate:>5}")
+    async with backend_sender(backend, address) as one_request:
 
         async def send(prompt, max_tokens) -> RequestRecord:
             async with limit:
-                record = await one_request(stub, prompt, max_tokens)
+                record = await one_request(prompt, max_tokens)
             progress.advance()
             return record
 
@@ -146,23 +206,28 @@ def summarize(records: list[RequestRecord], duration: float, rate: float, args) 
 
 
 def table(results: list[dict]) -> str:
-    head = ("| rate (req/s) | done | failed | req/s | out tok/s | goodput (req/s) | TTFT (ms) "
-            "mean / p50 / p99 | TPOT (ms) | ITL (ms) | E2E latency (ms) |")  # fmt: skip
-    lines = [head, "|" + "---:|" * 10]
+    head = ("| backend | rate (req/s) | done | failed | req/s | out tok/s | goodput (req/s) | "
+            "TTFT (ms) mean / p50 / p99 | TPOT (ms) | ITL (ms) | E2E latency (ms) | "
+            "router CPU µs / token |")  # fmt: skip
+    lines = [head, "|---|" + "---:|" * 11]
     for r in results:
-        cells = [f"{r['request_rate']}", str(r["completed"]), str(r["failed"]),
+        cpu = r.get("router_cpu_us_per_token")
+        cells = [r["backend"], f"{r['request_rate']}", str(r["completed"]), str(r["failed"]),
                  f"{r['request_throughput']:.2f}", f"{r['output_throughput']:.1f}",
                  f"{r['goodput']:.2f}"]  # fmt: skip
         for name in ("ttft", "tpot", "itl", "e2el"):
             stats = (r[f"{s}_{name}_ms"] for s in ("mean", "median", "p99"))
             cells.append(" / ".join(f"{v:.0f}" for v in stats))
+        cells.append("-" if cpu is None else f"{cpu:.1f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--router", help="a running router; otherwise a stack is started")
+    parser.add_argument("--router", help="a running router (gRPC address, or HTTP for "
+                        "--backend openai); otherwise a stack is started")  # fmt: skip
+    parser.add_argument("--backend", nargs="+", choices=["grpc", "openai"], default=["grpc"])
     parser.add_argument("--size", default="tiny", choices=["tiny", "small"],
                         help="model of the stack started without --router")  # fmt: skip
     parser.add_argument("--num-prompts", type=int, default=64)
@@ -177,33 +242,53 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def run(router: str, args) -> list[dict]:
+async def warm_up(backend: str, address: str) -> None:
+    """A few requests first: the first steps of a fresh stack run slower (allocations,
+    lazy imports, CPU caches), which would be charged to whichever backend runs first."""
+    async with backend_sender(backend, address) as one_request:
+        await asyncio.gather(*(one_request(p, n) for p, n in workload(8, seed=99)))
+
+
+def run(addresses: dict[str, str], args, router_pid: int | None = None) -> list[dict]:
+    """Each rate, each backend on it in turn."""
+    for backend in args.backend:
+        asyncio.run(warm_up(backend, addresses[backend]))
     results = []
     for rate in args.request_rate:
-        records, duration = asyncio.run(run_rate(router, args, rate))
-        results.append(summarize(records, duration, rate, args))
+        for backend in args.backend:
+            cpu_before = cpu_seconds(router_pid) if router_pid else 0.0
+            records, duration = asyncio.run(run_rate(addresses[backend], args, rate, backend))
+            result = {"backend": backend, **summarize(records, duration, rate, args)}
+            if router_pid and result["output_tokens"]:
+                spent = cpu_seconds(router_pid) - cpu_before
+                result["router_cpu_us_per_token"] = spent * 1e6 / result["output_tokens"]
+            results.append(result)
     return results
 
 
 def main() -> None:
     args = parse_args()
     if args.router:
-        results = run(args.router, args)
+        results = run(dict.fromkeys(args.backend, args.router), args)
     else:
         model_dir = Path("models") / f"flagstop-{args.size}"
         if not (model_dir / "config.json").exists():
             write_model(model_dir, args.size)
         stack = start_stack(model_dir, Path(tempfile.mkdtemp(prefix="serve-bench-")))
         try:
-            results = run(stack.router, args)
+            addresses = {"grpc": stack.router, "openai": stack.http}
+            results = run(addresses, args, stack.processes["router"].pid)
         finally:
             stack.stop()
     print(table(results))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
     target = args.router or f"a local stack on the {args.size} model with default flags"
+    title = "Online serving"
+    if len(set(args.backend)) > 1:
+        title = "The same load through gRPC and through the OpenAI HTTP API"
     Path(args.out).write_text(
-        f"# Online serving\n\n`python bench/serve_bench.py {' '.join(sys.argv[1:])}` on "
+        f"# {title}\n\n`python bench/serve_bench.py {' '.join(sys.argv[1:])}` on "
         f"{date.today()}, {os.cpu_count()} CPU cores, against {target}: {args.num_prompts} "
         f"requests per rate, Poisson arrivals (burstiness {args.burstiness}), SLOs TTFT <= "
         f"{args.slo_ttft_ms:.0f} ms and TPOT <= {args.slo_tpot_ms:.0f} ms.\n\n{table(results)}\n"

@@ -1,11 +1,14 @@
-"""flagstop-router (python -m flagstop.router): the client-facing gRPC server
-(flagstop.v1.Generation)."""
+"""flagstop-router (python -m flagstop.router): the client-facing servers, gRPC
+(flagstop.v1.Generation) and the OpenAI-compatible HTTP API, over one request path."""
 
 from transformers import AutoTokenizer
 
 from flagstop.health import Health
-from flagstop.router.auth import ApiKeyCheck
-from flagstop.router.service import SERVICE_NAME, RouterService
+from flagstop.router.auth import ApiKeyCheck, BearerKey
+from flagstop.router.chat import ChatTemplate
+from flagstop.router.engine import RouterEngine
+from flagstop.router.http import HttpServer, create_app
+from flagstop.router.service import SERVICE_NAME, GenerationService
 from flagstop.router.settings import RouterSettings
 from flagstop.server import StartupError, TLSConfig, new_server, run_service, run_until_signalled
 from flagstop.telemetry import Telemetry, start_metrics_server
@@ -15,21 +18,30 @@ from flagstop.v1 import generation_pb2_grpc
 async def serve(settings: RouterSettings) -> None:
     try:
         tokenizer = AutoTokenizer.from_pretrained(settings.model)
+        chat = ChatTemplate(tokenizer, settings.chat_template)
     except (OSError, ValueError) as e:
         raise StartupError(f"cannot load the tokenizer of {settings.model}: {e}") from None
-    api_key = settings.api_key.get_secret_value() if settings.api_key else None
+    key = BearerKey(settings.api_key.get_secret_value()) if settings.api_key else None
     server = new_server(
         settings.port, settings.host, TLSConfig.from_settings(settings),
         require_client_cert=settings.tls_require_client_cert,
         max_receive_bytes=settings.max_request_bytes,
-        interceptors=(ApiKeyCheck(api_key),) if api_key else (),
+        interceptors=(ApiKeyCheck(key),) if key else (),
     )  # fmt: skip
     health = Health(server, [SERVICE_NAME])
-    service = RouterService(tokenizer, settings, health, Telemetry("flagstop-router"))
+    engine = RouterEngine(tokenizer, settings, health, Telemetry("flagstop-router"))
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(engine), server)
+    http = HttpServer(create_app(engine, settings, chat), settings) if settings.http_port else None
     start_metrics_server(settings.metrics_port, settings.host)
-    generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
     await server.start()  # live, not ready until the scheduler has described itself
-    await run_until_signalled(server, service.drain, service.run())
+
+    async def drain() -> None:
+        await engine.drain()
+        if http is not None:
+            http.stop()
+
+    background = [engine.run()] + ([http.serve()] if http else [])
+    await run_until_signalled(server, drain, *background)
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
 """The router's settings: flags, FLAGSTOP_ROUTER_* variables, --config."""
 
 import uuid
+from pathlib import Path
 
 from pydantic import Field, SecretStr
 from pydantic_settings import SettingsConfigDict
@@ -18,8 +19,12 @@ class RouterSettings(ServiceSettings):
     model: str = "models/flagstop-tiny"
     """tokenizer (model) directory"""
     port: Port = 50051
+    http_port: Port = 8000
+    """the OpenAI-compatible HTTP API (and /health, /ready, /metrics); 0: off"""
     metrics_port: Port = 8001
     """Prometheus /metrics; 0: off"""
+    chat_template: Path | None = None
+    """a Jinja chat template to use instead of the model's own"""
     scheduler: str = "127.0.0.1:50052"
     """scheduler address"""
     max_queued_requests: PositiveInt = 1024

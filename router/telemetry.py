@@ -29,11 +29,13 @@ class RequestTrace:
     __slots__ = ("first_token_at", "model", "span", "started")
 
     def __init__(
-        self, tracer: trace.Tracer, model: str, request, num_prompt: int, metadata
-    ) -> None:
+        self, tracer: trace.Tracer, model: str, request, num_prompt: int, metadata,
+        operation: str = "text_completion",
+    ) -> None:  # fmt: skip
+        """operation: gen_ai.operation.name, "text_completion" or "chat"."""
         self.model, self.started, self.first_token_at = model, time.monotonic(), 0.0
         attributes = {
-            "gen_ai.operation.name": "text_completion",
+            "gen_ai.operation.name": operation,
             "gen_ai.request.model": model,
             "gen_ai.request.temperature": request.temperature
             if request.HasField("temperature")

@@ -27,15 +27,19 @@ def validate(
     temperature = request.temperature if request.HasField("temperature") else 1.0
     top_p = request.top_p if request.HasField("top_p") else 1.0
     if not (math.isfinite(temperature) and temperature >= 0):
-        raise RequestRejected(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+        raise RequestRejected(
+            f"temperature must be >= 0 (0 is greedy), got {temperature}", "temperature"
+        )
     if not 0 < top_p <= 1:
-        raise RequestRejected(f"top_p must be in (0, 1], got {top_p}")
+        raise RequestRejected(f"top_p must be in (0, 1], got {top_p}", "top_p")
     if request.top_k < 0:
-        raise RequestRejected(f"top_k must be >= 0 (0 disables it), got {request.top_k}")
+        raise RequestRejected(f"top_k must be >= 0 (0 disables it), got {request.top_k}", "top_k")
     _check_lengths(request, len(prompt_token_ids), limits)
     _check_stops(request, limits)
     if request.HasField("logprobs") and not 0 <= request.logprobs <= MAX_LOGPROBS:
-        raise RequestRejected(f"logprobs must be in [0, {MAX_LOGPROBS}], got {request.logprobs}")
+        raise RequestRejected(
+            f"logprobs must be in [0, {MAX_LOGPROBS}], got {request.logprobs}", "logprobs"
+        )
     stops = stop_token_ids(request.stop_token_ids, limits.eos_token_ids, request.ignore_eos)
     params = executor_pb2.SamplingParams(
         temperature=temperature, top_p=top_p, top_k=request.top_k,
@@ -52,7 +56,7 @@ def _check_tokens(prompt_token_ids: list[int], limits: ModelLimits) -> None:
     bad = [t for t in prompt_token_ids if not 0 <= t < limits.vocab_size]
     if bad:
         raise RequestRejected(
-            f"token id {bad[0]} is outside the vocabulary (0..{limits.vocab_size - 1})"
+            f"token id {bad[0]} is outside the vocabulary (0..{limits.vocab_size - 1})", "prompt"
         )
 
 
@@ -60,24 +64,24 @@ def _check_lengths(request, num_prompt: int, limits: ModelLimits) -> None:
     max_tokens = request.max_tokens if request.HasField("max_tokens") else None
     check_request_length(num_prompt, max_tokens, limits.max_model_len, limits.kv_capacity_tokens)
     if request.min_tokens < 0:
-        raise RequestRejected(f"min_tokens must be >= 0, got {request.min_tokens}")
+        raise RequestRejected(f"min_tokens must be >= 0, got {request.min_tokens}", "min_tokens")
     if max_tokens is not None and request.min_tokens > max_tokens:
         raise RequestRejected(
-            f"min_tokens ({request.min_tokens}) exceeds max_tokens ({max_tokens})"
+            f"min_tokens ({request.min_tokens}) exceeds max_tokens ({max_tokens})", "min_tokens"
         )
 
 
 def _check_stops(request, limits: ModelLimits) -> None:
     if len(request.stop) > MAX_STOP_STRINGS or any(not s for s in request.stop):
-        raise RequestRejected(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings")
+        raise RequestRejected(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings", "stop")
     bad = [t for t in request.stop_token_ids if not 0 <= t < limits.vocab_size]
     if bad:
-        raise RequestRejected(f"stop token id {bad[0]} is outside the vocabulary")
+        raise RequestRejected(f"stop token id {bad[0]} is outside the vocabulary", "stop_token_ids")
 
 
 def prompt_ids(request: generation_pb2.GenerateRequest, tokenizer) -> list[int]:
     if request.prompt and request.prompt_token_ids:
-        raise RequestRejected("set either prompt or prompt_token_ids, not both")
+        raise RequestRejected("set either prompt or prompt_token_ids, not both", "prompt")
     if request.prompt_token_ids:
         return list(request.prompt_token_ids)
     return tokenizer(request.prompt).input_ids if request.prompt else []

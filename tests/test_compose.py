@@ -102,7 +102,7 @@ def localize(value: str, ports: dict[str, int], models: Path, otlp: str) -> str:
 def test_the_compose_topology_runs_as_local_processes(tmp_path):
     services = load(COMPOSE)
     server, collector, otlp_port = start_collector()
-    container_ports = {"50051", "50052", "50053", "50060", "8001", "8002", "8003"}
+    container_ports = {"50051", "50052", "50053", "50060", "8000", "8001", "8002", "8003"}
     ports = {p: free_port() for p in container_ports}
     loc = lambda v: localize(str(v), ports, tmp_path / "models", f"http://127.0.0.1:{otlp_port}")  # noqa: E731
     processes = {}

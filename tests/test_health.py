@@ -45,7 +45,16 @@ def test_waiting_for_its_peer_is_live_and_not_ready(name, model_dir, tmp_path):
     port, peer = free_port(), f"127.0.0.1:{free_port()}"  # nothing listens at peer
     args = {
         "scheduler": ["-m", "flagstop.scheduler_svc", "--executor", peer],
-        "router": ["-m", "flagstop.router", "--model", str(model_dir), "--scheduler", peer],
+        "router": [
+            "-m",
+            "flagstop.router",
+            "--model",
+            str(model_dir),
+            "--scheduler",
+            peer,
+            "--http-port",
+            "0",
+        ],
     }[name]
     process = spawn(name, [*args, "--port", str(port), "--metrics-port", "0"], tmp_path)
     address = f"127.0.0.1:{port}"

@@ -203,3 +203,27 @@ def test_a_policy_fallback_is_an_event_on_the_step_in_flight():
         ("policy fallback", "deadline")
     ]
     assert [e.name for e in spans["scheduler.event"].events] == ["policy fallback"]
+
+
+def test_an_http_request_gets_the_same_span_and_honours_traceparent(traced):
+    import httpx
+
+    stack, collector = traced
+    client_trace, client_span = secrets.token_hex(16), secrets.token_hex(8)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    reply = httpx.post(f"{stack.base_url}/chat/completions", json=body, timeout=60,
+                       headers={"traceparent": f"00-{client_trace}-{client_span}-01"})  # fmt: skip
+    assert reply.status_code == 200
+
+    def the_span():
+        spans = [s for s in collector.named(f"generate {MODEL}")
+                 if s.trace_id.hex() == client_trace]  # fmt: skip
+        return spans[0] if spans else None
+
+    span = wait_for(the_span)
+    attrs = attributes(span)
+    assert span.parent_span_id.hex() == client_span and span.kind == span.SPAN_KIND_SERVER
+    assert attrs["gen_ai.operation.name"] == "chat"
+    assert attrs["gen_ai.usage.output_tokens"] == 3
+    assert attrs["gen_ai.response.finish_reasons"] == ["length"]

@@ -92,6 +92,27 @@ def test_a_missing_or_wrong_api_key_is_unauthenticated(tls_stack, pki, metadata)
     assert "API key" in error.value.details()
 
 
+def test_the_http_api_is_tls_with_client_certificates_and_the_key(tls_stack, pki):
+    import ssl
+
+    import httpx
+
+    url = f"https://{tls_stack.http}/v1/completions"
+    body = {"model": "flagstop-tiny", "prompt": [0, 5, 6], "max_tokens": 3}
+    cert, key = pki["client"]
+    good = ssl.create_default_context(cafile=str(pki["ca"]))
+    good.load_cert_chain(cert, key)
+    headers = {"authorization": f"Bearer {API_KEY}"}
+    reply = httpx.post(url, json=body, headers=headers, verify=good, timeout=30)
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
+    assert httpx.post(url, json=body, verify=good, timeout=30).status_code == 401
+    no_cert = ssl.create_default_context(cafile=str(pki["ca"]))
+    with pytest.raises(httpx.HTTPError):  # the handshake wants a client certificate
+        httpx.post(url, json=body, headers=headers, verify=no_cert, timeout=30)
+    with pytest.raises(httpx.HTTPError):  # plaintext to a TLS port
+        httpx.post(url.replace("https", "http"), json=body, headers=headers, timeout=30)
+
+
 def test_health_needs_no_api_key(tls_stack):
     reply = health_pb2_grpc.HealthStub(tls_stack.channel(tls_stack.router)).Check(
         health_pb2.HealthCheckRequest(), timeout=5

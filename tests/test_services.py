@@ -124,7 +124,7 @@ def test_greedy_outputs_survive_preemption_chunking_and_prefix_sharing(tight_sta
 def test_two_routers_share_one_scheduler(stack, model_dir, reference, tmp_path):
     port = free_port()
     args = ["-m", "flagstop.router", "--model", str(model_dir), "--scheduler", stack.scheduler]
-    args += ["--port", str(port), "--metrics-port", "0"]
+    args += ["--port", str(port), "--metrics-port", "0", "--http-port", "0"]
     second = spawn("router2", args, tmp_path)
     try:
         wait_serving(stack.channel(f"127.0.0.1:{port}"), second)

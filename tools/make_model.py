@@ -19,6 +19,14 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 WEIGHT_SCALE = 6.0
 VOCAB_SIZE = 512
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
+# A plain chat template, so that the embedded model serves /v1/chat/completions: each
+# message as <|role|> and its text, then the assistant's turn. Loaded by transformers
+# (and so by the router) from chat_template.jinja, like any checkpoint's own.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
 
 SIZES = {
     "tiny": dict(
@@ -155,6 +163,7 @@ def write_model(out: Path, size: str = "tiny", seed: int = 0) -> Path:
         },
     )
     write_json(out / "special_tokens_map.json", special)
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE + "\n")
     write_json(
         out / "tokenizer_config.json",
         {

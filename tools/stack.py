@@ -35,6 +35,11 @@ class Stack:
     commands: dict[str, list[str]]
     env: dict[str, str] | None = None
     channel_credentials: grpc.ChannelCredentials | None = None
+    http: str = ""  # the router's OpenAI HTTP address
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.http}/v1"
 
     def channel(self, address: str) -> grpc.Channel:
         if self.channel_credentials is not None:
@@ -116,10 +121,13 @@ def start_stack(
     }  # fmt: skip
     for name, args in commands.items():
         args += ["--port", str(ports[name]), "--metrics-port", str(metrics_ports[name])]
+    http = f"127.0.0.1:{free_port()}"
+    if "--http-port" not in router_args:
+        commands["router"] += ["--http-port", http.rsplit(":", 1)[1]]
     processes = {name: spawn(name, args, log_dir, env) for name, args in commands.items()}
     stack = Stack(
         address["router"], address["scheduler"], address["executor"], processes, log_dir,
-        metrics_ports, commands, env, channel_credentials,
+        metrics_ports, commands, env, channel_credentials, http,
     )  # fmt: skip
     try:
         for name in ("executor", "scheduler", "router"):

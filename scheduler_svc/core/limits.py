@@ -6,7 +6,12 @@ from collections.abc import Iterable
 
 
 class RequestRejected(ValueError):
-    """The request can never be served as asked; the message says why."""
+    """The request can never be served as asked; the message says why, and param names
+    the field to change when there is one (the OpenAI API reports it)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def check_request_length(
@@ -14,21 +19,23 @@ def check_request_length(
 ) -> None:
     """max_tokens None: up to max_model_len (at least one token is generated)."""
     if num_prompt_tokens == 0:
-        raise RequestRejected("the prompt is empty: send at least one token")
+        raise RequestRejected("the prompt is empty: send at least one token", "prompt")
     if max_tokens is not None and max_tokens < 1:
-        raise RequestRejected(f"max_tokens must be >= 1, got {max_tokens}")
+        raise RequestRejected(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
     total = num_prompt_tokens + (max_tokens or 1)
     what = f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens or 1})"
     if total > max_model_len:
         raise RequestRejected(
             f"{what} exceeds the model's max_model_len of {max_model_len}: "
-            "shorten the prompt or lower max_tokens"
+            "shorten the prompt or lower max_tokens",
+            "max_tokens",
         )
     if total > kv_capacity_tokens:
         # It could never finish: alone on the engine it would still run out of blocks.
         raise RequestRejected(
             f"{what} exceeds the whole KV cache ({kv_capacity_tokens} tokens): "
-            "shorten the prompt or lower max_tokens"
+            "shorten the prompt or lower max_tokens",
+            "max_tokens",
         )
 
 

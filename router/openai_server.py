@@ -1,0 +1,196 @@
+"""The router's OpenAI-compatible HTTP front (FastAPI on uvicorn, on the router's own
+event loop beside the gRPC server): /v1/models, /v1/completions, /v1/chat/completions
+with Server-Sent Events, /health, /ready and /metrics. Every request goes through the
+same RouterEngine as a gRPC one; errors come back in OpenAI's shape."""
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import orjson
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from flagstop.router.chat import ChatTemplate
+from flagstop.router.engine import Pending, RequestFailed, RouterEngine
+from flagstop.router.openai_responses import Choice, ResponseBuilder, TokenTexts
+
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    grpc.StatusCode.UNAVAILABLE: 503,
+}
+ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+              413: "invalid_request_error", 429: "rate_limit_error"}  # fmt: skip
+DONE = b"data: [DONE]\n\n"
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code=None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def error_response(status: int, message: str, param: str | None = None, code=None) -> Response:
+    error_type = ERROR_TYPE.get(status, "server_error")
+    body = {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+    return Response(orjson.dumps(body), status, media_type="application/json")
+
+
+def from_failure(e: RequestFailed) -> OpenAIError:
+    return OpenAIError(HTTP_STATUS.get(e.code, 500), e.message, e.param)
+
+
+def token_id_texts(token_id: int) -> str:
+    return f"token_id:{token_id}"
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+class OpenAIFront:
+    """The routes' logic: requests to GenerateRequests, chunks to the API's shapes."""
+
+    def __init__(self, engine: RouterEngine, chat: ChatTemplate) -> None:
+        self.engine, self.chat = engine, chat
+        self.texts = TokenTexts(engine.tokenizer)
+
+    def check_model(self, name: str) -> str:
+        served = self.engine.model_info.model_name
+        if self.engine.limits is None:
+            raise OpenAIError(503, "the router is not connected to a scheduler yet; retry")
+        if name != served:
+            message = f"model {name!r} is not served here; this router serves {served!r}"
+            raise OpenAIError(404, message, "model", "model_not_found")
+        return served
+
+    def submit(self, requests, metadata, operation: str) -> list[Pending]:
+        """All of a response's choices, or none (one refused releases the others)."""
+        pendings: list[Pending] = []
+        try:
+            for request in requests:
+                pendings.append(self.engine.submit(request, metadata, operation))
+        except RequestFailed as e:
+            for pending in pendings:
+                self.engine.release(pending)
+            raise from_failure(e) from None
+        return pendings
+
+    async def respond(self, http: Request, body, kind: str, requests) -> Response:
+        texts = token_id_texts if body.return_tokens_as_token_ids else self.texts
+        builder = ResponseBuilder(kind, self.check_model(body.model), texts,
+                                  with_logprobs=body.wants_logprobs)  # fmt: skip
+        operation = "chat" if kind == "chat" else "text_completion"
+        pendings = self.submit(requests, list(http.headers.items()), operation)
+        builder.usage.prompt_tokens = sum(
+            len(p.prompt_token_ids) for p in pendings[:: max(1, body.n)]
+        )
+        if body.stream:
+            stream = self.stream(builder, pendings, body.include_usage)
+            return StreamingResponse(stream, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})  # fmt: skip
+        choices = await until_disconnected(http, self.collect(builder, pendings))
+        return Response(orjson.dumps(builder.response(choices)), media_type="application/json")
+
+    async def collect(self, builder: ResponseBuilder, pendings: list[Pending]) -> list[Choice]:
+        choices = [Choice(i) for i in range(len(pendings))]
+
+        async def one(choice: Choice, pending: Pending) -> None:
+            async for chunk in self.engine.stream(pending):
+                builder.apply(choice, chunk)
+
+        try:
+            async with asyncio.TaskGroup() as group:
+                for choice, pending in zip(choices, pendings, strict=True):
+                    group.create_task(one(choice, pending))
+        except* RequestFailed as failures:
+            raise from_failure(failures.exceptions[0]) from None
+        finally:
+            for pending in pendings:
+                self.engine.release(pending)
+        return choices
+
+    async def stream(
+        self, builder: ResponseBuilder, pendings: list[Pending], include_usage: bool
+    ) -> AsyncIterator[bytes]:
+        """SSE: a chunk per new piece of each choice, a usage chunk when asked, [DONE].
+        A failure after the first bytes becomes an error event."""
+        choices = [Choice(i) for i in range(len(pendings))]
+        try:
+            if builder.kind == "chat":
+                yield sse(builder.role_chunk(range(len(pendings))))
+            async for index, chunk in merged(self.engine, pendings):
+                piece = builder.apply(choices[index], chunk)
+                if chunk.text or piece["logprobs"] or chunk.finish_reason:
+                    yield sse(builder.chunk([piece]))
+            if include_usage:
+                yield sse(builder.usage_chunk())
+        except RequestFailed as e:
+            failure = from_failure(e)
+            yield sse({"error": {"message": failure.message, "type": "server_error",
+                                 "param": failure.param, "code": failure.status}})  # fmt: skip
+        finally:
+            for pending in pendings:
+                self.engine.release(pending)
+        yield DONE
+
+
+async def merged(engine: RouterEngine, pendings: list[Pending]):
+    """(choice index, chunk) of every choice as they come. One choice streams directly;
+    several are pumped by a task each into one queue."""
+    if len(pendings) == 1:
+        async for chunk in engine.stream(pendings[0]):
+            yield 0, chunk
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, pending: Pending) -> None:
+        try:
+            async for chunk in engine.stream(pending):
+                queue.put_nowait((index, chunk, None))
+        except RequestFailed as e:
+            queue.put_nowait((index, None, e))
+        queue.put_nowait((index, None, None))
+
+    tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(pendings)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, chunk, failure = await queue.get()
+            if failure is not None:
+                raise failure
+            if chunk is None:
+                remaining -= 1
+            else:
+                yield index, chunk
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def until_disconnected(http: Request, work):
+    """The work's result, or cancelled when the client goes away first (its requests
+    are released, their blocks freed)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise OpenAIError(499, "the client went away")
+    return task.result()
