@@ -6,8 +6,10 @@ STAMP := $(VENV)/.installed
 
 SIZE ?= tiny
 MODEL_DIR := models/flagstop-$(SIZE)
-# `make serve MODEL=DIR` serves any local checkpoint of a supported architecture.
+# `make serve MODEL=DIR` serves any local checkpoint of a supported architecture;
+# `make serve TP=2` splits it over two tensor-parallel ranks (gloo on the CPU).
 MODEL ?= $(MODEL_DIR)
+TP ?= 1
 # Nothing is ever fetched from a model hub.
 export HF_HUB_OFFLINE := 1
 
@@ -16,6 +18,7 @@ export HF_HUB_OFFLINE := 1
 # `make down`.
 DOCKER_COMPOSE ?= docker compose
 COMPOSE := $(if $(POLICY),COMPOSE_PROFILES=policy SCHEDULER_POLICY=remote POLICY_STRATEGY=$(POLICY)) \
+	$(if $(filter-out 1,$(TP)),TP=$(TP)) \
 	$(DOCKER_COMPOSE) -f compose/compose.yaml $(if $(GPU),-f compose/compose.gpu.yaml)
 
 .PHONY: venv test lint bench bench-executor model proto serve up down logs ps clean
@@ -48,9 +51,10 @@ $(MODEL_DIR)/config.json: $(STAMP) tools/make_model.py
 
 # Ctrl-C (SIGINT) reaches all three, and each drains and exits 0.
 serve: $(STAMP) $(if $(filter $(MODEL_DIR),$(MODEL)),$(MODEL_DIR)/config.json)
-	@echo "router 127.0.0.1:50051, scheduler :50052, executor :50053 on $(MODEL); Ctrl-C stops"
+	@echo "router 127.0.0.1:50051 (OpenAI HTTP :8000), scheduler :50052, executor :50053" \
+		"on $(MODEL), tensor parallel $(TP); Ctrl-C stops"
 	@trap 'kill -INT $$e $$s $$r 2>/dev/null; wait' INT TERM; \
-	$(VENV)/bin/flagstop-executor --model $(MODEL) --port 50053 & e=$$!; \
+	$(VENV)/bin/flagstop-executor --model $(MODEL) --port 50053 --tensor-parallel-size $(TP) & e=$$!; \
 	$(VENV)/bin/flagstop-scheduler --executor 127.0.0.1:50053 --port 50052 & s=$$!; \
 	$(VENV)/bin/flagstop-router --model $(MODEL) --scheduler 127.0.0.1:50052 --port 50051 & r=$$!; \
 	wait
@@ -79,9 +83,11 @@ bench: $(STAMP)
 	$(PY) bench/plots.py
 	$(PY) bench/report.py
 
-# Executor step time vs transformers, per batch size and context (about 5 minutes).
+# Executor step time vs transformers, per batch size and context, and one rank vs two
+# tensor-parallel ranks (about 7 minutes).
 bench-executor: $(STAMP)
 	$(PY) bench/executor_bench.py
+	$(PY) bench/tp_bench.py
 	$(PY) bench/report.py
 
 clean:

@@ -14,7 +14,9 @@ import torch
 import transformers
 
 HERE = Path(__file__).parent
-ORDER = ["peers", "serve", "serve_backends", "scheduler", "detokenizer", "tracing", "executor"]
+ORDER = [
+    "peers", "serve", "serve_backends", "scheduler", "detokenizer", "tracing", "executor", "tp",
+]  # fmt: skip
 
 
 def machine() -> str:

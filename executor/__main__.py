@@ -1,12 +1,20 @@
 """flagstop-executor (python -m flagstop.executor): serve a model over gRPC to one
-scheduler."""
+scheduler, alone or as rank 0 of a tensor-parallel group (under torchrun, the
+processes with RANK > 0 follow rank 0 instead of serving)."""
 
 import logging
+import os
 from pathlib import Path
 
+import torch
+
+from flagstop.executor.distributed import Membership, join, start_group
 from flagstop.executor.model_runner import ModelRunner
+from flagstop.executor.models.config import ModelConfig
+from flagstop.executor.parallel import check_divisible
 from flagstop.executor.service import SERVICE_NAME, ExecutorService
 from flagstop.executor.settings import ExecutorSettings
+from flagstop.executor.worker import follow
 from flagstop.health import Health
 from flagstop.server import StartupError, TLSConfig, new_server, run_service, run_until_signalled
 from flagstop.telemetry import Telemetry, start_metrics_server
@@ -15,26 +23,55 @@ from flagstop.v1 import executor_pb2_grpc
 log = logging.getLogger("flagstop.executor")
 
 
-async def serve(settings: ExecutorSettings) -> None:
+def load_runner(settings: ExecutorSettings, membership: Membership | None):
+    """(runner, group or None); a model that cannot be split or loaded stops start-up."""
+    if settings.tensor_parallel_size == 1:
+        return ModelRunner(settings), None
     try:
-        runner = ModelRunner(settings)
+        mc = ModelConfig.from_pretrained(settings.model)
+    except (OSError, ValueError, KeyError) as e:
+        raise StartupError(f"cannot read {settings.model}/config.json: {e}") from None
+    if why := check_divisible(mc.num_heads, mc.num_kv_heads, mc.intermediate_size,
+                              settings.tensor_parallel_size):  # fmt: skip
+        raise StartupError(f"--tensor-parallel-size {settings.tensor_parallel_size}: {why}")
+    # One thread per rank unless told otherwise: ranks share the machine's cores.
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    group = start_group(settings, membership)
+    try:
+        return ModelRunner(settings, group.tp, lambda: join(group), group.device), group
+    except BaseException:
+        group.stop_children()
+        raise
+
+
+async def serve(settings: ExecutorSettings) -> None:
+    membership = Membership.from_environment(settings)
+    if membership is not None and membership.rank != 0:
+        follow(settings, membership)  # torchrun's other ranks serve no gRPC
+        return
+    try:
+        runner, group = load_runner(settings, membership)
+    except StartupError:
+        raise
     except (OSError, ValueError, RuntimeError) as e:
         raise StartupError(f"cannot load {settings.model}: {e}") from None
     server = new_server(settings.port, settings.host, TLSConfig.from_settings(settings))
     health = Health(server, [SERVICE_NAME])
-    service = ExecutorService(runner, Path(settings.model).name, Telemetry("flagstop-executor"))
+    telemetry = Telemetry("flagstop-executor")
+    service = ExecutorService(runner, Path(settings.model).name, telemetry, group)
     executor_pb2_grpc.add_ExecutorServicer_to_server(service, server)
     start_metrics_server(settings.metrics_port, settings.host)
     await server.start()
     health.set_ready(True)
-    log.info("serving %s on %s:%d: %d KV blocks of %d tokens on %s", settings.model,
-             settings.host, settings.port, runner.num_blocks, runner.block_size,
-             runner.device)  # fmt: skip
+    log.info("serving %s on %s:%d: %d KV blocks of %d tokens on %s, tensor parallel %d",
+             settings.model, settings.host, settings.port, runner.num_blocks,
+             runner.block_size, runner.device, runner.tp.size)  # fmt: skip
 
     async def drain() -> None:
         health.set_ready(False)
+        service.stop_group()
 
-    await run_until_signalled(server, drain)
+    await run_until_signalled(server, drain, service.keep_group_alive())
 
 
 def main() -> None:

@@ -4,9 +4,7 @@ service takes, so each field and its validation is written once."""
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-
-from flagstop.settings import PositiveInt
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
 
 
 class ExecutorConfig(BaseModel):
@@ -35,3 +33,8 @@ class ExecutorConfig(BaseModel):
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     """auto: triton on CUDA, torch on the CPU"""
     seed: int = 0
+    tensor_parallel_size: PositiveInt = 1
+    """ranks the model is split over (this process is rank 0 and starts the others on
+    this machine, unless torchrun started them all)"""
+    tp_timeout: PositiveFloat = 30.0
+    """seconds a rank waits for the others in a collective before the group is lost"""

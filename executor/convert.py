@@ -22,6 +22,37 @@ def sampling_from_proto(p: executor_pb2.SamplingParams) -> SamplingParams:
     )
 
 
+def sampling_to_proto(p: SamplingParams) -> executor_pb2.SamplingParams:
+    out = executor_pb2.SamplingParams(
+        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_tokens=p.min_tokens,
+        stop_token_ids=p.stop_token_ids, seed=p.seed, logprobs=p.logprobs,
+    )  # fmt: skip
+    return out
+
+
+def plan_to_proto(plan: SchedulerOutput) -> executor_pb2.StepRequest:
+    """An executor-side plan back on the wire (tests and benchmarks that drive a
+    tensor-parallel group with hand-made plans)."""
+    step = executor_pb2.StepRequest(step_id=plan.step_id)
+    out, c = step.plan, plan.scheduled_cached_reqs
+    out.finished_req_ids.extend(plan.finished_req_ids)
+    out.preempted_req_ids.extend(plan.preempted_req_ids)
+    cached = out.scheduled_cached_reqs
+    cached.req_ids.extend(c.req_ids)
+    cached.num_computed_tokens.extend(c.num_computed_tokens)
+    cached.num_scheduled_tokens.extend(plan.num_scheduled_tokens[r] for r in c.req_ids)
+    cached.num_new_blocks.extend(len(b) for b in c.new_block_ids)
+    cached.new_block_ids.extend(b for blocks in c.new_block_ids for b in blocks)
+    for d in (*plan.scheduled_new_reqs, *plan.scheduled_resumed_reqs):
+        out.scheduled_new_reqs.add(
+            req_id=d.req_id, token_ids=d.token_ids, num_prompt_tokens=d.num_prompt_tokens,
+            sampling_params=sampling_to_proto(d.sampling_params or SamplingParams()),
+            block_ids=d.block_ids, num_computed_tokens=d.num_computed_tokens,
+            num_scheduled_tokens=plan.num_scheduled_tokens[d.req_id],
+        )  # fmt: skip
+    return step
+
+
 def plan_from_proto(step: executor_pb2.StepRequest) -> SchedulerOutput:
     p, c = step.plan, step.plan.scheduled_cached_reqs
     req_ids = list(c.req_ids)

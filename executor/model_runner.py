@@ -1,6 +1,8 @@
 """Turns step plans into sampled tokens: the model, its paged KV cache, the persistent
 batch and the sampler, on one device."""
 
+from collections.abc import Callable
+
 import torch
 
 from flagstop.executor.attention import attention_backend
@@ -8,6 +10,7 @@ from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.input_batch import InputBatch, StepInputs
 from flagstop.executor.models.llama import KVCache
 from flagstop.executor.models.loader import load_model
+from flagstop.executor.parallel import SINGLE, TensorParallel
 from flagstop.executor.sampling import SampleOutput, SamplingParams, sample
 from flagstop.scheduler_svc.core.output import NewRequestData, SchedulerOutput
 from flagstop.utils import cdiv
@@ -29,25 +32,43 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, config: ExecutorConfig) -> None:
-        self.config = config
-        self.device = resolve_device(config.device)
+    """One rank's model, KV cache and persistent batch. Under tensor parallelism every
+    rank runs each step's forward in lockstep; rank 0 samples (execute), the others
+    compute their shard (execute_shard) and append the sampled tokens when the next
+    step brings them (advance_sampled)."""
+
+    def __init__(
+        self,
+        config: ExecutorConfig,
+        tp: TensorParallel = SINGLE,
+        after_load: Callable[[], None] | None = None,
+        device: str | None = None,
+    ) -> None:
+        """after_load: run once this rank's weights are in (the group's rendezvous)."""
+        self.config, self.tp = config, tp
+        self.device = resolve_device(device or config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
-        self.model = load_model(config.model, self.dtype, self.device)
+        self.model = load_model(config.model, self.dtype, self.device, tp)
+        if after_load is not None:
+            after_load()
         self.attention_backend = attention_backend(config.attention_backend, self.device)
         self.model.set_attention_backend(self.attention_backend)
         self.model_config = mc = self.model.config
+        self.num_kv_heads = tp.shard.kv_heads(mc.num_kv_heads)[1]  # this rank's
         self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
         self.block_size = config.block_size
-        self.num_blocks = self._determine_num_blocks()
+        # Every rank holds the same block ids: the pool is the smallest rank's.
+        self.num_blocks = tp.min_over_ranks(self._determine_num_blocks())
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         self.batch = self._new_batch()
+        self.last_inputs: StepInputs | None = None  # ranks > 0: awaiting sampled tokens
 
     def reset(self) -> None:
         """Forget every request (a new scheduler stream). The cache contents need no
         clearing: nothing is read that the new scheduler has not had written."""
         self.batch = self._new_batch()
+        self.last_inputs = None
 
     def _new_batch(self) -> InputBatch:
         return InputBatch(
@@ -61,12 +82,12 @@ class ModelRunner:
     @property
     def block_bytes(self) -> int:
         mc = self.model_config
-        per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
+        per_token = 2 * mc.num_layers * self.num_kv_heads * mc.head_dim * self.dtype.itemsize
         return per_token * self.block_size
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[KVCache]:
         mc = self.model_config
-        shape = (num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        shape = (num_blocks, self.block_size, self.num_kv_heads, mc.head_dim)
         return [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -90,7 +111,8 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         self.batch = self._new_batch()
-        self.execute(warmup_plan(num_tokens, self.block_size, self.model_config.vocab_size))
+        self.compute_logits(warmup_plan(num_tokens, self.block_size, self.model_config.vocab_size))
+        self.batch = self._new_batch()
         kv_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
         torch.cuda.synchronize()
         self.kv_caches = []
@@ -108,8 +130,11 @@ class ModelRunner:
         return int(budget // self.block_bytes)
 
     @torch.inference_mode()
-    def compute_logits(self, plan: SchedulerOutput) -> tuple[torch.Tensor, StepInputs] | None:
-        """Apply the diff and run the forward: logits [num_sampling, vocab] in plan order."""
+    def compute_logits(
+        self, plan: SchedulerOutput
+    ) -> tuple[torch.Tensor | None, StepInputs] | None:
+        """Apply the diff and run the forward: logits [num_sampling, vocab] in plan
+        order (on rank 0; None on the other ranks); None without scheduled tokens."""
         self.batch.apply(plan)
         if not plan.num_scheduled_tokens:
             return None
@@ -124,9 +149,22 @@ class ModelRunner:
         if result is None:
             return SampleOutput([])
         logits, inputs = result
+        assert logits is not None, "only rank 0 samples"
         output = sample(logits, inputs.sampling)
         self.batch.advance(inputs, output.token_ids)
         return output
+
+    @torch.inference_mode()
+    def execute_shard(self, plan: SchedulerOutput) -> None:
+        """A rank other than 0: this step's forward, its shard of it."""
+        result = self.compute_logits(plan)
+        self.last_inputs = None if result is None else result[1]
+
+    def advance_sampled(self, token_ids: list[int]) -> None:
+        """A rank other than 0: the tokens rank 0 sampled in the last step."""
+        if self.last_inputs is not None:
+            self.batch.advance(self.last_inputs, token_ids)
+            self.last_inputs = None
 
 
 def warmup_plan(num_tokens: int, block_size: int, vocab_size: int) -> SchedulerOutput:

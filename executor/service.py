@@ -1,6 +1,8 @@
 """The executor's gRPC shell: Describe, and the Execute stream of step diffs."""
 
+import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 
@@ -8,6 +10,7 @@ import grpc
 from prometheus_client import Histogram
 
 from flagstop.executor.convert import plan_from_proto, result_to_proto
+from flagstop.executor.distributed import RESET, STEP, STOP, Group
 from flagstop.executor.model_runner import ModelRunner
 from flagstop.telemetry import LATENCY_BUCKETS, Telemetry, extract
 from flagstop.v1 import executor_pb2, executor_pb2_grpc
@@ -21,13 +24,57 @@ STEP_SECONDS = Histogram(
 
 
 class ExecutorService(executor_pb2_grpc.ExecutorServicer):
-    def __init__(self, runner: ModelRunner, model_name: str, telemetry: Telemetry) -> None:
+    def __init__(
+        self, runner: ModelRunner, model_name: str, telemetry: Telemetry, group: Group | None = None
+    ) -> None:
+        """group: the tensor-parallel ranks this process (rank 0) drives, if any."""
         self.runner = runner
         self.tracer = telemetry.tracer
         self.model_name = model_name
+        self.group = group
         # Bumped by every new Execute stream: the newest scheduler wins, an older
         # stream still open (a scheduler that died) is ended at its next message.
         self.generation = 0
+
+    # -- the tensor-parallel group ---------------------------------------------
+
+    def _to_group(self, kind: int, payload: bytes = b"") -> None:
+        if self.group is not None:
+            try:
+                self.group.send(kind, payload)
+            except Exception as e:
+                self.group_lost(e)
+
+    def group_lost(self, error: Exception) -> None:
+        """A rank died or hung, or a step failed with the ranks out of step: the group
+        cannot go on. Down it goes, at once and loudly; the scheduler sees a lost
+        executor and recomputes when a supervisor has restarted it."""
+        log.critical("tensor-parallel group lost (%s): exiting for a restart", error)
+        if self.group is not None:
+            self.group.stop_children()
+        os._exit(1)
+
+    async def keep_group_alive(self) -> None:
+        """Ping the other ranks while idle: a dead one is found before the next step,
+        and a waiting one is not mistaken for a hung rank 0."""
+        while self.group is not None:
+            await asyncio.sleep(self.group.timeout_s / 8)
+            if self.group is None:
+                return  # stopped meanwhile
+            try:
+                self.group.ping_if_idle()
+            except Exception as e:
+                self.group_lost(e)
+
+    def stop_group(self) -> None:
+        """On shutdown: the other ranks exit with this one, and nothing pings them."""
+        group, self.group = self.group, None
+        if group is not None:
+            try:
+                group.send(STOP)
+            except Exception as e:
+                log.warning("the tensor-parallel ranks did not take the stop: %s", e)
+            group.stop_children(grace_s=5.0)
 
     async def Describe(self, request, context) -> executor_pb2.DescribeExecutorResponse:
         runner, mc = self.runner, self.runner.model_config
@@ -37,6 +84,7 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
             block_size=runner.block_size, num_blocks=runner.num_blocks,
             max_num_seqs=runner.config.max_num_seqs,
             max_num_batched_tokens=runner.config.max_num_batched_tokens,
+            tensor_parallel_size=runner.tp.size,
         )  # fmt: skip
 
     async def Execute(
@@ -46,6 +94,7 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         generation = self.generation
         # The executor keeps no state across streams: a new scheduler starts afresh.
         self.runner.reset()
+        self._to_group(RESET)
         log.info("scheduler stream %d opened", generation)
         async for step in request_iterator:
             if generation != self.generation:
@@ -53,6 +102,7 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
             if step.heartbeat:
                 yield executor_pb2.StepResult(step_id=step.step_id, heartbeat=True)
                 continue
+            self._to_group(STEP, step.SerializeToString())
             try:
                 plan = plan_from_proto(step)
                 # On the event loop's own thread: the next step waits in gRPC's buffers
@@ -65,7 +115,11 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
                     started = time.perf_counter()
                     output = self.runner.execute(plan)
                     STEP_SECONDS.labels(self.model_name).observe(time.perf_counter() - started)
+                if self.group is not None:
+                    self.group.sampled = output.token_ids  # sent with the next step
             except Exception as e:  # the batch state is now unknown: end the stream
+                if self.group is not None:
+                    self.group_lost(e)
                 log.exception("step %d failed", step.step_id)
                 await context.abort(grpc.StatusCode.INTERNAL, f"step {step.step_id} failed: {e}")
             yield result_to_proto(step.step_id, output)

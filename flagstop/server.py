@@ -26,6 +26,12 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     *_KEEPALIVE,
+    # gRPC's own reconnect backoff grows to 120 s: a peer restarted after a long outage
+    # (an executor, a scheduler, a remote policy) would then sit unused for minutes.
+    # Capped like our own retry loops (flagstop.reconnect).
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
 ]
 SERVER_OPTIONS = [
     *CHANNEL_OPTIONS,
@@ -117,11 +123,13 @@ async def run_until_signalled(
     signalled = asyncio.create_task(stop.wait())
     tasks = [asyncio.create_task(coroutine) for coroutine in background]
     try:
-        done, _ = await asyncio.wait([signalled, *tasks], return_when=asyncio.FIRST_COMPLETED)
-        failed = [t for t in done if t is not signalled and t.exception() is not None]
-        if failed:
-            await server.stop(0)
-            raise failed[0].exception()
+        pending = {signalled, *tasks}
+        while signalled in pending:  # a task that returns is done; one that fails ends all
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            failed = [t for t in done if t is not signalled and t.exception() is not None]
+            if failed:
+                await server.stop(0)
+                raise failed[0].exception()
         await drain()
         await server.stop(grace_s)
     finally:

@@ -22,9 +22,6 @@ from pydantic_settings import (
 )
 
 Port = Annotated[int, Field(ge=0, le=65535)]
-PositiveInt = Annotated[int, Field(ge=1)]
-NonNegativeInt = Annotated[int, Field(ge=0)]
-PositiveFloat = Annotated[float, Field(gt=0)]
 
 
 class SettingsInvalid(ValueError):

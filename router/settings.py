@@ -3,10 +3,10 @@
 import uuid
 from pathlib import Path
 
-from pydantic import Field, SecretStr
+from pydantic import Field, PositiveFloat, PositiveInt, SecretStr
 from pydantic_settings import SettingsConfigDict
 
-from flagstop.settings import Port, PositiveFloat, PositiveInt, ServiceSettings
+from flagstop.settings import Port, ServiceSettings
 
 
 class RouterSettings(ServiceSettings):

@@ -2,12 +2,12 @@
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt
 from pydantic_settings import SettingsConfigDict
 
 from flagstop.scheduler_svc.core.config import SchedulerConfig
 from flagstop.scheduler_svc.core.policy import POLICIES
-from flagstop.settings import NonNegativeInt, Port, PositiveFloat, PositiveInt, ServiceSettings
+from flagstop.settings import Port, ServiceSettings
 
 CORE = SchedulerConfig()  # the core's defaults are the flags' defaults
 

@@ -30,6 +30,12 @@ COMMON = dict(
 
 VARIANTS = {
     "mistral": lambda: MistralConfig(**COMMON, sliding_window=None),
+    # For tensor parallelism: a vocabulary that 2 ranks split only with padding, tied
+    # embeddings (the LM head is the embedding's shard), and one KV head (replicated).
+    "qwen2-tied-odd-vocab": lambda: Qwen2Config(
+        **{**COMMON, "vocab_size": 509}, tie_word_embeddings=True
+    ),
+    "llama-1kv": lambda: LlamaConfig(**{**COMMON, "num_key_value_heads": 1}),
     "qwen2": lambda: Qwen2Config(**COMMON),
     "qwen3": lambda: Qwen3Config(**COMMON, head_dim=48),
     "llama3-rope-tied": lambda: LlamaConfig(

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flagstop.executor.convert import plan_from_proto, plan_to_proto
+from flagstop.executor.distributed import STEP, Group
 from flagstop.executor.model_runner import ModelRunner
 from flagstop.executor.sampling import SampleOutput, SamplingParams
 from flagstop.scheduler_svc.core.output import NewRequestData, SchedulerOutput
@@ -29,6 +31,9 @@ class Harness:
     pending_drop: set[str] = field(default_factory=set)
     pending_preempt: set[str] = field(default_factory=set)
     params: dict[str, SamplingParams] = field(default_factory=dict)
+    # Rank 0 of a tensor-parallel group: each plan goes to the other ranks first, as
+    # the service sends it (through its wire form, which fixes the batch order).
+    group: Group | None = None
 
     def __post_init__(self) -> None:
         self.free_blocks = list(range(self.runner.num_blocks))
@@ -108,10 +113,23 @@ class Harness:
             if requests[r].num_computed_tokens == len(requests[r].token_ids)
         ]
 
-    def step(self, num_tokens: dict[str, int]) -> dict[str, int]:
+    def _send(self, num_tokens: dict[str, int]) -> SchedulerOutput:
         plan = self.plan(num_tokens)
+        if self.group is None:
+            return plan
+        step = plan_to_proto(plan)
+        self.group.send(STEP, step.SerializeToString())
+        return plan_from_proto(step)
+
+    def _sampled(self, tokens: list[int]) -> None:
+        if self.group is not None:
+            self.group.sampled = list(tokens)
+
+    def step(self, num_tokens: dict[str, int]) -> dict[str, int]:
+        plan = self._send(num_tokens)
         ids = self.sampling_ids(plan)
         output: SampleOutput = self.runner.execute(plan)
+        self._sampled(output.token_ids)
         for req_id, token in zip(ids, output.token_ids, strict=True):
             self.requests[req_id].token_ids.append(token)
         return dict(zip(ids, output.token_ids, strict=True))
@@ -119,11 +137,16 @@ class Harness:
     def logits(self, num_tokens: dict[str, int]) -> dict[str, torch.Tensor]:
         """Run the step; the logits of each request that samples, whose greedy token is
         appended as the next one."""
-        plan = self.plan(num_tokens)
+        plan = self._send(num_tokens)
         ids = self.sampling_ids(plan)
-        logits, inputs = self.runner.compute_logits(plan)
+        result = self.runner.compute_logits(plan)
+        if result is None:
+            self._sampled([])
+            return {}
+        logits, inputs = result
         greedy = logits.argmax(-1).tolist()
         self.runner.batch.advance(inputs, greedy)
+        self._sampled(greedy)
         for req_id, token in zip(ids, greedy, strict=True):
             self.requests[req_id].token_ids.append(token)
         return dict(zip(ids, logits, strict=True))

@@ -58,7 +58,7 @@ def test_the_config_file_can_be_named_by_a_variable(tmp_path, monkeypatch):
         ("FLAGSTOP_SCHEDULER_MAX_STEPS_IN_FLIGHT", "7", "less than or equal to 2"),
         ("FLAGSTOP_SCHEDULER_NO_PREFIX_CACHING", "flase", "valid boolean"),
         ("FLAGSTOP_SCHEDULER_PORT", "50o52", "valid integer"),
-        ("FLAGSTOP_SCHEDULER_MAX_NUM_SEQS", "0", "greater than or equal to 1"),
+        ("FLAGSTOP_SCHEDULER_MAX_NUM_SEQS", "0", "greater than 0"),
         ("FLAGSTOP_SCHEDULER_MAX_NUM_SEQ", "8", "is not a setting of flagstop-scheduler"),
     ],
 )

@@ -1,32 +1,69 @@
 """The Llama family on a paged KV cache: Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3
 (per-head q/k RMSNorm). One flattened varlen forward per step; q/k/v and gate/up are
-packed into one matmul each."""
+packed into one matmul each. Under tensor parallelism (executor/parallel.py) each
+rank builds the same modules at its shard's sizes."""
 
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from flagstop.executor.attention import AttentionMetadata, paged_attention
 from flagstop.executor.models.config import ModelConfig
 from flagstop.executor.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from flagstop.executor.parallel import SINGLE, TensorParallel
 from flagstop.kernels import torch_ref
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
+class RowParallelLinear(nn.Linear):
+    """Input features split over the ranks: each rank's partial product is summed by
+    one all-reduce, and the bias, held whole, is added once after it."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel):
+        super().__init__(in_features, out_features, bias=bias)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(x)
+        out = self.tp.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Rows [start, start + rows) of the padded vocabulary; a token another rank holds
+    looks up zeros here, and one all-reduce sums the ranks' rows."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel) -> None:
+        self.start, rows = tp.shard.vocab(vocab_size)
+        super().__init__(rows, hidden_size)
+        self.tp = tp
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(input_ids)
+        local = input_ids - self.start
+        mine = (local >= 0) & (local < self.num_embeddings)
+        out = F.embedding(local.masked_fill(~mine, 0), self.weight)
+        return self.tp.all_reduce(out.masked_fill_(~mine.unsqueeze(-1), 0))
+
+
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.num_heads = tp.shard.heads(config.num_heads)[1]
+        self.num_kv_heads = tp.shard.kv_heads(config.num_kv_heads)[1]
         self.head_dim = config.head_dim
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
+        self.q_size = self.num_heads * config.head_dim
+        self.kv_size = self.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
         self.qkv_proj = nn.Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, config.o_bias, tp)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.rotary = rotary
@@ -47,21 +84,21 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        size, inner = config.hidden_size, config.intermediate_size
+        size, inner = config.hidden_size, tp.shard.split(config.intermediate_size)[1]
         self.gate_up_proj = nn.Linear(size, 2 * inner, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(inner, size, bias=config.mlp_bias)
+        self.down_proj = RowParallelLinear(inner, size, config.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel) -> None:
         super().__init__()
-        self.self_attn = Attention(config, rotary)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, rotary, tp)
+        self.mlp = MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -76,19 +113,21 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.config = config
+        self.config, self.tp = config, tp
         # One table shared by every layer.
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, self.rotary) for _ in range(config.num_layers)
+            DecoderLayer(config, self.rotary, tp) for _ in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # Vocabulary-parallel like the embedding (it may be the same tensor, tied).
+        rows = tp.shard.vocab(config.vocab_size)[1]
+        self.lm_head = nn.Linear(config.hidden_size, rows, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -108,8 +147,11 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(positions, x, residual, kv_cache, meta)
         return self.norm(x, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[tokens, vocab] float32 on rank 0 (the ranks' vocabulary slices gathered,
+        the padding cut off); None on the other ranks."""
+        logits = self.tp.gather_to_first(self.lm_head(hidden).float())
+        return None if logits is None else logits[:, : self.config.vocab_size]
 
     def set_attention_backend(self, backend: ModuleType) -> None:
         for layer in self.layers:

@@ -12,7 +12,7 @@ class DescribeExecutorRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeExecutorResponse(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "max_model_len", "eos_token_ids", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens")
+    __slots__ = ("model_name", "vocab_size", "max_model_len", "eos_token_ids", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class DescribeExecutorResponse(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     max_model_len: int
@@ -29,7 +30,8 @@ class DescribeExecutorResponse(_message.Message):
     num_blocks: int
     max_num_seqs: int
     max_num_batched_tokens: int
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "min_tokens", "stop_token_ids", "logprobs")

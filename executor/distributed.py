@@ -1,0 +1,230 @@
+"""The tensor-parallel executor group: forming it over torch.distributed and driving
+its ranks.
+
+Rank 0 is the executor process (the gRPC server). On one machine it starts ranks
+1..N-1 itself; across machines `torchrun` starts them (its RANK / WORLD_SIZE /
+LOCAL_RANK / MASTER_ADDR / MASTER_PORT contract) and every process runs the same
+`flagstop-executor`, rank 0 serving and the others following. Rendezvous is a
+TCPStore (port 0 when rank 0 hosts it: nothing fixed, groups run side by side); the
+activations go over NCCL on CUDA and gloo on the CPU, control messages over a gloo
+CPU group.
+
+Each step reaches every rank once: rank 0 broadcasts the scheduler's serialized
+StepRequest (protobuf bytes, never a pickle) with the tokens it sampled in the step
+before, which the other ranks append to their own persistent batches. Every
+collective has a deadline (--tp-timeout), and rank 0 pings the others while idle, so
+a rank that dies or hangs takes the whole group down within seconds instead of
+leaving a rank waiting forever; the scheduler then treats the executor as lost and
+recomputes on the group that a supervisor restarts."""
+
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from flagstop.executor.config import ExecutorConfig
+from flagstop.executor.parallel import Shard, TensorParallel
+from flagstop.server import StartupError
+
+log = logging.getLogger("flagstop.executor.tp")
+STEP, RESET, PING, STOP = 1, 2, 3, 4
+WORKER_CONFIG = "FLAGSTOP_TP_WORKER_CONFIG"  # a spawned rank's settings, as JSON
+ERROR_KEY = "flagstop/error/{rank}"
+LOADED_KEY = "flagstop/loaded/{rank}"
+
+
+@dataclass(slots=True)
+class Membership:
+    """Where this process stands in the group."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int  # 0: rank 0 picks a free one
+
+    @classmethod
+    def from_environment(cls, config: ExecutorConfig) -> "Membership | None":
+        """torchrun's contract, when it started this process; None otherwise."""
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            return None
+        world = int(os.environ["WORLD_SIZE"])
+        if world != config.tensor_parallel_size:
+            raise StartupError(f"WORLD_SIZE={world} but --tensor-parallel-size is "
+                               f"{config.tensor_parallel_size}: set them equal")  # fmt: skip
+        return cls(int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0")),
+                   os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                   int(os.environ.get("MASTER_PORT", "29500")))  # fmt: skip
+
+
+def device_for(config: ExecutorConfig, local_rank: int) -> str:
+    """A rank's device: its own GPU by local rank."""
+    if config.device in ("auto", "cuda") and torch.cuda.is_available():
+        return f"cuda:{local_rank}"
+    return config.device if config.device != "auto" else "cpu"
+
+
+@dataclass(slots=True)
+class Group:
+    """A formed group, as rank `tp.rank` sees it."""
+
+    tp: TensorParallel
+    store: dist.Store
+    timeout_s: float
+    children: list[subprocess.Popen] = field(default_factory=list)
+    device: str = "cpu"
+    sampled: list[int] = field(default_factory=list)  # rank 0: for the next message
+    last_sent: float = field(default_factory=time.monotonic)
+
+    # -- rank 0 ----------------------------------------------------------------
+
+    def send(self, kind: int, payload: bytes = b"") -> None:
+        """A message to the other ranks; a step carries the tokens sampled in the one
+        before (kept through pings, dropped by a reset)."""
+        tokens = b""
+        if kind == STEP:
+            tokens = np.asarray(self.sampled, np.int32).tobytes()
+        if kind in (STEP, RESET):
+            self.sampled = []
+        header = torch.tensor([kind, len(tokens), len(payload)], dtype=torch.int64)
+        dist.broadcast(header, 0, group=self.tp.cpu_group)
+        if tokens or payload:
+            body = torch.frombuffer(bytearray(tokens + payload), dtype=torch.uint8)
+            dist.broadcast(body, 0, group=self.tp.cpu_group)
+        self.last_sent = time.monotonic()
+
+    def ping_if_idle(self) -> None:
+        if time.monotonic() - self.last_sent > self.timeout_s / 4:
+            self.send(PING)
+
+    # -- the other ranks -------------------------------------------------------
+
+    def receive(self) -> tuple[int, list[int], bytes]:
+        header = torch.empty(3, dtype=torch.int64)
+        dist.broadcast(header, 0, group=self.tp.cpu_group)
+        kind, num_token_bytes, num_bytes = header.tolist()
+        if not num_token_bytes + num_bytes:
+            return kind, [], b""
+        body = torch.empty(num_token_bytes + num_bytes, dtype=torch.uint8)
+        dist.broadcast(body, 0, group=self.tp.cpu_group)
+        raw = body.numpy().tobytes()
+        tokens = np.frombuffer(raw[:num_token_bytes], np.int32).tolist()
+        return kind, tokens, raw[num_token_bytes:]
+
+    # -- both ------------------------------------------------------------------
+
+    def stop_children(self, grace_s: float = 0.0) -> None:
+        """Wait up to grace_s for the ranks we started to exit (after STOP), then kill."""
+        deadline = time.monotonic() + grace_s
+        for child in self.children:
+            try:
+                child.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+
+    def worker_error(self) -> str:
+        """The first error another rank reported, or why a rank we started is gone."""
+        for rank in range(1, self.tp.size):
+            key = ERROR_KEY.format(rank=rank)
+            if self.store.check([key]):
+                return f"rank {rank}: {self.store.get(key).decode()}"
+        for rank, child in enumerate(self.children, start=1):
+            if child.poll() is not None:
+                return f"rank {rank} exited with {child.returncode}"
+        return ""
+
+
+def start_group(config: ExecutorConfig, membership: Membership | None) -> Group:
+    """This process's place in the group, before any collective: the rendezvous store,
+    and, for rank 0 without torchrun, the other ranks started on this machine."""
+    if membership is None:  # rank 0, the group on this machine
+        membership = Membership(0, config.tensor_parallel_size, 0, "127.0.0.1", 0)
+    store = _store(membership, timedelta(seconds=config.tp_timeout))
+    children = []
+    if membership.rank == 0 and not _started_by_torchrun():
+        children = _spawn(config, membership.world_size, store.port)
+    tp = TensorParallel(Shard(membership.rank, membership.world_size))
+    return Group(
+        tp, store, config.tp_timeout, children, device=device_for(config, membership.local_rank)
+    )
+
+
+def join(group: Group) -> None:
+    """Once this rank's shard is loaded: wait for every rank's (failing at once, with
+    its message, when one could not load), then form the process groups."""
+    tp, store = group.tp, group.store
+    store.set(LOADED_KEY.format(rank=tp.rank), "1")
+    deadline = time.monotonic() + group.timeout_s * 4  # loading a big shard takes a while
+    for other in range(tp.size):
+        while not store.check([LOADED_KEY.format(rank=other)]):
+            if error := group.worker_error():
+                group.stop_children()
+                raise StartupError(f"tensor-parallel {error}")
+            if time.monotonic() > deadline:
+                group.stop_children()
+                raise StartupError(f"tensor-parallel rank {other} did not load its shard in time")
+            time.sleep(0.05)
+    timeout = timedelta(seconds=group.timeout_s)
+    backend = "nccl" if group.device.startswith("cuda") else "gloo"
+    dist.init_process_group(backend, store=dist.PrefixStore("flagstop/pg", store),
+                            rank=tp.rank, world_size=tp.size, timeout=timeout)  # fmt: skip
+    tp.device_group = dist.group.WORLD
+    tp.cpu_group = dist.new_group(backend="gloo", timeout=timeout)
+
+
+def report_error(group: Group, error: Exception) -> None:
+    """A rank other than 0 tells rank 0 why it stops."""
+    group.store.set(ERROR_KEY.format(rank=group.tp.rank), f"{type(error).__name__}: {error}")
+
+
+def _store(m: Membership, timeout: timedelta) -> dist.TCPStore:
+    agent = _started_by_torchrun() and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    is_master = m.rank == 0 and not agent
+    try:
+        return dist.TCPStore(m.master_addr, m.master_port, m.world_size, is_master=is_master,
+                             timeout=timeout, wait_for_workers=False)  # fmt: skip
+    except Exception as e:
+        where = f"{m.master_addr}:{m.master_port}"
+        verb = "listen on" if is_master else "reach rank 0 at"
+        raise StartupError(f"cannot {verb} {where} (MASTER_ADDR/MASTER_PORT): {e}") from None
+
+
+def _started_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _spawn(config: ExecutorConfig, world_size: int, port: int) -> list[subprocess.Popen]:
+    settings = config.model_dump_json(include=set(ExecutorConfig.model_fields))
+    env = {**os.environ, WORKER_CONFIG: settings, "WORLD_SIZE": str(world_size),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return [
+        subprocess.Popen(
+            [sys.executable, "-m", "flagstop.executor.worker"],
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            preexec_fn=_die_with_parent,
+        )
+        for rank in range(1, world_size)
+    ]
+
+
+def _die_with_parent() -> None:
+    """A started rank dies with rank 0, even by SIGKILL (Linux prctl PR_SET_PDEATHSIG)."""
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)
+
+
+def spawned_config() -> ExecutorConfig:
+    return ExecutorConfig.model_validate(json.loads(os.environ[WORKER_CONFIG]))
