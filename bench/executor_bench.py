@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.model_runner import ModelRunner
-from flagstop.executor.sampling import SamplingParams
+from flagstop.executor.sampling_params import SamplingParams
 from flagstop.scheduler_svc.core.output import NewRequestData, SchedulerOutput
 from flagstop.utils import cdiv
 from tools.make_model import write_model

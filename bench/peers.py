@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.executor_bench import median_time, our_decode
 from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.model_runner import ModelRunner
-from flagstop.executor.sampling import SamplingParams
+from flagstop.executor.sampling_params import SamplingParams
 from flagstop.scheduler_svc.core.config import SchedulerConfig
 from flagstop.scheduler_svc.core.output import NewRequestData, SchedulerOutput
 from flagstop.scheduler_svc.core.request import Request, StopParams

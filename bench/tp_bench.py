@@ -28,9 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.convert import plan_from_proto, plan_to_proto
-from flagstop.executor.distributed import STEP, STOP, join, start_group
+from flagstop.executor.distributed import join, start_group
 from flagstop.executor.model_runner import ModelRunner
-from flagstop.executor.sampling import SamplingParams
+from flagstop.executor.sampling_params import SamplingParams
+from flagstop.executor.tp_messages import STEP, STOP
 from flagstop.scheduler_svc.core.output import NewRequestData, SchedulerOutput
 from flagstop.utils import cdiv
 from tools.make_model import write_model

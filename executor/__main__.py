@@ -1,20 +1,14 @@
 """flagstop-executor (python -m flagstop.executor): serve a model over gRPC to one
 scheduler, alone or as rank 0 of a tensor-parallel group (under torchrun, the
-processes with RANK > 0 follow rank 0 instead of serving)."""
+processes with RANK > 0 follow rank 0 instead of serving). With --simulate it serves
+the executor simulator, a load-test tool, and imports no torch."""
 
 import logging
 import os
 from pathlib import Path
 
-import torch
-
-from flagstop.executor.distributed import Membership, join, start_group
-from flagstop.executor.model_runner import ModelRunner
-from flagstop.executor.models.config import ModelConfig
-from flagstop.executor.parallel import check_divisible
 from flagstop.executor.service import SERVICE_NAME, ExecutorService
 from flagstop.executor.settings import ExecutorSettings
-from flagstop.executor.worker import follow
 from flagstop.health import Health
 from flagstop.server import StartupError, TLSConfig, new_server, run_service, run_until_signalled
 from flagstop.telemetry import Telemetry, start_metrics_server
@@ -23,8 +17,15 @@ from flagstop.v1 import executor_pb2_grpc
 log = logging.getLogger("flagstop.executor")
 
 
-def load_runner(settings: ExecutorSettings, membership: Membership | None):
+def load_runner(settings: ExecutorSettings, membership):
     """(runner, group or None); a model that cannot be split or loaded stops start-up."""
+    import torch
+
+    from flagstop.executor.distributed import join, start_group
+    from flagstop.executor.model_runner import ModelRunner
+    from flagstop.executor.models.config import ModelConfig
+    from flagstop.executor.parallel import check_divisible
+
     if settings.tensor_parallel_size == 1:
         return ModelRunner(settings), None
     try:
@@ -44,13 +45,29 @@ def load_runner(settings: ExecutorSettings, membership: Membership | None):
         raise
 
 
+def simulated_runner(settings: ExecutorSettings):
+    from flagstop.executor.simulator import SimulatedRunner
+
+    if settings.tensor_parallel_size != 1:
+        raise StartupError("--simulate runs one process: leave --tensor-parallel-size at 1")
+    return SimulatedRunner(settings), None
+
+
 async def serve(settings: ExecutorSettings) -> None:
-    membership = Membership.from_environment(settings)
-    if membership is not None and membership.rank != 0:
-        follow(settings, membership)  # torchrun's other ranks serve no gRPC
-        return
+    membership = None
+    if not settings.simulate:
+        from flagstop.executor.distributed import Membership
+        from flagstop.executor.worker import follow
+
+        membership = Membership.from_environment(settings)
+        if membership is not None and membership.rank != 0:
+            follow(settings, membership)  # torchrun's other ranks serve no gRPC
+            return
     try:
-        runner, group = load_runner(settings, membership)
+        if settings.simulate:
+            runner, group = simulated_runner(settings)
+        else:
+            runner, group = load_runner(settings, membership)
     except StartupError:
         raise
     except (OSError, ValueError, RuntimeError) as e:
@@ -63,9 +80,10 @@ async def serve(settings: ExecutorSettings) -> None:
     start_metrics_server(settings.metrics_port, settings.host)
     await server.start()
     health.set_ready(True)
+    what = "SIMULATED (a load-test tool, not a model)" if settings.simulate else settings.model
     log.info("serving %s on %s:%d: %d KV blocks of %d tokens on %s, tensor parallel %d",
-             settings.model, settings.host, settings.port, runner.num_blocks,
-             runner.block_size, runner.device, runner.tp.size)  # fmt: skip
+             what, settings.host, settings.port, runner.num_blocks, runner.block_size,
+             runner.device, runner.tensor_parallel_size)  # fmt: skip
 
     async def drain() -> None:
         health.set_ready(False)

@@ -4,7 +4,15 @@ service takes, so each field and its validation is written once."""
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+)
 
 
 class ExecutorConfig(BaseModel):
@@ -38,3 +46,17 @@ class ExecutorConfig(BaseModel):
     this machine, unless torchrun started them all)"""
     tp_timeout: PositiveFloat = 30.0
     """seconds a rank waits for the others in a collective before the group is lost"""
+    simulate: bool = False
+    """a LOAD-TEST TOOL, not a model: wait a cost model's step time and return hashed
+    tokens (executor/simulator.py); --model lends only its config.json"""
+    simulate_base_ms: NonNegativeFloat = 6.0
+    """the simulator's step time: this ..."""
+    simulate_us_per_scheduled_token: NonNegativeFloat = 8.0
+    """... plus this per token computed in the step ..."""
+    simulate_us_per_context_token: NonNegativeFloat = 0.03
+    """... plus this per token of context read (all scheduled requests' lengths)"""
+    simulate_mean_output_tokens: NonNegativeInt = 0
+    """the simulator emits a request's stop token about once in this many tokens
+    (never before min_tokens); 0: never"""
+    simulate_num_blocks: PositiveInt = 65536
+    """the simulator's KV blocks, unless --num-blocks says"""

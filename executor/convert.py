@@ -1,7 +1,7 @@
 """Conversions between the flagstop.v1 executor messages and the executor's objects:
 the step plan (the scheduler core's SchedulerOutput) in, sampled tokens out."""
 
-from flagstop.executor.sampling import SampleOutput, SamplingParams
+from flagstop.executor.sampling_params import SampleOutput, SamplingParams
 from flagstop.scheduler_svc.core.output import (
     CachedRequestData,
     NewRequestData,

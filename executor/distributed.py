@@ -35,10 +35,10 @@ import torch.distributed as dist
 
 from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.parallel import Shard, TensorParallel
+from flagstop.executor.tp_messages import PING, RESET, STEP
 from flagstop.server import StartupError
 
 log = logging.getLogger("flagstop.executor.tp")
-STEP, RESET, PING, STOP = 1, 2, 3, 4
 WORKER_CONFIG = "FLAGSTOP_TP_WORKER_CONFIG"  # a spawned rank's settings, as JSON
 ERROR_KEY = "flagstop/error/{rank}"
 LOADED_KEY = "flagstop/loaded/{rank}"

@@ -3,44 +3,30 @@ preallocated arrays (one row per request), so that a step's diff from the schedu
 is a few bytes per request and input preparation is vectorised."""
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from flagstop.executor.attention import AttentionMetadata
-from flagstop.executor.sampling import SamplingMetadata, SamplingParams
+from flagstop.executor.sampling_params import SamplingParams
 from flagstop.scheduler_svc.core.output import NewRequestData, SchedulerOutput
 from flagstop.utils import cdiv
+
+MAX_STOP_IDS = 16  # stop ids kept per row as an array (the simulator's; the sampler
+# reads them all from the request's params)
 
 
 class BatchDesync(RuntimeError):
     """The scheduler's view and ours disagree: the executor must be reset."""
 
 
-@dataclass(slots=True)
-class StepInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    attention: AttentionMetadata
-    logits_indices: torch.Tensor  # rows of the hidden states to sample from, plan order
-    sampling: SamplingMetadata
-    rows: np.ndarray  # batch row of each scheduled request, plan order
-    num_scheduled: np.ndarray
-    sampling_rows: np.ndarray
-
-
 class InputBatch:
+    """Bookkeeping only (numpy): the model runner turns it into a forward's tensors
+    (executor/step_inputs.py), the simulator into its tokens."""
+
     def __init__(
-        self,
-        max_num_reqs: int,
-        max_model_len: int,
-        block_size: int,
-        vocab_size: int,
-        device: torch.device,
+        self, max_num_reqs: int, max_model_len: int, block_size: int, vocab_size: int
     ) -> None:
         self.max_num_reqs, self.max_model_len = max_num_reqs, max_model_len
-        self.block_size, self.vocab_size, self.device = block_size, vocab_size, device
+        self.block_size, self.vocab_size = block_size, vocab_size
         # int32: at long max_model_len this table is the batch's largest allocation.
         self.token_ids = np.zeros((max_num_reqs, max_model_len), np.int32)
         self.num_tokens = np.zeros(max_num_reqs, np.int64)
@@ -57,6 +43,8 @@ class InputBatch:
         self.min_tokens = np.zeros(max_num_reqs, np.int64)
         self.seeded = np.zeros(max_num_reqs, np.bool_)
         self.num_logprobs = np.full(max_num_reqs, -1, np.int64)  # -1: none asked
+        self.stop_ids = np.full((max_num_reqs, MAX_STOP_IDS), -1, np.int64)
+        self.stop_counts = np.zeros(max_num_reqs, np.int64)
         self.req_rows: dict[str, int] = {}
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
 
@@ -109,6 +97,10 @@ class InputBatch:
         self.min_tokens[row] = p.min_tokens if p.stop_token_ids else 0
         self.seeded[row] = p.seed is not None and p.temperature > 0
         self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        stops = p.stop_token_ids[:MAX_STOP_IDS]
+        self.stop_ids[row] = -1
+        self.stop_ids[row, : len(stops)] = stops
+        self.stop_counts[row] = len(stops)
 
     def _append_blocks(self, row: int, block_ids: Sequence[int]) -> None:
         start = self.num_blocks[row]
@@ -121,9 +113,12 @@ class InputBatch:
             raise BatchDesync(f"{req_id} is not in the batch")
         return row
 
-    # -- one step's inputs -----------------------------------------------------
+    # -- one step ----------------------------------------------------------------
 
-    def prepare(self, plan: SchedulerOutput) -> StepInputs:
+    def schedule(self, plan: SchedulerOutput) -> tuple[np.ndarray, ...]:
+        """(rows, tokens scheduled, sequence lengths after the step, which of them
+        sample), each in plan order. A request samples when this step reaches the end
+        of its known tokens."""
         rows = np.fromiter((self._row(r) for r in plan.num_scheduled_tokens), np.int64)
         num_scheduled = np.fromiter(plan.num_scheduled_tokens.values(), np.int64, len(rows))
         seq_lens = self.num_computed_tokens[rows] + num_scheduled
@@ -131,70 +126,14 @@ class InputBatch:
             raise BatchDesync("a request is scheduled past its known tokens")
         if (seq_lens > self.num_blocks[rows] * self.block_size).any():
             raise BatchDesync("a request is scheduled past its blocks")
-        # Decodes first, so that each kind is one attention call.
-        order = np.argsort(num_scheduled != 1, kind="stable")
-        o_rows, o_num = rows[order], num_scheduled[order]
-        cu_tokens = np.cumsum(o_num)
-        token_seq = np.repeat(np.arange(len(rows)), o_num)
-        offsets = np.arange(cu_tokens[-1]) - (cu_tokens - o_num)[token_seq]
-        positions = self.num_computed_tokens[o_rows][token_seq] + offsets
-        token_rows = o_rows[token_seq]
-        block_ids = self.block_table[token_rows, positions // self.block_size].astype(np.int64)
-        slots = block_ids * self.block_size + positions % self.block_size
-        o_seq_lens = seq_lens[order]
-        max_blocks = cdiv(int(o_seq_lens.max()), self.block_size)
-        # A request samples when this step reaches the end of its known tokens; its
-        # logits row is its last token in the reordered batch, listed in plan order.
         samples = np.flatnonzero(seq_lens == self.num_tokens[rows])
-        position_in_order = np.empty_like(order)
-        position_in_order[order] = np.arange(len(order))
-        logits_indices = cu_tokens[position_in_order[samples]] - 1
-        t = self._to_device
-        return StepInputs(
-            input_ids=t(self.token_ids[token_rows, positions]),
-            positions=t(positions),
-            attention=AttentionMetadata(
-                slot_mapping=t(slots),
-                block_tables=t(self.block_table[o_rows, :max_blocks]),
-                seq_lens=t(o_seq_lens.astype(np.int32)),
-                query_start_loc=t(np.concatenate(([0], cu_tokens)).astype(np.int32)),
-                num_decodes=int((o_num == 1).sum()),
-            ),
-            logits_indices=t(logits_indices),
-            sampling=self._sampling_metadata(rows[samples]),
-            rows=rows,
-            num_scheduled=num_scheduled,
-            sampling_rows=rows[samples],
-        )
+        return rows, num_scheduled, seq_lens, samples
 
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(self.device, non_blocking=True)
-
-    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
-        temperature, top_p, top_k = self.temperature[rows], self.top_p[rows], self.top_k[rows]
-        num_tokens, params = self.num_tokens[rows], self.sampling_params
-        seeded = [
-            (i, params[rows[i]].seed, int(num_tokens[i])) for i in np.flatnonzero(self.seeded[rows])
-        ]
-        below_min = num_tokens - self.num_prompt_tokens[rows] < self.min_tokens[rows]
-        banned = [(i, params[rows[i]].stop_token_ids) for i in np.flatnonzero(below_min)]
-        num_logprobs = self.num_logprobs[rows]
-        return SamplingMetadata(
-            temperature=self._to_device(temperature),
-            top_p=self._to_device(top_p),
-            top_k=self._to_device(top_k),
-            all_greedy=not temperature.any(),
-            needs_top_k_top_p=bool((top_k < self.vocab_size).any() or (top_p < 1).any()),
-            seeded=seeded,
-            banned=banned,
-            num_logprobs=[None if n < 0 else int(n) for n in num_logprobs]
-            if (num_logprobs >= 0).any()
-            else None,
-        )
-
-    def advance(self, inputs: StepInputs, sampled_token_ids: list[int]) -> None:
-        """After the forward: the scheduled tokens are computed, the sampled ones known."""
-        self.num_computed_tokens[inputs.rows] += inputs.num_scheduled
-        rows = inputs.sampling_rows
-        self.token_ids[rows, self.num_tokens[rows]] = sampled_token_ids
-        self.num_tokens[rows] += 1
+    def advance(
+        self, rows: np.ndarray, num_scheduled: np.ndarray, sampling_rows: np.ndarray,
+        sampled_token_ids: list[int],
+    ) -> None:  # fmt: skip
+        """After the step: the scheduled tokens are computed, the sampled ones known."""
+        self.num_computed_tokens[rows] += num_scheduled
+        self.token_ids[sampling_rows, self.num_tokens[sampling_rows]] = sampled_token_ids
+        self.num_tokens[sampling_rows] += 1

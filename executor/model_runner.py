@@ -7,11 +7,13 @@ import torch
 
 from flagstop.executor.attention import attention_backend
 from flagstop.executor.config import ExecutorConfig
-from flagstop.executor.input_batch import InputBatch, StepInputs
+from flagstop.executor.input_batch import InputBatch
 from flagstop.executor.models.llama import KVCache
 from flagstop.executor.models.loader import load_model
 from flagstop.executor.parallel import SINGLE, TensorParallel
-from flagstop.executor.sampling import SampleOutput, SamplingParams, sample
+from flagstop.executor.sampling import sample
+from flagstop.executor.sampling_params import SampleOutput, SamplingParams
+from flagstop.executor.step_inputs import StepInputs, prepare_inputs
 from flagstop.scheduler_svc.core.output import NewRequestData, SchedulerOutput
 from flagstop.utils import cdiv
 
@@ -72,12 +74,9 @@ class ModelRunner:
 
     def _new_batch(self) -> InputBatch:
         return InputBatch(
-            self.config.max_num_seqs,
-            self.max_model_len,
-            self.block_size,
+            self.config.max_num_seqs, self.max_model_len, self.block_size,
             self.model_config.vocab_size,
-            self.device,
-        )
+        )  # fmt: skip
 
     @property
     def block_bytes(self) -> int:
@@ -138,7 +137,7 @@ class ModelRunner:
         self.batch.apply(plan)
         if not plan.num_scheduled_tokens:
             return None
-        inputs = self.batch.prepare(plan)
+        inputs = prepare_inputs(self.batch, plan, self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attention)
         return self.model.compute_logits(hidden[inputs.logits_indices]), inputs
 
@@ -151,8 +150,19 @@ class ModelRunner:
         logits, inputs = result
         assert logits is not None, "only rank 0 samples"
         output = sample(logits, inputs.sampling)
-        self.batch.advance(inputs, output.token_ids)
+        self.advance(inputs, output.token_ids)
         return output
+
+    async def step(self, plan: SchedulerOutput) -> SampleOutput:
+        """execute() for the service (the simulator's step waits instead)."""
+        return self.execute(plan)
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.tp.size
+
+    def advance(self, inputs: StepInputs, token_ids: list[int]) -> None:
+        self.batch.advance(inputs.rows, inputs.num_scheduled, inputs.sampling_rows, token_ids)
 
     @torch.inference_mode()
     def execute_shard(self, plan: SchedulerOutput) -> None:
@@ -163,7 +173,7 @@ class ModelRunner:
     def advance_sampled(self, token_ids: list[int]) -> None:
         """A rank other than 0: the tokens rank 0 sampled in the last step."""
         if self.last_inputs is not None:
-            self.batch.advance(self.last_inputs, token_ids)
+            self.advance(self.last_inputs, token_ids)
             self.last_inputs = None
 
 

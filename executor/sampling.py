@@ -5,20 +5,9 @@ from dataclasses import dataclass
 
 import torch
 
+from flagstop.executor.sampling_params import SampleOutput
+
 _MIX = 0x9E3779B97F4A7C15  # splitmix64's increment: spreads (seed, position) pairs apart
-
-
-@dataclass(slots=True, frozen=True)
-class SamplingParams:
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    seed: int | None = None
-    min_tokens: int = 0
-    # Every token that would end the request (EOS unless ignore_eos, and the stop
-    # token ids): masked while fewer than min_tokens were generated.
-    stop_token_ids: tuple[int, ...] = ()
-    logprobs: int | None = None  # None: off; n: the sampled token's and the top n
 
 
 @dataclass(slots=True)
@@ -37,13 +26,6 @@ class SamplingMetadata:
     banned: list[tuple[int, tuple[int, ...]]]
     # Per row: None, or how many top logprobs to return; None for all when nobody asked.
     num_logprobs: list[int | None] | None
-
-
-@dataclass(slots=True)
-class SampleOutput:
-    token_ids: list[int]
-    # Per row, when logprobs were asked for: (sampled token's logprob, top ids, top logprobs).
-    logprobs: list[tuple[float, list[int], list[float]] | None] | None = None
 
 
 def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SampleOutput:

@@ -5,15 +5,19 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import grpc
 from prometheus_client import Histogram
 
 from flagstop.executor.convert import plan_from_proto, result_to_proto
-from flagstop.executor.distributed import RESET, STEP, STOP, Group
-from flagstop.executor.model_runner import ModelRunner
+from flagstop.executor.tp_messages import RESET, STEP, STOP
 from flagstop.telemetry import LATENCY_BUCKETS, Telemetry, extract
 from flagstop.v1 import executor_pb2, executor_pb2_grpc
+
+if TYPE_CHECKING:  # the simulator runs this service without torch
+    from flagstop.executor.distributed import Group
+    from flagstop.executor.model_runner import ModelRunner
 
 log = logging.getLogger("flagstop.executor")
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
@@ -25,9 +29,14 @@ STEP_SECONDS = Histogram(
 
 class ExecutorService(executor_pb2_grpc.ExecutorServicer):
     def __init__(
-        self, runner: ModelRunner, model_name: str, telemetry: Telemetry, group: Group | None = None
+        self,
+        runner: "ModelRunner",
+        model_name: str,
+        telemetry: Telemetry,
+        group: "Group | None" = None,
     ) -> None:
-        """group: the tensor-parallel ranks this process (rank 0) drives, if any."""
+        """runner: a ModelRunner, or the SimulatedRunner (a load-test tool); group:
+        the tensor-parallel ranks this process (rank 0) drives, if any."""
         self.runner = runner
         self.tracer = telemetry.tracer
         self.model_name = model_name
@@ -84,7 +93,7 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
             block_size=runner.block_size, num_blocks=runner.num_blocks,
             max_num_seqs=runner.config.max_num_seqs,
             max_num_batched_tokens=runner.config.max_num_batched_tokens,
-            tensor_parallel_size=runner.tp.size,
+            tensor_parallel_size=runner.tensor_parallel_size,
         )  # fmt: skip
 
     async def Execute(
@@ -113,7 +122,7 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
                     attributes={"flagstop.step": step.step_id},
                 ):  # fmt: skip
                     started = time.perf_counter()
-                    output = self.runner.execute(plan)
+                    output = await self.runner.step(plan)
                     STEP_SECONDS.labels(self.model_name).observe(time.perf_counter() - started)
                 if self.group is not None:
                     self.group.sampled = output.token_ids  # sent with the next step

@@ -12,9 +12,6 @@ from flagstop import logs
 from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.convert import plan_from_proto
 from flagstop.executor.distributed import (
-    RESET,
-    STEP,
-    STOP,
     Membership,
     join,
     report_error,
@@ -22,6 +19,7 @@ from flagstop.executor.distributed import (
     start_group,
 )
 from flagstop.executor.model_runner import ModelRunner
+from flagstop.executor.tp_messages import RESET, STEP, STOP
 from flagstop.server import StartupError
 from flagstop.v1 import executor_pb2
 

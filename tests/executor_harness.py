@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 import torch
 
 from flagstop.executor.convert import plan_from_proto, plan_to_proto
-from flagstop.executor.distributed import STEP, Group
+from flagstop.executor.distributed import Group
 from flagstop.executor.model_runner import ModelRunner
-from flagstop.executor.sampling import SampleOutput, SamplingParams
+from flagstop.executor.sampling_params import SampleOutput, SamplingParams
+from flagstop.executor.tp_messages import STEP
 from flagstop.scheduler_svc.core.output import NewRequestData, SchedulerOutput
 from flagstop.utils import cdiv
 
@@ -145,7 +146,7 @@ class Harness:
             return {}
         logits, inputs = result
         greedy = logits.argmax(-1).tolist()
-        self.runner.batch.advance(inputs, greedy)
+        self.runner.advance(inputs, greedy)
         self._sampled(greedy)
         for req_id, token in zip(ids, greedy, strict=True):
             self.requests[req_id].token_ids.append(token)

@@ -5,7 +5,7 @@ import torch
 
 from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.model_runner import ModelRunner
-from flagstop.executor.sampling import SamplingParams
+from flagstop.executor.sampling_params import SamplingParams
 from tests.executor_harness import Harness
 from tools.make_model import write_model
 

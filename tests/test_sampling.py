@@ -4,7 +4,7 @@ import torch
 from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.model_runner import ModelRunner
 from flagstop.executor.sampling import SamplingMetadata, apply_top_k_top_p, sample
-from flagstop.executor.sampling import SamplingParams as SP
+from flagstop.executor.sampling_params import SamplingParams as SP
 from tests.checkpoints import write_checkpoint
 from tests.executor_harness import Harness
 

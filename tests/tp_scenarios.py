@@ -16,9 +16,10 @@ from pathlib import Path
 import torch
 
 from flagstop.executor.config import ExecutorConfig
-from flagstop.executor.distributed import STOP, join, start_group
+from flagstop.executor.distributed import join, start_group
 from flagstop.executor.model_runner import ModelRunner
 from flagstop.executor.models.config import ModelConfig
+from flagstop.executor.tp_messages import STOP
 from tests.executor_harness import Harness
 
 Record = list[tuple[list[int], torch.Tensor]]

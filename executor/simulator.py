@@ -1,0 +1,115 @@
+"""The executor simulator: a LOAD-TEST TOOL, NOT A MODEL. It speaks executor.proto and
+keeps the persistent batch exactly as the model runner does (new, cached, resumed,
+finished and preempted requests; which rows sample), but instead of a forward it
+waits the time a GPU would take, from a cost model, and returns deterministic tokens
+(a hash of each request's own tokens). With it the router, the scheduler and gateways
+are load-tested at GPU step rates on a CPU machine, in the manner of llm-d's
+inference simulator. It imports no torch.
+
+    flagstop-executor --simulate --model DIR [--simulate-base-ms 6] ...
+
+DIR only lends its config.json (vocabulary, EOS ids, length), so that the router's
+tokenizer and limits match; no weights are read. A step takes
+    base_ms + us_per_scheduled_token x scheduled tokens + us_per_context_token x context
+(defaults like an 8B model on an H200: about 7 ms for a 256-request decode step at 1k
+context, a 512-token prefill chunk about 4 ms more), and steps run back to back like
+on a device: one that arrives while another runs starts when it ends.
+"""
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from flagstop.executor.config import ExecutorConfig
+from flagstop.executor.input_batch import InputBatch
+from flagstop.executor.models.config import ModelConfig
+from flagstop.executor.sampling_params import SampleOutput
+from flagstop.scheduler_svc.core.output import SchedulerOutput
+
+_A, _B, _C = 0x9E3779B1, 0x85EBCA6B, 0xC2B2AE35  # odd 32-bit mixers
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    base_ms: float
+    us_per_scheduled_token: float
+    us_per_context_token: float
+
+    def seconds(self, num_scheduled: int, num_context: int) -> float:
+        us = self.us_per_scheduled_token * num_scheduled + self.us_per_context_token * num_context
+        return self.base_ms / 1e3 + us / 1e6
+
+
+class SimulatedRunner:
+    """What the executor service needs of a runner, without a model."""
+
+    tensor_parallel_size = 1
+    device = "simulated"
+
+    def __init__(self, config: ExecutorConfig) -> None:
+        self.config = config
+        self.model_config = ModelConfig.from_pretrained(config.model)
+        mc = self.model_config
+        self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
+        self.block_size = config.block_size
+        self.num_blocks = config.num_blocks or config.simulate_num_blocks
+        self.cost = CostModel(config.simulate_base_ms, config.simulate_us_per_scheduled_token,
+                              config.simulate_us_per_context_token)  # fmt: skip
+        self.mean_output_tokens = config.simulate_mean_output_tokens
+        self.busy_until = self.last_step_seconds = 0.0
+        self.batch = self._new_batch()
+
+    def _new_batch(self) -> InputBatch:
+        return InputBatch(self.config.max_num_seqs, self.max_model_len, self.block_size,
+                          self.model_config.vocab_size)  # fmt: skip
+
+    def reset(self) -> None:
+        self.batch = self._new_batch()
+
+    async def step(self, plan: SchedulerOutput) -> SampleOutput:
+        """The step's tokens, once the simulated device would have finished it."""
+        output = self.execute(plan)
+        start = max(time.monotonic(), self.busy_until)
+        self.busy_until = start + self.last_step_seconds
+        await asyncio.sleep(self.busy_until - time.monotonic())
+        return output
+
+    def execute(self, plan: SchedulerOutput) -> SampleOutput:
+        """One step's tokens at once; last_step_seconds is what it would have taken."""
+        batch = self.batch
+        batch.apply(plan)
+        self.last_step_seconds = 0.0
+        if not plan.num_scheduled_tokens:
+            return SampleOutput([])
+        rows, num_scheduled, seq_lens, samples = batch.schedule(plan)
+        sampling_rows = rows[samples]
+        tokens = self._tokens(sampling_rows)
+        batch.advance(rows, num_scheduled, sampling_rows, tokens)
+        self.last_step_seconds = self.cost.seconds(int(num_scheduled.sum()), int(seq_lens.sum()))
+        return SampleOutput(tokens)
+
+    def _tokens(self, rows: np.ndarray) -> list[int]:
+        """A hash of each request's last token, first token and length: the same tokens
+        alone or batched, and again after a preemption."""
+        b = self.batch
+        n = b.num_tokens[rows]
+        last = b.token_ids[rows, n - 1].astype(np.uint64)
+        first = b.token_ids[rows, 0].astype(np.uint64)
+        mixed = (last * _A + n.astype(np.uint64) * _B + first * _C) & np.uint64(0xFFFFFFFF)
+        mixed ^= mixed >> np.uint64(15)
+        tokens = (mixed % np.uint64(self.model_config.vocab_size)).astype(np.int64)
+        stop_ids, stop_count = b.stop_ids[rows], b.stop_counts[rows]
+        allowed = n - b.num_prompt_tokens[rows] >= b.min_tokens[rows]
+        if self.mean_output_tokens:
+            # Like a model asked to stop: a stop token now and then, never before min_tokens.
+            stops = (mixed >> np.uint64(7)) % np.uint64(self.mean_output_tokens) == 0
+            stops &= allowed & (stop_count > 0)
+            tokens = np.where(stops, stop_ids[:, 0], tokens)
+        else:
+            stops = np.zeros(len(rows), np.bool_)
+        # Otherwise never a stop token by chance: it would end the request early.
+        collide = (stop_ids == tokens[:, None]).any(axis=1) & ~stops
+        tokens[collide] = (tokens[collide] + 1) % self.model_config.vocab_size
+        return tokens.tolist()

@@ -1,0 +1,4 @@
+"""What rank 0 of a tensor-parallel group sends the other ranks (executor/distributed.py
+carries them; the service, which must not import torch, names them)."""
+
+STEP, RESET, PING, STOP = 1, 2, 3, 4
