@@ -300,15 +300,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         conn = RouterConnection(router_id=uuid.uuid4().hex)
         reader = asyncio.create_task(self._read_router(conn, request_iterator))
         try:
-            while True:
-                get = asyncio.create_task(conn.outbox.get())
-                done, _ = await asyncio.wait({get, reader}, return_when=asyncio.FIRST_COMPLETED)
-                if get not in done:
-                    get.cancel()
-                    break  # the router closed its side
-                msg = get.result()
-                if msg is None:
-                    break
+            # The reader puts None when the router closes its side (one task for the
+            # stream, not one per message: this runs once per engine step).
+            while (msg := await conn.outbox.get()) is not None:
                 yield msg
         finally:
             reader.cancel()
@@ -316,16 +310,18 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     async def _read_router(self, conn: RouterConnection, request_iterator) -> None:
         registered = False
-        async for msg in request_iterator:
-            if not registered:
-                if msg.router_id in self.routers:
-                    log.error("refused a second router calling itself %s", msg.router_id)
-                    conn.outbox.put_nowait(None)
-                    return
-                conn.router_id = msg.router_id or conn.router_id
-                self.routers[conn.router_id] = conn
-                registered = True
-            self._apply(conn, msg)
+        try:
+            async for msg in request_iterator:
+                if not registered:
+                    if msg.router_id in self.routers:
+                        log.error("refused a second router calling itself %s", msg.router_id)
+                        return
+                    conn.router_id = msg.router_id or conn.router_id
+                    self.routers[conn.router_id] = conn
+                    registered = True
+                self._apply(conn, msg)
+        finally:
+            conn.outbox.put_nowait(None)
 
     def _apply(self, conn: RouterConnection, msg: scheduler_pb2.RouterMessage) -> None:
         conn.num_queued = msg.num_queued
@@ -413,6 +409,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             executor_connected=self.executor_connected,
             remote_policy_active=self.policy_client is not None and self.policy_client.active,
             remote_policy_failures=self.policy_client.num_failures if self.policy_client else 0,
+            num_routers=len(self.routers),
         )  # fmt: skip
 
     # -- shutdown --------------------------------------------------------------

@@ -30,6 +30,9 @@ STEP_SECONDS = Histogram(
 
 
 class SchedulerTelemetry:
+    __slots__ = ("_model_name", "arrivals", "enabled", "last_hits", "last_preemptions",
+                 "last_queries", "metrics", "request_spans", "steps", "tracer")  # fmt: skip
+
     def __init__(self, telemetry: Telemetry) -> None:
         self.enabled, self.tracer = telemetry.enabled, telemetry.tracer
         self.request_spans: dict[str, trace.Span] = {}
@@ -37,6 +40,19 @@ class SchedulerTelemetry:
         self.steps: dict[int, tuple[float, trace.Span | None]] = {}
         self.model_name = ""
         self.last_preemptions = self.last_queries = self.last_hits = 0
+        self.metrics: tuple = ()  # this model's labelled metrics, looked up once
+
+    @property
+    def model_name(self) -> str:
+        return self._model_name
+
+    @model_name.setter
+    def model_name(self, name: str) -> None:
+        self._model_name = name
+        # .labels() per step costs a dict lookup and a lock each: resolve them once.
+        self.metrics = tuple(m.labels(name) for m in (
+            STEP_SECONDS, RUNNING, WAITING, KV_USAGE, PREEMPTIONS, PREFIX_QUERIES, PREFIX_HITS,
+        ))  # fmt: skip
 
     def on_add(self, request_id: str, num_prompt_tokens: int, traceparent: str) -> None:
         if not self.enabled:
@@ -90,7 +106,7 @@ class SchedulerTelemetry:
         self, plan: SchedulerOutput, outputs: dict[str, OwnerOutputs], scheduler: Scheduler
     ) -> None:
         started, span = self.steps.pop(plan.step_id, (time.monotonic(), None))
-        STEP_SECONDS.labels(self.model_name).observe(time.monotonic() - started)
+        self.metrics[0].observe(time.monotonic() - started)
         if span is not None:
             span.end()
         if self.enabled:
@@ -132,12 +148,13 @@ class SchedulerTelemetry:
             span.end()
 
     def _export_gauges(self, scheduler: Scheduler) -> None:
-        name, stats = self.model_name, scheduler.make_stats()
-        RUNNING.labels(name).set(stats.num_running_reqs)
-        WAITING.labels(name).set(stats.num_waiting_reqs)
-        KV_USAGE.labels(name).set(stats.kv_cache_usage)
-        PREEMPTIONS.labels(name).inc(stats.num_preemptions - self.last_preemptions)
-        PREFIX_QUERIES.labels(name).inc(stats.prefix_cache_queries - self.last_queries)
-        PREFIX_HITS.labels(name).inc(stats.prefix_cache_hits - self.last_hits)
+        stats = scheduler.make_stats()
+        _, running, waiting, kv_usage, preemptions, queries, hits = self.metrics
+        running.set(stats.num_running_reqs)
+        waiting.set(stats.num_waiting_reqs)
+        kv_usage.set(stats.kv_cache_usage)
+        preemptions.inc(stats.num_preemptions - self.last_preemptions)
+        queries.inc(stats.prefix_cache_queries - self.last_queries)
+        hits.inc(stats.prefix_cache_hits - self.last_hits)
         self.last_preemptions = stats.num_preemptions
         self.last_queries, self.last_hits = stats.prefix_cache_queries, stats.prefix_cache_hits

@@ -76,6 +76,14 @@ class Stack:
                 raise AssertionError(f"scheduler not idle after {timeout}s: {stats}")
             time.sleep(0.05)
 
+    def wait_routers(self, count: int, timeout: float = 60.0) -> None:
+        """Until count router processes hold a stream to the scheduler (--processes)."""
+        deadline = time.monotonic() + timeout
+        while (num_routers := self.stats().num_routers) < count:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{num_routers} of {count} routers after {timeout}s")
+            time.sleep(0.1)
+
     def logs(self) -> str:
         return "\n".join(
             f"--- {name}\n" + (self.log_dir / f"{name}.log").read_text()[-3000:]
@@ -107,8 +115,10 @@ def start_stack(
     router_args=(),
     env: dict[str, str] | None = None,
     channel_credentials: grpc.ChannelCredentials | None = None,
+    checkout: Path = ROOT,
 ) -> Stack:
-    """channel_credentials: how the test talks to the three (with TLS on)."""
+    """channel_credentials: how the test talks to the three (with TLS on); checkout:
+    run another checkout of flagstop, with its own .venv (two versions side by side)."""
     ports = {name: free_port() for name in ("router", "scheduler", "executor")}
     metrics_ports = {name: free_port() for name in ports}
     address = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
@@ -124,7 +134,8 @@ def start_stack(
     http = f"127.0.0.1:{free_port()}"
     if "--http-port" not in router_args:
         commands["router"] += ["--http-port", http.rsplit(":", 1)[1]]
-    processes = {name: spawn(name, args, log_dir, env) for name, args in commands.items()}
+    processes = {name: spawn(name, args, log_dir, env, checkout=checkout)
+                 for name, args in commands.items()}  # fmt: skip
     stack = Stack(
         address["router"], address["scheduler"], address["executor"], processes, log_dir,
         metrics_ports, commands, env, channel_credentials, http,
@@ -139,14 +150,23 @@ def start_stack(
 
 
 def spawn(
-    name: str, args: list[str], log_dir: Path, env: dict[str, str] | None = None, mode: str = "w"
+    name: str,
+    args: list[str],
+    log_dir: Path,
+    env: dict[str, str] | None = None,
+    mode: str = "w",
+    checkout: Path = ROOT,
 ) -> subprocess.Popen:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     log_dir.mkdir(parents=True, exist_ok=True)
     log = (log_dir / f"{name}.log").open(mode)
     return subprocess.Popen(
-        [sys.executable, *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+        [python(checkout), *args], cwd=checkout, env=env, stdout=log, stderr=subprocess.STDOUT
     )
+
+
+def python(checkout: Path) -> str:
+    return sys.executable if checkout == ROOT else str(checkout / ".venv" / "bin" / "python")
 
 
 def wait_serving(channel: grpc.Channel, process: subprocess.Popen, timeout: float = 90.0) -> None:
