@@ -46,6 +46,32 @@ class RequestFailed(Exception):
         self.code, self.message, self.param = code, message, param
 
 
+class Mailbox:
+    """What the fan-out leaves for one client stream. The stream takes everything there
+    at once: a stream that fell behind (a slow client, a busy router) gets the tokens
+    of several steps in one message, never reordered or dropped, and the router writes
+    fewer messages exactly when it is short of time (vLLM's stream interval, adaptive)."""
+
+    __slots__ = ("items", "waiter")
+
+    def __init__(self) -> None:
+        self.items: list = []
+        self.waiter: asyncio.Future | None = None
+
+    def put(self, item) -> None:
+        self.items.append(item)
+        waiter, self.waiter = self.waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def take(self) -> list:
+        if not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            await self.waiter
+        items, self.items = self.items, []
+        return items
+
+
 @dataclass(slots=True, eq=False)
 class Pending:
     """One client stream's request, from submit() to release(): what the fan-out
@@ -58,7 +84,7 @@ class Pending:
     add: scheduler_pb2.AddRequest  # as first sent: kept to resubmit to a new scheduler
     # What the fan-out delivers to the client stream: (token id or None, scheduler
     # finish reason, logprob entry or None), or a RequestError.
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    mailbox: Mailbox = field(default_factory=Mailbox)
     generated: list[int] = field(default_factory=list)
     sent: bool = False  # released to the scheduler
     finished: bool = False  # the scheduler holds nothing of it any more
@@ -176,15 +202,15 @@ class RouterEngine:
             reason = finished.pop(request_id, 0) if finished else 0
             pending.finished = bool(reason)
             pending.generated.append(token_id)
-            pending.events.put_nowait((token_id, reason, logprobs[i] if logprobs else None))
+            pending.mailbox.put((token_id, reason, logprobs[i] if logprobs else None))
         for request_id, reason in finished.items():  # ended without a token
             if (pending := requests.get(request_id)) is not None:
                 pending.finished = True
-                pending.events.put_nowait((None, reason, None))
+                pending.mailbox.put((None, reason, None))
         for error in msg.errors:
             if (pending := requests.get(error.request_id)) is not None:
                 pending.finished = True
-                pending.events.put_nowait(error)
+                pending.mailbox.put(error)
 
     def _lost_scheduler(self) -> None:
         """The scheduler and all it held are gone. Every request it was serving goes
@@ -208,7 +234,7 @@ class RouterEngine:
         for pending in self.requests.values():
             if not pending.finished:
                 pending.finished = True
-                pending.events.put_nowait(scheduler_pb2.RequestError(
+                pending.mailbox.put(scheduler_pb2.RequestError(
                     request_id=pending.request_id, code=grpc.StatusCode.UNAVAILABLE.value[0],
                     message=f"{why}; retry the request",
                 ))  # fmt: skip
@@ -292,41 +318,22 @@ class RouterEngine:
             self.release(pending)
 
     async def _chunks(self, pending: Pending):
-        request, token_ids, trace = pending.request, pending.prompt_token_ids, pending.trace
-        detokenizer = new_detokenizer(self.tokenizer, token_ids)
-        stops = StopStringMatcher(list(request.stop))
-        num_generated = 0
+        """One chunk per wake-up, holding every token the mailbox had."""
+        detokenizer = new_detokenizer(self.tokenizer, pending.prompt_token_ids)
+        stream = ChunkBuilder(pending, detokenizer, StopStringMatcher(list(pending.request.stop)))
+        interval = self.settings.stream_interval_ms / 1000
         while True:
-            item = await pending.events.get()
-            if isinstance(item, scheduler_pb2.RequestError):
-                raise RequestFailed(STATUS.get(item.code, grpc.StatusCode.UNKNOWN), item.message)
-            token_id, reason, logprob = item
-            if reason and reason not in CLIENT_FINISH:
-                raise RequestFailed(grpc.StatusCode.INTERNAL, "the request failed in the engine")
-            chunk = generation_pb2.GenerateResponse()
-            text = ""
-            if token_id is not None:
-                if not num_generated:
-                    trace.first_token()
-                num_generated += 1
-                chunk.token_ids.append(token_id)
-                text = detokenizer.add([token_id], final=bool(reason))
-                if logprob is not None:
-                    chunk.logprobs.append(logprob)
-            chunk.text, matched = stops.feed(text, final=bool(reason))
-            if matched is not None:
-                chunk.finish_reason, chunk.stop_reason = generation_pb2.FINISH_REASON_STOP, matched
-            elif reason:
-                chunk.finish_reason = reason  # the same values (FinishReason)
-                if token_id in request.stop_token_ids:
-                    chunk.stop_reason = str(token_id)
-            if chunk.finish_reason:
-                chunk.usage.prompt_tokens = len(token_ids)
-                chunk.usage.completion_tokens = num_generated
-                trace.finish(chunk.finish_reason, num_generated)
+            chunk, failure = stream.build(await pending.mailbox.take())
+            if chunk is not None:
                 yield chunk
+            if failure is not None:
+                raise failure
+            if stream.done:
                 return
-            yield chunk
+            if interval:
+                # At most a message per interval after the first: the tokens of the
+                # steps meanwhile go out together (fewer, larger writes).
+                await asyncio.sleep(interval)
 
     # -- shutdown --------------------------------------------------------------
 
@@ -336,3 +343,95 @@ class RouterEngine:
         deadline = asyncio.get_running_loop().time() + self.settings.drain_timeout
         while self.requests and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
+
+
+class ChunkBuilder:
+    """Turns a stream's tokens into GenerateResponse chunks: text (detokenized, held
+    back at a possible stop string), logprobs, and at the end the finish reason and
+    usage."""
+
+    __slots__ = ("detokenizer", "done", "num_generated", "pending", "stops")
+
+    def __init__(self, pending: Pending, detokenizer, stops: StopStringMatcher) -> None:
+        self.pending, self.detokenizer, self.stops = pending, detokenizer, stops
+        self.num_generated, self.done = 0, False
+
+    def build(self, items: list):
+        """(chunk or None, RequestFailed or None) for what the mailbox held."""
+        failure, end = None, len(items)
+        for i, item in enumerate(items):
+            failure = self._failure(item)
+            if failure is not None:
+                end = i
+                break
+        chunk = generation_pb2.GenerateResponse()
+        if self.stops.stop:
+            self._add_one_by_one(chunk, items[:end])
+        else:
+            self._add_all(chunk, items[:end])
+        if self.done:  # ended by a stop string before the failure: it happened after
+            failure = None
+        if not (chunk.token_ids or chunk.text or chunk.finish_reason):
+            return None, failure
+        return chunk, failure
+
+    @staticmethod
+    def _failure(item) -> RequestFailed | None:
+        if isinstance(item, scheduler_pb2.RequestError):
+            return RequestFailed(STATUS.get(item.code, grpc.StatusCode.UNKNOWN), item.message)
+        reason = item[1]
+        if reason and reason not in CLIENT_FINISH:
+            return RequestFailed(grpc.StatusCode.INTERNAL, "the request failed in the engine")
+        return None
+
+    def _add_all(self, chunk, items: list) -> None:
+        """No stop strings: the tokens of several steps in one go (one detokenizer call,
+        the costly part per token otherwise)."""
+        token_ids = [item[0] for item in items if item[0] is not None]
+        reason = items[-1][1] if items else 0
+        if token_ids:
+            if not self.num_generated:
+                self.pending.trace.first_token()
+            self.num_generated += len(token_ids)
+            chunk.token_ids.extend(token_ids)
+            chunk.logprobs.extend(item[2] for item in items if item[2] is not None)
+        chunk.text = self.detokenizer.add(token_ids, final=bool(reason))
+        if reason:
+            last_token = token_ids[-1] if token_ids and items[-1][0] is not None else None
+            self._finish(chunk, reason, last_token)
+
+    def _add_one_by_one(self, chunk, items: list) -> None:
+        texts: list[str] = []
+        for token_id, reason, logprob in items:
+            if self._add(chunk, texts, token_id, reason, logprob):
+                break
+        chunk.text = "".join(texts)
+
+    def _add(self, chunk, texts: list[str], token_id, reason, logprob) -> bool:
+        """Add one token (or a bare finish); whether the stream ended."""
+        text = ""
+        if token_id is not None:
+            if not self.num_generated:
+                self.pending.trace.first_token()
+            self.num_generated += 1
+            chunk.token_ids.append(token_id)
+            text = self.detokenizer.add([token_id], final=bool(reason))
+            if logprob is not None:
+                chunk.logprobs.append(logprob)
+        emitted, matched = self.stops.feed(text, final=bool(reason))
+        texts.append(emitted)
+        if matched is not None:
+            chunk.stop_reason = matched
+            self._finish(chunk, generation_pb2.FINISH_REASON_STOP, None)
+        elif reason:
+            self._finish(chunk, reason, token_id)
+        return self.done
+
+    def _finish(self, chunk, reason: int, last_token: int | None) -> None:
+        chunk.finish_reason = reason  # the same values (FinishReason)
+        if last_token is not None and last_token in self.pending.request.stop_token_ids:
+            chunk.stop_reason = str(last_token)
+        chunk.usage.prompt_tokens = len(self.pending.prompt_token_ids)
+        chunk.usage.completion_tokens = self.num_generated
+        self.pending.trace.finish(chunk.finish_reason, self.num_generated)
+        self.done = True

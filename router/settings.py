@@ -2,8 +2,9 @@
 
 import uuid
 from pathlib import Path
+from typing import Self
 
-from pydantic import Field, PositiveFloat, PositiveInt, SecretStr
+from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from flagstop.settings import Port, ServiceSettings
@@ -42,5 +43,24 @@ class RouterSettings(ServiceSettings):
     """clients must show a certificate from --tls-ca too"""
     router_id: str = Field(default_factory=lambda: f"router-{uuid.uuid4().hex[:8]}")
     """this router's name at the scheduler (default: random)"""
+    stream_interval_ms: NonNegativeFloat = 0.0
+    """after a stream's first token, at most one message per this many ms: the tokens
+    of the steps in between go out together. 0: every step's token at once. At GPU
+    step rates (5-30 ms) 20-50 ms cuts the router's CPU per token 2-4x (a message,
+    not a token, is what costs); a client streaming text to a person sees no
+    difference, a benchmark measuring inter-token latency sees bursts"""
+    processes: PositiveInt = 1
+    """router processes serving --port and --http-port together (SO_REUSEPORT, Linux):
+    the kernel spreads new connections over them, each has its own scheduler stream,
+    /metrics sums them all. One process tops out near 20k tokens/s"""
+    reuse_port: bool = False
+    """share --port and --http-port with other router processes of this user (set by
+    --processes on the processes it starts)"""
     drain_timeout: PositiveFloat = 30.0
     """on SIGTERM: seconds the streams in flight get to finish"""
+
+    @model_validator(mode="after")
+    def _shared_ports_are_known(self) -> Self:
+        if self.processes > 1 and self.port == 0:
+            raise ValueError("--processes needs a fixed --port (not 0) to share")
+        return self
