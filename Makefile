@@ -7,18 +7,21 @@ STAMP := $(VENV)/.installed
 SIZE ?= tiny
 MODEL_DIR := models/flagstop-$(SIZE)
 # `make serve MODEL=DIR` serves any local checkpoint of a supported architecture;
-# `make serve TP=2` splits it over two tensor-parallel ranks (gloo on the CPU).
+# `make serve TP=2` splits it over two tensor-parallel ranks (gloo on the CPU);
+# `make serve ROUTERS=2` runs two router processes on the router's ports (SO_REUSEPORT).
 MODEL ?= $(MODEL_DIR)
 TP ?= 1
+ROUTERS ?= 1
 # Nothing is ever fetched from a model hub.
 export HF_HUB_OFFLINE := 1
 
-# Docker users: `make up` (GPU executor: `make up GPU=1`; a remote scheduling policy:
+# Docker users: `make up` (GPU executor: `make up GPU=1`; router processes: ROUTERS=N;
+# a remote scheduling policy:
 # `make up POLICY=fair-share` or POLICY=shortest-prompt-first), `make logs`, `make ps`,
 # `make down`.
 DOCKER_COMPOSE ?= docker compose
 COMPOSE := $(if $(POLICY),COMPOSE_PROFILES=policy SCHEDULER_POLICY=remote POLICY_STRATEGY=$(POLICY)) \
-	$(if $(filter-out 1,$(TP)),TP=$(TP)) \
+	$(if $(filter-out 1,$(TP)),TP=$(TP)) $(if $(filter-out 1,$(ROUTERS)),ROUTERS=$(ROUTERS)) \
 	$(DOCKER_COMPOSE) -f compose/compose.yaml $(if $(GPU),-f compose/compose.gpu.yaml)
 
 .PHONY: venv test lint bench bench-executor model proto serve up down logs ps clean
@@ -52,11 +55,12 @@ $(MODEL_DIR)/config.json: $(STAMP) tools/make_model.py
 # Ctrl-C (SIGINT) reaches all three, and each drains and exits 0.
 serve: $(STAMP) $(if $(filter $(MODEL_DIR),$(MODEL)),$(MODEL_DIR)/config.json)
 	@echo "router 127.0.0.1:50051 (OpenAI HTTP :8000), scheduler :50052, executor :50053" \
-		"on $(MODEL), tensor parallel $(TP); Ctrl-C stops"
+		"on $(MODEL), tensor parallel $(TP), $(ROUTERS) router process(es); Ctrl-C stops"
 	@trap 'kill -INT $$e $$s $$r 2>/dev/null; wait' INT TERM; \
 	$(VENV)/bin/flagstop-executor --model $(MODEL) --port 50053 --tensor-parallel-size $(TP) & e=$$!; \
 	$(VENV)/bin/flagstop-scheduler --executor 127.0.0.1:50053 --port 50052 & s=$$!; \
-	$(VENV)/bin/flagstop-router --model $(MODEL) --scheduler 127.0.0.1:50052 --port 50051 & r=$$!; \
+	$(VENV)/bin/flagstop-router --model $(MODEL) --scheduler 127.0.0.1:50052 --port 50051 \
+		--processes $(ROUTERS) & r=$$!; \
 	wait
 
 up:

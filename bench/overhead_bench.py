@@ -4,6 +4,12 @@ model), which answers each step after a fixed simulated step time.
 
     python bench/overhead_bench.py [--streams 64 256 1024] [--step-ms 8 30]
         [--routers 1] [--duration 8] [--out bench/results/overhead.md]
+        [--variant 'LABEL|CHECKOUT|ROUTER FLAGS' ...]
+
+Each --variant is a stack of its own, measured in the same run for a side-by-side
+table: CHECKOUT another checkout of flagstop with its own .venv (a commit before a
+lever; empty: this one), ROUTER FLAGS extra router flags (--stream-interval-ms 25,
+--processes 2). --routers N is --processes N for every variant.
 
 Each stream is a closed loop of greedy requests (32-token prompt, 256 tokens, EOS
 ignored) through the router's gRPC API. Over a window after a warm-up: delivered
@@ -17,6 +23,7 @@ per token, reported apart.
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -34,10 +41,10 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.serve_bench import cpu_seconds
-from flagstop.server import channel
+from flagstop.server import CHANNEL_OPTIONS
 from flagstop.v1 import generation_pb2, generation_pb2_grpc
 from tools.make_model import write_model
-from tools.stack import free_port, spawn, start_stack, wait_serving
+from tools.stack import ROOT, start_stack
 
 PROMPT_TOKENS, MAX_TOKENS = 32, 256
 RESULTS = Path(__file__).parent / "results"
@@ -78,12 +85,17 @@ async def stream_loop(stub, window: Window, stop: asyncio.Event, seed: int) -> N
             await asyncio.sleep(0.1)
 
 
-async def drive(routers: list[str], streams: int, warmup: float, duration: float):
+async def drive(router: str, streams: int, args):
+    """Streams over several connections, as many clients would open: router processes
+    sharing a port (SO_REUSEPORT) share connections, not streams."""
     window, stop = Window(), asyncio.Event()
-    channels = [channel(r) for r in routers]
+    options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
+    channels = [grpc.aio.insecure_channel(router, options=options)
+                for _ in range(min(args.connections, streams))]  # fmt: skip
     stubs = [generation_pb2_grpc.GenerationStub(c) for c in channels]
     tasks = [asyncio.create_task(stream_loop(stubs[i % len(stubs)], window, stop, i))
              for i in range(streams)]  # fmt: skip
+    warmup, duration = args.warmup, args.duration
     await asyncio.sleep(warmup)
     window.start = time.monotonic()
     window.end = window.start + duration
@@ -98,28 +110,46 @@ async def drive(routers: list[str], streams: int, warmup: float, duration: float
         await c.close()
 
 
-def counters(stack, routers: list) -> dict:
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU time of a process and its descendants (a router's --processes)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        with contextlib.suppress(OSError):
+            total += cpu_seconds(p)
+        todo += children.get(p, [])
+    return total
+
+
+def counters(stack) -> dict:
     return {
-        "routers": sum(cpu_seconds(p.pid) for p in routers),
+        "routers": tree_cpu_seconds(stack.processes["router"].pid),
         "scheduler": cpu_seconds(stack.processes["scheduler"].pid),
         "client": time.process_time(),
         "steps": stack.stats().step_id,
     }
 
 
-async def measure(stack, routers: list, addresses: list[str], streams: int, args) -> dict:
-    agen = drive(addresses, streams, args.warmup, args.duration)
+async def measure(stack, variant: str, streams: int, args) -> dict:
+    agen = drive(stack.router, streams, args)
     window = await agen.__anext__()
-    before = counters(stack, routers)
+    before = counters(stack)
     await agen.__anext__()
-    after = counters(stack, routers)
+    after = counters(stack)
     with_errors = list(window.errors)
     await agen.aclose()
     spent = {k: after[k] - before[k] for k in after}
     tokens = max(window.tokens, 1)
     ttfts = sorted(window.ttfts) or [math.nan]
     return {
-        "streams": streams, "step_ms": args.step_ms_now, "routers": len(routers),
+        "variant": variant, "streams": streams, "step_ms": args.step_ms_now,
         "tok_s": window.tokens / args.duration,
         "ideal_tok_s": streams * 1000 / args.step_ms_now,
         "tokens_per_step": window.tokens / max(spent["steps"], 1),
@@ -132,11 +162,12 @@ async def measure(stack, routers: list, addresses: list[str], streams: int, args
     }  # fmt: skip
 
 
-def start(model_dir: Path, step_ms: float, num_routers: int, max_streams: int, extra: list):
-    """A stack on the simulator; extra routers on the same scheduler."""
-    log_dir = Path(tempfile.mkdtemp(prefix="overhead-"))
+def start(
+    model_dir: Path, step_ms: float, max_streams: int, checkout: Path, extra: list, processes: int
+):
+    """A stack on the simulator, of this checkout or another."""
     stack = start_stack(
-        model_dir, log_dir,
+        model_dir, Path(tempfile.mkdtemp(prefix="overhead-")), checkout=checkout,
         executor_args=["--simulate", "--simulate-base-ms", str(step_ms),
                        "--simulate-us-per-scheduled-token", "0",
                        "--simulate-us-per-context-token", "0",
@@ -145,26 +176,19 @@ def start(model_dir: Path, step_ms: float, num_routers: int, max_streams: int, e
                         "--max-waiting-requests", str(max_streams)],
         router_args=["--max-queued-requests", str(4 * max_streams), *extra],
     )  # fmt: skip
-    routers, addresses = [stack.processes["router"]], [stack.router]
-    for i in range(1, num_routers):
-        port = free_port()
-        args = ["-m", "flagstop.router", "--model", str(model_dir), "--scheduler", stack.scheduler,
-                "--port", str(port), "--http-port", "0", "--metrics-port", "0",
-                "--max-queued-requests", str(4 * max_streams), *extra]  # fmt: skip
-        routers.append(spawn(f"router{i}", args, log_dir))
-        addresses.append(f"127.0.0.1:{port}")
-        wait_serving(stack.channel(addresses[-1]), routers[-1])
-    return stack, routers, addresses
+    if processes > 1:  # before the clients connect: SO_REUSEPORT spreads connections
+        stack.wait_routers(processes)
+    return stack
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| step (ms) | streams | routers | tok/s | ideal tok/s | tokens / step | "
+    head = ("| variant | step (ms) | streams | tok/s | ideal tok/s | tokens / step | "
             "router CPU µs / token | scheduler CPU µs / token | TTFT p50 / p99 (ms) | "
             "client CPU µs / token | errors |")  # fmt: skip
-    lines = [head, "|" + "---:|" * 11]
+    lines = [head, "|---|" + "---:|" * 10]
     for r in rows:
         lines.append(
-            f"| {r['step_ms']:g} | {r['streams']} | {r['routers']} | {r['tok_s']:.0f} | "
+            f"| {r['variant']} | {r['step_ms']:g} | {r['streams']} | {r['tok_s']:.0f} | "
             f"{r['ideal_tok_s']:.0f} | {r['tokens_per_step']:.1f} | "
             f"{r['router_us_per_token']:.1f} | {r['scheduler_us_per_token']:.1f} | "
             f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
@@ -173,46 +197,64 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def variants(args) -> list[tuple[str, Path, list[str]]]:
+    """(label, checkout, router flags) for each --variant; one of this checkout without."""
+    found = []
+    for text in args.variant or [f"{args.label}||{args.router_args}"]:
+        label, checkout, flags = [*text.split("|"), "", ""][:3]
+        found.append((label, Path(checkout).resolve() if checkout else ROOT, flags.split()))
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--streams", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--step-ms", type=float, nargs="+", default=[8.0, 30.0])
-    parser.add_argument("--routers", type=int, default=1)
+    parser.add_argument("--routers", type=int, default=1, help="router --processes")
     parser.add_argument("--router-args", default="", help="extra router flags, quoted")
+    parser.add_argument("--variant", action="append", help="'LABEL|CHECKOUT|ROUTER FLAGS'")
+    parser.add_argument("--connections", type=int, default=8, help="client connections")
     parser.add_argument("--warmup", type=float, default=3.0)
     parser.add_argument("--duration", type=float, default=8.0)
     parser.add_argument("--label", default="", help="a name for this run in the output")
     parser.add_argument("--out", default=str(RESULTS / "overhead.md"))
     args = parser.parse_args()
-    model_dir = Path("models/flagstop-tiny")
+    model_dir = ROOT / "models" / "flagstop-tiny"
     if not (model_dir / "config.json").exists():
         write_model(model_dir, "tiny")
     rows = []
     for step_ms in args.step_ms:
         args.step_ms_now = step_ms
-        stack, routers, addresses = start(model_dir, step_ms, args.routers, max(args.streams),
-                                          args.router_args.split())  # fmt: skip
-        try:
-            for streams in args.streams:
-                rows.append(asyncio.run(measure(stack, routers, addresses, streams, args)))
-                print(table(rows[-1:]).splitlines()[-1], flush=True)
-                stack.wait_idle(timeout=60)
-        finally:
-            for extra in routers[1:]:
-                extra.terminate()
-                extra.wait(30)
-            stack.stop()
+        for label, checkout, flags in variants(args):
+            rows += run_variant(model_dir, label, checkout, flags, args)
     text = table(rows)
     print(text)
-    label = f" ({args.label})" if args.label else ""
     Path(args.out).with_suffix(".json").write_text(json.dumps({"args": vars(args), "rows": rows}))
     Path(args.out).write_text(
-        f"# Router and scheduler overhead{label}\n\n`python bench/overhead_bench.py "
+        f"# Router and scheduler overhead\n\n`python bench/overhead_bench.py "
         f"{' '.join(sys.argv[1:])}` on {date.today()}, {os.cpu_count()} CPU cores: the "
         f"executor simulator (fixed step time), closed-loop gRPC streams of "
-        f"{PROMPT_TOKENS}-token prompts and {MAX_TOKENS} tokens, {args.warmup:g} s warm-up, "
-        f"{args.duration:g} s window.\n\n{text}\n"
+        f"{PROMPT_TOKENS}-token prompts and {MAX_TOKENS} tokens over {args.connections} "
+        f"connections, {args.warmup:g} s warm-up, {args.duration:g} s window.\n\n{text}\n"
     )
+
+
+def run_variant(model_dir: Path, label: str, checkout: Path, flags: list[str], args) -> list:
+    processes = args.routers
+    if "--processes" in flags:
+        processes = int(flags[flags.index("--processes") + 1])
+    elif processes > 1:
+        flags = [*flags, "--processes", str(processes)]
+    stack = start(model_dir, args.step_ms_now, max(args.streams), checkout, flags, processes)
+    rows = []
+    try:
+        for streams in args.streams:
+            rows.append(asyncio.run(measure(stack, label, streams, args)))
+            print(table(rows[-1:]).splitlines()[-1], flush=True)
+            stack.wait_idle(timeout=60)
+    finally:
+        stack.stop()
+    return rows
 
 
 if __name__ == "__main__":

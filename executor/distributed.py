@@ -17,12 +17,9 @@ a rank that dies or hangs takes the whole group down within seconds instead of
 leaving a rank waiting forever; the scheduler then treats the executor as lost and
 recomputes on the group that a supervisor restarts."""
 
-import contextlib
-import ctypes
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -36,7 +33,7 @@ import torch.distributed as dist
 from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.parallel import Shard, TensorParallel
 from flagstop.executor.tp_messages import PING, RESET, STEP
-from flagstop.server import StartupError
+from flagstop.server import StartupError, die_with_parent
 
 log = logging.getLogger("flagstop.executor.tp")
 WORKER_CONFIG = "FLAGSTOP_TP_WORKER_CONFIG"  # a spawned rank's settings, as JSON
@@ -214,16 +211,10 @@ def _spawn(config: ExecutorConfig, world_size: int, port: int) -> list[subproces
         subprocess.Popen(
             [sys.executable, "-m", "flagstop.executor.worker"],
             env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,  # a started rank dies with rank 0
         )
         for rank in range(1, world_size)
     ]
-
-
-def _die_with_parent() -> None:
-    """A started rank dies with rank 0, even by SIGKILL (Linux prctl PR_SET_PDEATHSIG)."""
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)
 
 
 def spawned_config() -> ExecutorConfig:

@@ -3,6 +3,8 @@ matched on both ends, TLS (mutual between services), and the bootstrap of a serv
 process: settings, logging, serve until SIGTERM/SIGINT, drain, exit 0."""
 
 import asyncio
+import contextlib
+import ctypes
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
@@ -94,10 +96,14 @@ def new_server(
     require_client_cert: bool = True,
     max_receive_bytes: int = MAX_MESSAGE_BYTES,
     interceptors: tuple[grpc.aio.ServerInterceptor, ...] = (),
+    reuse_port: bool = False,
 ) -> grpc.aio.Server:
-    """A larger message than max_receive_bytes is refused with RESOURCE_EXHAUSTED."""
-    options = [o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"]
-    options.append(("grpc.max_receive_message_length", max_receive_bytes))
+    """A larger message than max_receive_bytes is refused with RESOURCE_EXHAUSTED.
+    reuse_port: share the port with the processes of the same user bound to it."""
+    replaced = {"grpc.max_receive_message_length", "grpc.so_reuseport"}
+    options = [o for o in SERVER_OPTIONS if o[0] not in replaced]
+    options += [("grpc.max_receive_message_length", max_receive_bytes),
+                ("grpc.so_reuseport", int(reuse_port))]  # fmt: skip
     server = grpc.aio.server(options=options, interceptors=interceptors)
     address = f"{host}:{port}"
     try:
@@ -155,14 +161,23 @@ def load_or_exit(settings_cls: type[S], argv: list[str] | None = None) -> S:
         sys.exit(2)
 
 
-def run_service(settings_cls: type[S], serve: Callable[[S], Awaitable[None]]) -> None:
+def run_service(
+    settings_cls: type[S], serve: Callable[[S], Awaitable[None]], settings: S | None = None
+) -> None:
     """A service's entry point: settings, logging, then serve(settings) until signalled.
     A start-up failure the operator must fix (a port taken, a model that does not
     load) ends with one line and exit 1, not a traceback."""
-    settings = load_or_exit(settings_cls)
+    settings = settings or load_or_exit(settings_cls)
     logs.configure(settings.log_level, settings.log_format)
     try:
         asyncio.run(serve(settings))
     except StartupError as e:
         print(f"{settings_cls.prog()}: {e}", file=sys.stderr)
         sys.exit(1)
+
+
+def die_with_parent() -> None:
+    """For Popen(preexec_fn=...): the child dies with the process that started it, even
+    by SIGKILL (Linux prctl PR_SET_PDEATHSIG), instead of serving on as an orphan."""
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)

@@ -67,9 +67,23 @@ def extract_metadata(metadata) -> otel_context.Context | None:
     return None
 
 
+def metrics_registry():
+    """What /metrics shows: this process's metrics, or, when several processes serve
+    together (PROMETHEUS_MULTIPROC_DIR, set by `flagstop-router --processes N`), the
+    sum over all of them, so a scrape does not depend on which process answers."""
+    import prometheus_client
+    from prometheus_client import multiprocess
+
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return prometheus_client.REGISTRY
+    registry = prometheus_client.CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)
+    return registry
+
+
 def start_metrics_server(port: int, host: str) -> None:
     """Prometheus /metrics over HTTP; port 0 turns it off."""
     if port:
         from prometheus_client import start_http_server
 
-        start_http_server(port, addr=host)
+        start_http_server(port, addr=host, registry=metrics_registry())

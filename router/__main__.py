@@ -1,16 +1,27 @@
 """flagstop-router (python -m flagstop.router): the client-facing servers, gRPC
 (flagstop.v1.Generation) and the OpenAI-compatible HTTP API, over one request path."""
 
+import sys
+
 from transformers import AutoTokenizer
 
+from flagstop import logs
 from flagstop.health import Health
 from flagstop.router.auth import ApiKeyCheck, BearerKey
 from flagstop.router.chat import ChatTemplate
 from flagstop.router.engine import RouterEngine
 from flagstop.router.http import HttpServer, create_app
+from flagstop.router.processes import supervise
 from flagstop.router.service import SERVICE_NAME, GenerationService
 from flagstop.router.settings import RouterSettings
-from flagstop.server import StartupError, TLSConfig, new_server, run_service, run_until_signalled
+from flagstop.server import (
+    StartupError,
+    TLSConfig,
+    load_or_exit,
+    new_server,
+    run_service,
+    run_until_signalled,
+)  # fmt: skip
 from flagstop.telemetry import Telemetry, start_metrics_server
 from flagstop.v1 import generation_pb2_grpc
 
@@ -26,7 +37,7 @@ async def serve(settings: RouterSettings) -> None:
         settings.port, settings.host, TLSConfig.from_settings(settings),
         require_client_cert=settings.tls_require_client_cert,
         max_receive_bytes=settings.max_request_bytes,
-        interceptors=(ApiKeyCheck(key),) if key else (),
+        interceptors=(ApiKeyCheck(key),) if key else (), reuse_port=settings.reuse_port,
     )  # fmt: skip
     health = Health(server, [SERVICE_NAME])
     engine = RouterEngine(tokenizer, settings, health, Telemetry("flagstop-router"))
@@ -45,7 +56,11 @@ async def serve(settings: RouterSettings) -> None:
 
 
 def main() -> None:
-    run_service(RouterSettings, serve)
+    settings = load_or_exit(RouterSettings)
+    if settings.processes > 1:
+        logs.configure(settings.log_level, settings.log_format)
+        sys.exit(supervise(settings))
+    run_service(RouterSettings, serve, settings)
 
 
 if __name__ == "__main__":

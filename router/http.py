@@ -23,6 +23,7 @@ from flagstop.router.openai_server import OpenAIError, OpenAIFront, error_respon
 from flagstop.router.settings import RouterSettings
 from flagstop.scheduler_svc.core.limits import RequestRejected
 from flagstop.server import StartupError
+from flagstop.telemetry import metrics_registry
 
 log = logging.getLogger("flagstop.router.http")
 
@@ -69,9 +70,11 @@ def create_app(engine: RouterEngine, settings: RouterSettings, chat: ChatTemplat
     async def ready() -> Response:
         return json_response({"ready": engine.ready}, 200 if engine.ready else 503)
 
+    registry = metrics_registry()
+
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
 
@@ -149,7 +152,7 @@ class HttpServer:
     start-up with one line)."""
 
     def __init__(self, app: FastAPI, settings: RouterSettings) -> None:
-        self.socket = bind(settings.host, settings.http_port)
+        self.socket = bind(settings.host, settings.http_port, settings.reuse_port)
         tls = {}
         if settings.tls_cert:
             tls = dict(
@@ -171,10 +174,12 @@ class HttpServer:
         self.server.should_exit = True
 
 
-def bind(host: str, port: int) -> socket.socket:
+def bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:  # router processes sharing the port (--processes)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as e:
