@@ -84,6 +84,8 @@ bench: $(STAMP)
 	$(PY) bench/serve_bench.py --backend grpc openai grpc openai --request-rate 16 \
 		--json bench/results/serve_backends.json --out bench/results/serve_backends.md
 	$(PY) bench/tracing_bench.py
+	$(PY) bench/overhead_bench.py --variant '1 router process||' \
+		--variant '2 router processes||--processes 2'
 	$(PY) bench/plots.py
 	$(PY) bench/report.py
 

@@ -231,7 +231,8 @@ def main() -> None:
     print(text)
     Path(args.out).with_suffix(".json").write_text(json.dumps({"args": vars(args), "rows": rows}))
     Path(args.out).write_text(
-        f"# Router and scheduler overhead\n\n`python bench/overhead_bench.py "
+        f"# Router and scheduler overhead{f': {args.label}' if args.label else ''}\n\n"
+        f"`python bench/overhead_bench.py "
         f"{' '.join(sys.argv[1:])}` on {date.today()}, {os.cpu_count()} CPU cores: the "
         f"executor simulator (fixed step time), closed-loop gRPC streams of "
         f"{PROMPT_TOKENS}-token prompts and {MAX_TOKENS} tokens over {args.connections} "

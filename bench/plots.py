@@ -86,12 +86,13 @@ def tick_step(span: float) -> float:
 
 
 def line_chart(canvas: Canvas, box: tuple[int, int, int, int], title: str, labels: list[str],
-               values: list[float], color) -> None:  # fmt: skip
+               series: list[tuple[list[float], tuple]], x_label: str) -> None:  # fmt: skip
+    """One line per (values, color) over the same x labels."""
     x0, y0, x1, y1 = box
     canvas.text((x0 + x1) / 2, y0 - 30, title, BLACK, 2, "center")
     canvas.line(x0, y1, x1, y1, BLACK)
     canvas.line(x0, y0, x0, y1, BLACK)
-    top = max(values) * 1.15 or 1
+    top = max(max(values) for values, _ in series) * 1.15 or 1
     step = tick_step(top)
     tick = 0.0
     while tick <= top:
@@ -99,14 +100,16 @@ def line_chart(canvas: Canvas, box: tuple[int, int, int, int], title: str, label
         canvas.line(x0 + 1, y, x1, y, LIGHT)
         canvas.text(x0 - 6, y - 3, f"{tick:g}", BLACK, 1, "right")
         tick += step
-    xs = [x0 + (x1 - x0) * (i + 0.5) / len(values) for i in range(len(values))]
-    points = [(x, y1 - (y1 - y0) * v / top) for x, v in zip(xs, values, strict=True)]
-    for (ax, ay), (bx, by) in itertools.pairwise(points):
-        canvas.line(ax, ay, bx, by, color, 3)
-    for (x, y), label in zip(points, labels, strict=True):
-        canvas.rect(x - 4, y - 4, x + 4, y + 4, color)
+    xs = [x0 + (x1 - x0) * (i + 0.5) / len(labels) for i in range(len(labels))]
+    for values, color in series:
+        points = [(x, y1 - (y1 - y0) * v / top) for x, v in zip(xs, values, strict=True)]
+        for (ax, ay), (bx, by) in itertools.pairwise(points):
+            canvas.line(ax, ay, bx, by, color, 3)
+        for x, y in points:
+            canvas.rect(x - 4, y - 4, x + 4, y + 4, color)
+    for x, label in zip(xs, labels, strict=True):
         canvas.text(x, y1 + 8, label, BLACK, 1, "center")
-    canvas.text((x0 + x1) / 2, y1 + 24, "request rate (req/s)", GREY, 1, "center")
+    canvas.text((x0 + x1) / 2, y1 + 24, x_label, GREY, 1, "center")
 
 
 def serving_chart(serve: dict, out: Path) -> None:
@@ -114,10 +117,33 @@ def serving_chart(serve: dict, out: Path) -> None:
     labels = ["inf" if math.isinf(r["request_rate"]) else f"{r['request_rate']:g}" for r in results]
     canvas = Canvas(WIDTH, 420, WHITE)
     half = WIDTH // 2
+    rate = "request rate (req/s)"
     line_chart(canvas, (MARGIN + 10, 70, half - 40, 360), "output tokens/s", labels,
-               [r["output_throughput"] for r in results], PALETTE[0])  # fmt: skip
+               [([r["output_throughput"] for r in results], PALETTE[0])], rate)  # fmt: skip
     line_chart(canvas, (half + MARGIN, 70, WIDTH - 40, 360), "p99 time to first token (ms)",
-               labels, [r["p99_ttft_ms"] for r in results], PALETTE[3])  # fmt: skip
+               labels, [([r["p99_ttft_ms"] for r in results], PALETTE[3])], rate)  # fmt: skip
+    canvas.save(out)
+
+
+def overhead_chart(overhead: dict, out: Path, step_ms: float = 8.0) -> None:
+    """Delivered tokens/s and router CPU per token vs streams, a line per variant."""
+    rows = [r for r in overhead["rows"] if r["step_ms"] == step_ms]
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    labels = [str(n) for n in dict.fromkeys(r["streams"] for r in rows)]
+
+    def series(key: str) -> list:
+        return [([r[key] for r in rows if r["variant"] == v], PALETTE[i % len(PALETTE)])
+                for i, v in enumerate(variants)]  # fmt: skip
+
+    canvas = Canvas(WIDTH, 460, WHITE)
+    half = WIDTH // 2
+    line_chart(canvas, (MARGIN + 10, 70, half - 40, 360), f"tokens/s at {step_ms:g} ms steps",
+               labels, series("tok_s"), "streams")  # fmt: skip
+    line_chart(canvas, (half + MARGIN, 70, WIDTH - 40, 360), "router CPU us / token",
+               labels, series("router_us_per_token"), "streams")  # fmt: skip
+    for i, variant in enumerate(variants):
+        canvas.text(MARGIN + 10 + 220 * (i % 4), 410 + 18 * (i // 4), variant or "this checkout",
+                    PALETTE[i % len(PALETTE)], 1, "left")  # fmt: skip
     canvas.save(out)
 
 
@@ -129,7 +155,10 @@ def main() -> None:
                     args.results / "occupancy.png")  # fmt: skip
     serving_chart(json.loads((args.results / "serve.json").read_text()),
                   args.results / "serving.png")  # fmt: skip
-    print(f"wrote {args.results}/occupancy.png and {args.results}/serving.png")
+    if (args.results / "overhead.json").exists():
+        overhead_chart(json.loads((args.results / "overhead.json").read_text()),
+                       args.results / "overhead.png")  # fmt: skip
+    print(f"wrote the charts in {args.results}")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ import transformers
 
 HERE = Path(__file__).parent
 ORDER = [
-    "peers", "serve", "serve_backends", "scheduler", "detokenizer", "tracing", "executor", "tp",
+    "peers", "serve", "serve_backends", "overhead", "overhead_levers", "scheduler",
+    "detokenizer", "tracing", "executor", "tp",
 ]  # fmt: skip
 
 
@@ -45,6 +46,8 @@ def main() -> None:
             sections.append("![Batch slots over steps](results/occupancy.png)")
         if path.stem == "serve" and (results / "serving.png").exists():
             sections.append("![Throughput and p99 TTFT vs request rate](results/serving.png)")
+        if path.stem == "overhead" and (results / "overhead.png").exists():
+            sections.append("![Tokens/s and router CPU per token vs streams](results/overhead.png)")
     (HERE / "RESULTS.md").write_text(
         f"# Benchmark results\n\nWritten by `make bench` (`python bench/report.py`) on "
         f"{date.today()}. Machine: {machine()}. Each table names the command and the day "

@@ -79,7 +79,9 @@ class Supervisor:
                     continue
                 if self.stopping:
                     codes[index] = code
-                elif time.monotonic() - started < MIN_UPTIME_S:
+                elif (uptime := time.monotonic() - started) < MIN_UPTIME_S:
+                    log.error("router process %d ended (exit %s) %.1f s after starting: "
+                              "stopping", index, code, uptime)  # fmt: skip
                     return code or 1  # it said why on stderr
                 else:
                     log.error("router process %d ended (exit %s); starting it again", index, code)

@@ -80,7 +80,7 @@ def test_router_processes_share_the_ports_restart_and_drain(model_dir, tmp_path)
         assert openai_reply.status_code == 200, openai_reply.text
 
         # A process that dies after serving a while is started again.
-        time.sleep(max(0.0, 10.5 - (time.monotonic() - stack_started(supervisor))))
+        time.sleep(max(0.0, 10.5 - (time.monotonic() - started_at(workers[0]))))
         os.kill(workers[0], signal.SIGKILL)
         deadline = time.monotonic() + 60
         while not (set(children(supervisor.pid)) - set(workers)) and time.monotonic() < deadline:
@@ -93,9 +93,9 @@ def test_router_processes_share_the_ports_restart_and_drain(model_dir, tmp_path)
     assert not children(supervisor.pid)
 
 
-def stack_started(process: subprocess.Popen) -> float:
+def started_at(pid: int) -> float:
     """When the process started, on the monotonic clock."""
-    ticks = int(Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
     uptime = float(Path("/proc/uptime").read_text().split()[0])
     return time.monotonic() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
 
