@@ -16,15 +16,20 @@ ROUTERS ?= 1
 export HF_HUB_OFFLINE := 1
 
 # Docker users: `make up` (GPU executor: `make up GPU=1`; router processes: ROUTERS=N;
-# a remote scheduling policy:
+# two replicas behind the router: REPLICAS=2; a remote scheduling policy:
 # `make up POLICY=fair-share` or POLICY=shortest-prompt-first), `make logs`, `make ps`,
-# `make down`.
+# `make down`. Kubernetes: deploy/k8s (kustomize).
 DOCKER_COMPOSE ?= docker compose
-COMPOSE := $(if $(POLICY),COMPOSE_PROFILES=policy SCHEDULER_POLICY=remote POLICY_STRATEGY=$(POLICY)) \
+REPLICAS ?= 1
+comma := ,
+PROFILES := $(if $(POLICY),policy) $(if $(filter 2,$(REPLICAS)),replicas)
+COMPOSE := $(if $(strip $(PROFILES)),COMPOSE_PROFILES=$(subst $() ,$(comma),$(strip $(PROFILES)))) \
+	$(if $(POLICY),SCHEDULER_POLICY=remote POLICY_STRATEGY=$(POLICY)) \
+	$(if $(filter 2,$(REPLICAS)),ROUTER_SCHEDULERS=scheduler:50052$(comma)scheduler-2:50052) \
 	$(if $(filter-out 1,$(TP)),TP=$(TP)) $(if $(filter-out 1,$(ROUTERS)),ROUTERS=$(ROUTERS)) \
 	$(DOCKER_COMPOSE) -f compose/compose.yaml $(if $(GPU),-f compose/compose.gpu.yaml)
 
-.PHONY: venv test lint bench bench-executor model proto serve up down logs ps clean
+.PHONY: venv test lint bench bench-executor bench-replicas model proto serve up down logs ps clean
 
 venv: $(STAMP)
 
@@ -64,6 +69,8 @@ serve: $(STAMP) $(if $(filter $(MODEL_DIR),$(MODEL)),$(MODEL_DIR)/config.json)
 	wait
 
 up:
+	@case "$(REPLICAS)" in 1|2) ;; *) echo "REPLICAS=$(REPLICAS): compose runs 1 or 2" \
+		"(more: deploy/k8s)"; exit 2;; esac
 	$(COMPOSE) up -d --build
 
 down:
@@ -74,6 +81,12 @@ logs:
 
 ps:
 	$(COMPOSE) ps
+
+# flagstop's router tier vs sglang-router vs round-robin over two replicas (~4 minutes).
+bench-replicas: $(STAMP)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
+	$(PY) bench/replica_bench.py
+	$(PY) bench/report.py
 
 # The default set, under 10 minutes on a 2-core machine; bench/RESULTS.md gathers them.
 bench: $(STAMP)

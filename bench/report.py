@@ -15,7 +15,7 @@ import transformers
 
 HERE = Path(__file__).parent
 ORDER = [
-    "peers", "serve", "serve_backends", "overhead", "overhead_levers", "scheduler",
+    "peers", "serve", "serve_backends", "overhead", "overhead_levers", "replicas", "scheduler",
     "detokenizer", "tracing", "executor", "tp",
 ]  # fmt: skip
 

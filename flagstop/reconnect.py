@@ -27,9 +27,13 @@ class Reconnect:
             self.lost_since = time.monotonic()
 
     @property
+    def lost_for_s(self) -> float:
+        """How long the peer has been lost; 0 while connected."""
+        return 0.0 if self.lost_since is None else time.monotonic() - self.lost_since
+
+    @property
     def gave_up(self) -> bool:
-        lost_since = self.lost_since
-        return lost_since is not None and time.monotonic() - lost_since > self.give_up_after_s
+        return self.lost_for_s > self.give_up_after_s
 
     async def wait(self) -> None:
         """Sleep before the next attempt: half the delay plus up to as much again at

@@ -1,6 +1,9 @@
 """flagstop-router (python -m flagstop.router): the client-facing servers, gRPC
 (flagstop.v1.Generation) and the OpenAI-compatible HTTP API, over one request path."""
 
+import asyncio
+import logging
+import signal
 import sys
 
 from transformers import AutoTokenizer
@@ -22,8 +25,11 @@ from flagstop.server import (
     run_service,
     run_until_signalled,
 )  # fmt: skip
+from flagstop.settings import SettingsInvalid
 from flagstop.telemetry import Telemetry, start_metrics_server
 from flagstop.v1 import generation_pb2_grpc
+
+log = logging.getLogger("flagstop.router")
 
 
 async def serve(settings: RouterSettings) -> None:
@@ -51,8 +57,17 @@ async def serve(settings: RouterSettings) -> None:
         if http is not None:
             http.stop()
 
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload, engine)
     background = [engine.run()] + ([http.serve()] if http else [])
     await run_until_signalled(server, drain, *background)
+
+
+def reload(engine: RouterEngine) -> None:
+    """SIGHUP: the scheduler list again, from the environment and --config."""
+    try:
+        engine.reload(RouterSettings.load(sys.argv[1:]).scheduler)
+    except SettingsInvalid as e:
+        log.error("SIGHUP: %s; keeping the scheduler list", e)
 
 
 def main() -> None:

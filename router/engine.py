@@ -1,15 +1,19 @@
 """The one request path behind both fronts (gRPC and OpenAI HTTP): validation, the
-admission queue, the stream to the scheduler, the fan-out of each step's tokens,
-detokenizing, stop strings and the request's telemetry.
+choice of a replica, the admission queues, the streams to the replicas' schedulers,
+the fan-out of each step's tokens, detokenizing, stop strings and the request's
+telemetry.
 
-Requests wait in a bounded admission queue here and are released to the scheduler
-against the credits it grants, in batches; each engine step comes back as one
-message whose tokens are fanned out to the client streams. A client stream is
+Each request goes to one replica (router/routing.py), waits in that replica's
+admission queue here and is released to its scheduler against the credits it grants,
+in batches; each engine step comes back as one message whose tokens are fanned out
+to the client streams. A replica that is lost for good hands its requests, as their
+remainders, to the others. A client stream is
 `generate()`: GenerateResponse chunks in, whichever front turns them into its own
 shape; a request that cannot be served raises RequestFailed with a gRPC status code,
 which the HTTP front maps to its own."""
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -19,17 +23,25 @@ from dataclasses import dataclass, field
 import grpc
 
 from flagstop.health import Health
-from flagstop.reconnect import Reconnect
-from flagstop.router.admission import AdmissionQueue
+from flagstop.router.admission import AdmissionBudget
 from flagstop.router.detokenizer import StopStringMatcher, new_detokenizer
+from flagstop.router.discovery import Resolver, has_names, parse_targets
+from flagstop.router.replica import Replica, ReplicaMismatch
+from flagstop.router.routing import (
+    PrefixIndex,
+    ReplicaChooser,
+    ReplicaView,
+    RoutingConfig,
+)
 from flagstop.router.settings import RouterSettings
-from flagstop.router.telemetry import RequestTrace
+from flagstop.router.telemetry import ROUTED, RequestTrace
 from flagstop.router.validation import ModelLimits, prompt_ids, validate
+from flagstop.scheduler_svc.core.kv_cache_manager import chain_hashes
 from flagstop.scheduler_svc.core.limits import RequestRejected
 from flagstop.scheduler_svc.core.request import FinishReason
-from flagstop.server import TLSConfig, channel
+from flagstop.server import TLSConfig
 from flagstop.telemetry import Telemetry
-from flagstop.v1 import generation_pb2, scheduler_pb2, scheduler_pb2_grpc
+from flagstop.v1 import generation_pb2, scheduler_pb2
 
 log = logging.getLogger("flagstop.router")
 STATUS = {code.value[0]: code for code in grpc.StatusCode}
@@ -82,6 +94,7 @@ class Pending:
     prompt_token_ids: list[int]
     trace: RequestTrace
     add: scheduler_pb2.AddRequest  # as first sent: kept to resubmit to a new scheduler
+    replica: "Replica"  # where it is queued or served
     # What the fan-out delivers to the client stream: (token id or None, scheduler
     # finish reason, logprob entry or None), or a RequestError.
     mailbox: Mailbox = field(default_factory=Mailbox)
@@ -113,30 +126,63 @@ class RouterEngine:
         self.model_info = generation_pb2.GetModelInfoResponse()
         self.limits: ModelLimits | None = None
         self.requests: dict[str, Pending] = {}
-        self.admission = AdmissionQueue(settings.max_queued_requests, settings.max_queued_tokens)
-        self.aborts: list[str] = []
-        self.credits = 0
-        self.flush = asyncio.Event()
-        self.connected = False
-        self.reconnect = Reconnect(give_up_after_s=settings.scheduler_timeout)
+        self.replicas: dict[str, Replica] = {}
+        self.leaving: list[Replica] = []  # left the scheduler list, requests not moved yet
+        self.budget = AdmissionBudget(settings.max_queued_requests, settings.max_queued_tokens)
+        self.chooser = ReplicaChooser(
+            RoutingConfig(
+                settings.routing, settings.prefix_match_threshold,
+                settings.balance_abs_threshold, settings.balance_rel_threshold,
+            ),
+            PrefixIndex(settings.prefix_index_blocks),
+        )  # fmt: skip
+        self.targets = parse_targets(settings.scheduler)
+        self.resolver = Resolver()
+        self.rediscover = asyncio.Event()
         self.accepting = True
 
-    # -- the scheduler stream ------------------------------------------------
+    # -- the replicas ----------------------------------------------------------
 
     async def run(self) -> None:
-        stub = scheduler_pb2_grpc.SchedulerStub(channel(self.settings.scheduler, self.tls))
-        while True:
-            try:
-                await self._connect(stub)
-            except grpc.aio.AioRpcError as e:
-                log.warning("scheduler %s: %s", self.settings.scheduler, e.code())
-            self._lost_scheduler()
-            if self.reconnect.gave_up:
-                self._fail_all(f"no scheduler for {self.settings.scheduler_timeout:g}s")
-            await self.reconnect.wait()
+        try:
+            await asyncio.gather(self._discover_forever(), self._rebalance_forever())
+        finally:
+            for replica in self.replicas.values():
+                await replica.stop()
 
-    async def _connect(self, stub) -> None:
-        info = await stub.Describe(scheduler_pb2.DescribeSchedulerRequest(), timeout=5)
+    def reload(self, scheduler: str) -> None:
+        """A new scheduler list (SIGHUP): replicas not in it leave, new ones join."""
+        self.targets = parse_targets(scheduler)
+        log.info("scheduler list: %s", ", ".join(self.targets))
+        self.rediscover.set()
+
+    async def _discover_forever(self) -> None:
+        while True:
+            await self._discover()
+            interval = self.settings.resolve_interval_s if has_names(self.targets) else None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.rediscover.wait(), interval)
+            self.rediscover.clear()
+
+    async def _discover(self) -> None:
+        addresses = await self.resolver.addresses(self.targets)
+        for address in addresses - self.replicas.keys():
+            log.info("replica %s joins", address)
+            self.replicas[address] = replica = Replica(address, self)
+            replica.start()
+        for address in self.replicas.keys() - addresses:
+            log.info("replica %s leaves", address)
+            replica = self.replicas.pop(address)
+            self.leaving.append(replica)  # until its requests have moved on
+            await replica.stop()
+
+    def described(self, replica: Replica, info: scheduler_pb2.DescribeSchedulerResponse) -> None:
+        """The replica's model must be the one the router already serves."""
+        served = self.model_info.model_name
+        if served and info.model_name != served:
+            raise ReplicaMismatch(f"serves {info.model_name!r}, the other replicas {served!r}")
+        if served and (self.limits.kv_capacity_tokens <= info.num_blocks * info.block_size):
+            return  # the smallest replica bounds what a request may ask
         self.model_info = generation_pb2.GetModelInfoResponse(
             model_name=info.model_name, vocab_size=info.vocab_size,
             max_model_len=info.max_model_len, eos_token_ids=info.eos_token_ids,
@@ -147,49 +193,94 @@ class RouterEngine:
             kv_capacity_tokens=info.num_blocks * info.block_size,
             eos_token_ids=tuple(info.eos_token_ids),
         )  # fmt: skip
-        call = stub.Connect()
-        await call.write(scheduler_pb2.RouterMessage(router_id=self.settings.router_id))
-        self.connected, self.credits = True, 0
-        self.reconnect.connected()
-        self.flush.set()  # tell the scheduler what is queued (resubmissions included)
-        self.health.set_ready(self.accepting)
-        log.info("connected to scheduler %s (%s)", self.settings.scheduler, info.model_name)
-        writer = asyncio.create_task(self._write(call))
-        try:
-            await self._read(call)
-        finally:
-            writer.cancel()
-            call.cancel()
 
-    async def _write(self, call) -> None:
-        """One message per wake-up: every abort and every release the credits allow."""
-        last_queued = -1
+    def connected(self, replica: Replica) -> None:
+        self.health.set_ready(self.ready)
+
+    def lost(self, replica: Replica) -> None:
+        """The replica and all it held are gone. Every request it was serving goes back
+        to the head of its admission queue as its remainder: its client sees a pause,
+        then the rest of its tokens, from this replica when it is back within
+        --replica-grace-s, from another otherwise (see rebalance)."""
+        if not replica.connected:
+            return
+        log.error("lost the scheduler at %s", replica.address)
+        replica.connected = False
+        replica.reconnect.lost()
+        replica.aborts = []  # the scheduler that comes back never knew them
+        replica.reported = scheduler_pb2.ReplicaLoad()
+        self.chooser.index.forget(replica.address)  # its prefix cache is gone
+        self.health.set_ready(self.ready)  # still live: the queue waits for a replica
+        resubmit = []
+        for pending in self.requests.values():
+            if pending.replica is replica and pending.sent and not pending.finished:
+                pending.sent = False
+                resubmit.append(pending.remainder())
+        replica.admission.push_front(resubmit)
+
+    async def _rebalance_forever(self) -> None:
         while True:
-            await self.flush.wait()
-            self.flush.clear()
-            msg = scheduler_pb2.RouterMessage(aborts=self.aborts)
-            self.aborts = []
-            while self.credits and self.admission:
-                add = self.admission.pop()
-                msg.adds.append(add)
-                self.requests[add.request_id].sent = True
-                self.credits -= 1
-            msg.num_queued = len(self.admission)
-            if msg.adds or msg.aborts or msg.num_queued != last_queued:
-                last_queued = msg.num_queued
-                await call.write(msg)
+            await asyncio.sleep(0.2)
+            self.rebalance()
 
-    async def _read(self, call) -> None:
-        while True:
-            msg = await call.read()
-            if msg is grpc.aio.EOF:
-                return
-            self._fan_out(msg)
-            if msg.credits:
-                self.credits += msg.credits
-                self.flush.set()
+    def rebalance(self) -> None:
+        """Requests queued at a replica that is gone move to the live ones; with none
+        live, they wait up to --scheduler-timeout and then fail."""
+        live = [r for r in self.replicas.values() if r.connected]
+        grace = self.settings.replica_grace_s
+        for replica in [*self.replicas.values(), *self.leaving]:
+            if replica.connected or not replica.admission:
+                continue
+            if live and (replica.removed or replica.reconnect.lost_for_s > grace):
+                self._move(replica, live)
+            elif replica.reconnect.gave_up:
+                self._fail(replica, f"no scheduler for {self.settings.scheduler_timeout:g}s")
+        self.leaving = [r for r in self.leaving if r.admission]
 
-    def _fan_out(self, msg: scheduler_pb2.SchedulerMessage) -> None:
+    def _move(self, replica: Replica, live: list[Replica]) -> None:
+        moved: dict[Replica, list[scheduler_pb2.AddRequest]] = {}
+        for add in replica.admission.take_all():
+            target = self._choose(add.prompt_token_ids, live, moved=True)
+            self.requests[add.request_id].replica = target
+            moved.setdefault(target, []).append(add)
+        for target, adds in moved.items():
+            target.admission.push_front(adds)  # they came before what is queued there
+            target.flush.set()
+            log.warning("%d requests move from %s to %s", len(adds), replica.address,
+                        target.address)  # fmt: skip
+
+    def _fail(self, replica: Replica, why: str) -> None:
+        for add in replica.admission.take_all():
+            pending = self.requests.get(add.request_id)
+            if pending is not None and not pending.finished:
+                pending.finished = True
+                pending.mailbox.put(scheduler_pb2.RequestError(
+                    request_id=pending.request_id, code=grpc.StatusCode.UNAVAILABLE.value[0],
+                    message=f"{why}; retry the request",
+                ))  # fmt: skip
+
+    def _routable(self) -> list[Replica]:
+        """The live replicas; with none, those lost that may still come back (requests
+        queue for them, as for a restarting scheduler)."""
+        replicas = self.replicas.values()
+        live = [r for r in replicas if r.connected]
+        return live or [
+            r for r in replicas if r.described and not r.removed and not r.reconnect.gave_up
+        ]
+
+    def _choose(self, token_ids, replicas: list[Replica], moved: bool = False) -> Replica:
+        by_name = {r.address: r for r in replicas}
+        hashes = []
+        if self.settings.routing == "prefix":
+            hashes = chain_hashes(list(token_ids), self.model_info.block_size)
+        views = [ReplicaView(r.address, r.load, r.reported.kv_cache_usage) for r in replicas]
+        name, why = self.chooser.choose(hashes, views)
+        replica = by_name[name]
+        replica.routed_since_report += 1
+        ROUTED.labels(name, "moved" if moved else why).inc()
+        return replica
+
+    def fan_out(self, msg: scheduler_pb2.SchedulerMessage) -> None:
         requests = self.requests
         finished = dict(zip(msg.finished_ids, msg.finish_reasons, strict=True))
         logprobs = msg.logprobs
@@ -212,46 +303,18 @@ class RouterEngine:
                 pending.finished = True
                 pending.mailbox.put(error)
 
-    def _lost_scheduler(self) -> None:
-        """The scheduler and all it held are gone. Every request it was serving goes
-        back to the head of the admission queue as its remainder, for the next
-        scheduler: its client sees a pause, then the rest of its tokens."""
-        if not self.connected:
-            return
-        log.error("lost the scheduler at %s", self.settings.scheduler)
-        self.connected = False
-        self.reconnect.lost()
-        self.health.set_ready(False)  # still live: the queue waits for the scheduler
-        self.aborts = []  # the new scheduler never knew them
-        resubmit = []
-        for pending in self.requests.values():
-            if pending.sent and not pending.finished:
-                pending.sent = False
-                resubmit.append(pending.remainder())
-        self.admission.push_front(resubmit)
-
-    def _fail_all(self, why: str) -> None:
-        for pending in self.requests.values():
-            if not pending.finished:
-                pending.finished = True
-                pending.mailbox.put(scheduler_pb2.RequestError(
-                    request_id=pending.request_id, code=grpc.StatusCode.UNAVAILABLE.value[0],
-                    message=f"{why}; retry the request",
-                ))  # fmt: skip
-        self.admission.clear()
-
     # -- clients ---------------------------------------------------------------
 
     @property
     def ready(self) -> bool:
-        """Readiness, as the health entries report it: connected and admitting."""
-        return self.connected and self.accepting
+        """Readiness, as the health entries report it: a replica connected, admitting."""
+        return self.accepting and any(r.connected for r in self.replicas.values())
 
     @property
     def serving(self) -> bool:
-        """Taking requests: while a lost scheduler may still come back, new requests
+        """Taking requests: while a lost replica may still come back, new requests
         queue up here."""
-        return self.accepting and self.limits is not None and not self.reconnect.gave_up
+        return self.accepting and self.limits is not None and bool(self._routable())
 
     def check_serving(self) -> ModelLimits:
         if not self.serving or self.limits is None:
@@ -275,7 +338,8 @@ class RouterEngine:
             sampling = validate(request, token_ids, limits)
         except RequestRejected as e:
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.param) from None
-        if refusal := self.admission.refusal(len(token_ids)):
+        queues = (r.admission for r in self.replicas.values())
+        if refusal := self.budget.refusal(queues, len(token_ids)):
             raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
         trace = RequestTrace(
             self.tracer, self.model_info.model_name, request, len(token_ids), metadata, operation
@@ -289,10 +353,11 @@ class RouterEngine:
         )  # fmt: skip
         if request.HasField("max_tokens"):
             add.max_tokens = request.max_tokens
-        pending = Pending(request_id, request, token_ids, trace, add)
+        replica = self._choose(token_ids, self._routable())
+        pending = Pending(request_id, request, token_ids, trace, add, replica)
         self.requests[request_id] = pending
-        self.admission.push(add)
-        self.flush.set()
+        replica.admission.push(add)
+        replica.flush.set()
         return pending
 
     def release(self, pending: Pending) -> None:
@@ -302,11 +367,12 @@ class RouterEngine:
         pending.trace.abort("the stream ended before the request finished")
         if self.requests.pop(pending.request_id, None) is None:
             return
-        if self.admission.cancel(pending.request_id):
+        replica = pending.replica
+        if replica.admission.cancel(pending.request_id):
             return  # never reached the scheduler
-        if pending.sent and not pending.finished:
-            self.aborts.append(pending.request_id)
-            self.flush.set()
+        if pending.sent and not pending.finished and replica.connected:
+            replica.aborts.append(pending.request_id)
+            replica.flush.set()
 
     async def stream(self, pending: Pending) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """The request's chunks, the last with its finish reason and usage; released

@@ -59,6 +59,12 @@ class Supervisor:
             if process.poll() is None:
                 process.send_signal(signum)
 
+    def reload(self, signum: int, _frame=None) -> None:
+        """SIGHUP: every process reads its scheduler list again."""
+        for process, _ in self.workers.values():
+            if process.poll() is None:
+                process.send_signal(signum)
+
     def run(self) -> int:
         """Until every process has ended; the exit code: 0 when all drained cleanly."""
         for index in range(self.settings.processes):
@@ -100,6 +106,7 @@ def supervise(settings: RouterSettings) -> int:
     supervisor = Supervisor(settings)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, supervisor.stop)
+    signal.signal(signal.SIGHUP, supervisor.reload)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = supervisor.metrics_dir  # what /metrics sums
     start_metrics_server(settings.metrics_port, settings.host)
     log.info("%d router processes on port %d", settings.processes, settings.port)

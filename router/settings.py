@@ -4,9 +4,20 @@ import uuid
 from pathlib import Path
 from typing import Self
 
-from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt, SecretStr, model_validator
+from pydantic import (
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    SecretStr,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import SettingsConfigDict
 
+from flagstop.router.discovery import parse_targets
+from flagstop.router.routing import Routing
 from flagstop.settings import Port, ServiceSettings
 
 
@@ -27,7 +38,26 @@ class RouterSettings(ServiceSettings):
     chat_template: Path | None = None
     """a Jinja chat template to use instead of the model's own"""
     scheduler: str = "127.0.0.1:50052"
-    """scheduler address"""
+    """the replicas' schedulers, comma-separated: HOST:PORT, or dns:NAME:PORT for every
+    address a name resolves to (a Kubernetes headless Service). SIGHUP reads the list
+    again from the environment and --config"""
+    resolve_interval_s: PositiveFloat = 10.0
+    """how often dns: names are resolved again (replicas that came or went)"""
+    routing: Routing = "prefix"
+    """replica choice: prefix (where the prompt's leading blocks were sent last,
+    unless that replica is far busier), least-loaded, round-robin"""
+    prefix_match_threshold: float = Field(0.5, ge=0, le=1)
+    """prefix routing: the share of the prompt's full blocks a replica must hold"""
+    balance_abs_threshold: NonNegativeInt = 32
+    """a replica is far busier than the least loaded one, and sheds new work even when
+    it holds the prefix, when it has more than this many requests more"""
+    balance_rel_threshold: float = Field(1.5, ge=1)
+    """... and more than this many times as many (both must hold)"""
+    prefix_index_blocks: PositiveInt = 1 << 17
+    """block hashes the prefix index remembers (LRU, ~400 bytes each: 50 MB at the default)"""
+    replica_grace_s: NonNegativeFloat = 5.0
+    """seconds a lost replica's requests wait for it to come back before they move on
+    to another replica (as their remainders)"""
     max_queued_requests: PositiveInt = 1024
     """admission queue bound; past it RESOURCE_EXHAUSTED"""
     max_queued_tokens: PositiveInt = 1 << 20
@@ -58,6 +88,12 @@ class RouterSettings(ServiceSettings):
     --processes on the processes it starts)"""
     drain_timeout: PositiveFloat = 30.0
     """on SIGTERM: seconds the streams in flight get to finish"""
+
+    @field_validator("scheduler")
+    @classmethod
+    def _targets(cls, value: str) -> str:
+        parse_targets(value)
+        return value
 
     @model_validator(mode="after")
     def _shared_ports_are_known(self) -> Self:

@@ -21,6 +21,12 @@ E2E = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency"
 SUCCESS = Counter("vllm:request_success", "Finished requests", ["model_name", "finished_reason"])
 PROMPT_TOKENS = Counter("vllm:prompt_tokens", "Prompt tokens of admitted requests", ["model_name"])
 GENERATION_TOKENS = Counter("vllm:generation_tokens", "Generated tokens", ["model_name"])
+ROUTED = Counter(
+    "flagstop:routed_requests",
+    "Requests sent to each replica, and why (prefix, least-cached, least-loaded, "
+    "round-robin, moved)",
+    ["replica", "reason"],
+)
 
 
 class RequestTrace:

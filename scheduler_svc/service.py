@@ -198,7 +198,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 result = await self._read(call)
                 done = in_flight.popleft()
                 outputs = scheduler.update_from_output(done, result.sampled_token_ids)
-                self.telemetry.on_update(done, outputs, scheduler)
+                self.telemetry.on_update(done, outputs, scheduler, self.num_queued_at_routers())
                 self._dispatch(done, result, outputs)
             elif not in_flight:
                 # Nothing runnable (e.g. all waiting on blocks held by nobody yet).
@@ -239,6 +239,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 for r, lp in zip(plan.sampling_requests, result.logprobs, strict=True)
             }
         self._grant_credits()
+        load = self._load()
         for owner, out in outputs.items():
             conn = self.routers.get(owner)
             if conn is None:
@@ -246,7 +247,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             msg = scheduler_pb2.SchedulerMessage(
                 step_id=plan.step_id, request_ids=out.req_ids, token_ids=out.new_token_ids,
                 finished_ids=list(out.finished), finish_reasons=list(out.finished.values()),
-                credits=self._take_credits(conn),
+                credits=self._take_credits(conn), load=load,
             )  # fmt: skip
             if logprobs:
                 msg.logprobs.extend(logprobs.get(r, EMPTY_LOGPROB) for r in out.req_ids)
@@ -254,8 +255,24 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         for conn in self.routers.values():
             if conn.credits and conn.router_id not in outputs:
                 conn.outbox.put_nowait(
-                    scheduler_pb2.SchedulerMessage(credits=self._take_credits(conn))
+                    scheduler_pb2.SchedulerMessage(credits=self._take_credits(conn), load=load)
                 )
+
+    def _load(self) -> scheduler_pb2.ReplicaLoad:
+        scheduler = self.scheduler
+        assert scheduler is not None
+        return scheduler_pb2.ReplicaLoad(
+            num_running=len(scheduler.running), num_waiting=self.num_waiting(),
+            kv_cache_usage=scheduler.kv.pool.usage(),
+        )  # fmt: skip
+
+    def num_waiting(self) -> int:
+        """Requests waiting here and those the routers still hold queued for us."""
+        assert self.scheduler is not None
+        return len(self.scheduler.waiting) + self.num_queued_at_routers()
+
+    def num_queued_at_routers(self) -> int:
+        return sum(c.num_queued for c in self.routers.values())
 
     # -- the remote policy -----------------------------------------------------
 

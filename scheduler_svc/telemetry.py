@@ -103,7 +103,11 @@ class SchedulerTelemetry:
         })  # fmt: skip
 
     def on_update(
-        self, plan: SchedulerOutput, outputs: dict[str, OwnerOutputs], scheduler: Scheduler
+        self,
+        plan: SchedulerOutput,
+        outputs: dict[str, OwnerOutputs],
+        scheduler: Scheduler,
+        num_queued_at_routers: int = 0,
     ) -> None:
         started, span = self.steps.pop(plan.step_id, (time.monotonic(), None))
         self.metrics[0].observe(time.monotonic() - started)
@@ -113,7 +117,7 @@ class SchedulerTelemetry:
             for out in outputs.values():
                 for req_id, reason in out.finished.items():
                     self.on_finish(req_id, reason)
-        self._export_gauges(scheduler)
+        self._export_gauges(scheduler, num_queued_at_routers)
 
     def executor_lost(self, scheduler: Scheduler) -> None:
         """The steps in flight will never report; every request starts over."""
@@ -147,11 +151,13 @@ class SchedulerTelemetry:
             span.set_attribute("gen_ai.response.finish_reasons", [reason.label])
             span.end()
 
-    def _export_gauges(self, scheduler: Scheduler) -> None:
+    def _export_gauges(self, scheduler: Scheduler, num_queued_at_routers: int) -> None:
         stats = scheduler.make_stats()
         _, running, waiting, kv_usage, preemptions, queries, hits = self.metrics
         running.set(stats.num_running_reqs)
-        waiting.set(stats.num_waiting_reqs)
+        # What still waits at the routers is this replica's backlog too: a gateway
+        # weighing replicas by this gauge must see it.
+        waiting.set(stats.num_waiting_reqs + num_queued_at_routers)
         kv_usage.set(stats.kv_cache_usage)
         preemptions.inc(stats.num_preemptions - self.last_preemptions)
         queries.inc(stats.prefix_cache_queries - self.last_queries)

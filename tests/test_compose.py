@@ -2,6 +2,7 @@
 command, flag and variable is one our code takes, and the same topology runs as local
 processes (loopback instead of service names) and serves a request."""
 
+import os
 import re
 import shutil
 import subprocess
@@ -144,3 +145,18 @@ def wait_healthy(command: list[str], process: subprocess.Popen, timeout: float =
         assert process.poll() is None, f"exited with {process.returncode}"
         assert time.monotonic() < deadline, "not healthy in time"
         time.sleep(0.2)
+
+
+def test_make_up_replicas_2_routes_to_both_replicas():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MAKE")}  # under make test
+    done = subprocess.run(["make", "-n", "up", "REPLICAS=2"], cwd=ROOT, capture_output=True,
+                          text=True, check=True, env=env)  # fmt: skip
+    command = next(line for line in done.stdout.splitlines() if " up -d" in line)
+    assert "COMPOSE_PROFILES=replicas" in command
+    schedulers = re.search(r"ROUTER_SCHEDULERS=(\S+)", command).group(1).split(",")
+    services = load(COMPOSE)
+    for address in schedulers:
+        name, port = address.split(":")
+        assert services[name]["environment"]["FLAGSTOP_SCHEDULER_PORT"] == port, name
+    executor = services["scheduler-2"]["environment"]["FLAGSTOP_SCHEDULER_EXECUTOR"]
+    assert services[executor.split(":")[0]]["profiles"] == ["replicas"]

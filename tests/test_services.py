@@ -128,7 +128,9 @@ def test_two_routers_share_one_scheduler(stack, model_dir, reference, tmp_path):
     second = spawn("router2", args, tmp_path)
     try:
         wait_serving(stack.channel(f"127.0.0.1:{port}"), second)
-        other = dataclasses.replace(stack, router=f"127.0.0.1:{port}")
+        other = dataclasses.replace(
+            stack, addresses={**stack.addresses, "router": f"127.0.0.1:{port}"}
+        )
         requests = workload(3, n=12)
         with ThreadPoolExecutor(2) as pool:
             halves = [

@@ -1,5 +1,6 @@
 """The three services as real processes on free loopback ports, for integration tests."""
 
+import json
 import os
 import signal
 import socket
@@ -26,9 +27,10 @@ def free_port() -> int:
 
 @dataclass
 class Stack:
-    router: str
-    scheduler: str
-    executor: str
+    """One router in front of one replica (scheduler + executor), or of several:
+    then their processes are named scheduler-0, executor-0, scheduler-1, ..."""
+
+    addresses: dict[str, str]  # process name: its gRPC address
     processes: dict[str, subprocess.Popen]
     log_dir: Path
     metrics_ports: dict[str, int]
@@ -36,6 +38,18 @@ class Stack:
     env: dict[str, str] | None = None
     channel_credentials: grpc.ChannelCredentials | None = None
     http: str = ""  # the router's OpenAI HTTP address
+
+    @property
+    def router(self) -> str:
+        return self.addresses["router"]
+
+    @property
+    def scheduler(self) -> str:
+        return self.addresses["scheduler"]
+
+    @property
+    def executor(self) -> str:
+        return self.addresses["executor"]
 
     @property
     def base_url(self) -> str:
@@ -54,20 +68,31 @@ class Stack:
     def restart(self, name: str) -> None:
         """The same command on the same port, as a supervisor would."""
         self.processes[name] = spawn(name, self.commands[name], self.log_dir, self.env, "a")
-        wait_serving(self.channel(getattr(self, name)), self.processes[name])
+        wait_serving(self.channel(self.addresses[name]), self.processes[name])
+
+    def set_routed(self, num_replicas: int) -> None:
+        """The router's --config names the first num_replicas schedulers (start_replicas)."""
+        self.route_to([self.addresses[f"scheduler-{i}"] for i in range(num_replicas)])
+
+    def route_to(self, schedulers: list[str]) -> None:
+        """The router's --config names these (then SIGHUP it)."""
+        config = {"scheduler": ",".join(schedulers)}
+        (self.log_dir / "router.json").write_text(json.dumps(config))
 
     def generation(self) -> generation_pb2_grpc.GenerationStub:
         return generation_pb2_grpc.GenerationStub(self.channel(self.router))
 
-    def stats(self) -> scheduler_pb2.GetStatsResponse:
-        stub = scheduler_pb2_grpc.SchedulerStub(self.channel(self.scheduler))
+    def stats(self, scheduler: str = "scheduler") -> scheduler_pb2.GetStatsResponse:
+        stub = scheduler_pb2_grpc.SchedulerStub(self.channel(self.addresses[scheduler]))
         return stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5)
 
-    def wait_idle(self, timeout: float = 15.0) -> scheduler_pb2.GetStatsResponse:
+    def wait_idle(
+        self, timeout: float = 15.0, scheduler: str = "scheduler"
+    ) -> scheduler_pb2.GetStatsResponse:
         """The idle invariant: nothing running or waiting, every block free."""
         deadline = time.monotonic() + timeout
         while True:
-            stats = self.stats()
+            stats = self.stats(scheduler)
             if (stats.num_running, stats.num_waiting) == (0, 0) and (
                 stats.num_free_blocks == stats.num_total_blocks
             ):
@@ -76,10 +101,10 @@ class Stack:
                 raise AssertionError(f"scheduler not idle after {timeout}s: {stats}")
             time.sleep(0.05)
 
-    def wait_routers(self, count: int, timeout: float = 60.0) -> None:
+    def wait_routers(self, count: int, timeout: float = 60.0, scheduler: str = "scheduler") -> None:
         """Until count router processes hold a stream to the scheduler (--processes)."""
         deadline = time.monotonic() + timeout
-        while (num_routers := self.stats().num_routers) < count:
+        while (num_routers := self.stats(scheduler).num_routers) < count:
             if time.monotonic() > deadline:
                 raise AssertionError(f"{num_routers} of {count} routers after {timeout}s")
             time.sleep(0.1)
@@ -93,8 +118,7 @@ class Stack:
     def stop(self, timeout: float = 30.0) -> dict[str, int | None]:
         """SIGTERM, router first; the exit codes (None: had to be killed)."""
         codes: dict[str, int | None] = {}
-        for name in ("router", "scheduler", "executor"):
-            process = self.processes[name]
+        for name, process in sorted(self.processes.items(), key=lambda kv: _stop_order(kv[0])):
             process.send_signal(signal.SIGCONT)  # a test may have stopped it
             process.send_signal(signal.SIGTERM)
             try:
@@ -104,6 +128,10 @@ class Stack:
                 process.wait()
                 codes[name] = None
         return codes
+
+
+def _stop_order(name: str) -> int:
+    return ("router", "scheduler", "executor").index(name.split("-")[0])
 
 
 def start_stack(
@@ -136,16 +164,58 @@ def start_stack(
         commands["router"] += ["--http-port", http.rsplit(":", 1)[1]]
     processes = {name: spawn(name, args, log_dir, env, checkout=checkout)
                  for name, args in commands.items()}  # fmt: skip
-    stack = Stack(
-        address["router"], address["scheduler"], address["executor"], processes, log_dir,
-        metrics_ports, commands, env, channel_credentials, http,
-    )  # fmt: skip
+    stack = Stack(address, processes, log_dir, metrics_ports, commands, env,
+                  channel_credentials, http)  # fmt: skip
+    return _wait_up(stack)
+
+
+def _wait_up(stack: Stack) -> Stack:
     try:
-        for name in ("executor", "scheduler", "router"):
-            wait_serving(stack.channel(address[name]), processes[name])
+        for name in sorted(stack.processes, key=_stop_order, reverse=True):
+            wait_serving(stack.channel(stack.addresses[name]), stack.processes[name])
     except Exception:
         stack.stop(5)
         raise RuntimeError(f"the stack did not come up:\n{stack.logs()}") from None
+    return stack
+
+
+def start_replicas(
+    model_dir: Path,
+    log_dir: Path,
+    num_replicas: int,
+    *,
+    executor_args=(),
+    scheduler_args=(),
+    router_args=(),
+    env: dict[str, str] | None = None,
+    num_routed: int | None = None,
+) -> Stack:
+    """A router in front of num_replicas replicas (scheduler-i + executor-i each); it
+    knows the first num_routed of them (default all) from its --config file, which
+    set_routed() rewrites (then SIGHUP the router)."""
+    names = ["router"] + [f"{kind}-{i}" for i in range(num_replicas)
+                          for kind in ("scheduler", "executor")]  # fmt: skip
+    address = {name: f"127.0.0.1:{free_port()}" for name in names}
+    commands = {"router": ["-m", "flagstop.router", "--model", str(model_dir),
+                           "--config", str(log_dir / "router.json"), *router_args]}  # fmt: skip
+    for i in range(num_replicas):
+        commands[f"executor-{i}"] = ["-m", "flagstop.executor", "--model", str(model_dir),
+                                     *executor_args]  # fmt: skip
+        commands[f"scheduler-{i}"] = ["-m", "flagstop.scheduler_svc", "--executor",
+                                      address[f"executor-{i}"], *scheduler_args]  # fmt: skip
+    metrics_ports = {name: free_port() for name in names}
+    for name, args in commands.items():
+        args += ["--port", address[name].rsplit(":", 1)[1],
+                 "--metrics-port", str(metrics_ports[name])]  # fmt: skip
+    http = f"127.0.0.1:{free_port()}"
+    commands["router"] += ["--http-port", http.rsplit(":", 1)[1]]
+    log_dir.mkdir(parents=True, exist_ok=True)
+    stack = Stack(address, {}, log_dir, metrics_ports, commands, env, http=http)
+    stack.set_routed(num_replicas if num_routed is None else num_routed)
+    stack.processes = {name: spawn(name, args, log_dir, env) for name, args in commands.items()}
+    _wait_up(stack)
+    for i in range(num_replicas if num_routed is None else num_routed):
+        stack.wait_routers(1, scheduler=f"scheduler-{i}")  # routable, not only up
     return stack
 
 

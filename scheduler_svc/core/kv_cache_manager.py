@@ -14,6 +14,18 @@ def hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:
     return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
 
 
+def chain_hashes(
+    token_ids: list[int], block_size: int, first_block: int = 0, parent_hash: bytes = b""
+) -> list[bytes]:
+    """The chained hashes of the full blocks of token_ids from first_block on (whose
+    parent's hash is parent_hash): the prefix cache's keys, and the router's too."""
+    hashes = []
+    for start in range(first_block * block_size, len(token_ids) - block_size + 1, block_size):
+        parent_hash = hash_block(parent_hash, token_ids[start : start + block_size])
+        hashes.append(parent_hash)
+    return hashes
+
+
 @dataclass(slots=True)
 class PrefixCacheStats:
     num_queries: int = 0  # prompt tokens looked up
@@ -48,11 +60,9 @@ class KVCacheManager:
         """Hash the request's newly completed full blocks (called as tokens arrive)."""
         if not self.enable_caching:
             return
-        bs, hashes, tokens = self.block_size, request.block_hashes, request.all_token_ids
-        parent = hashes[-1] if hashes else b""
-        for start in range(len(hashes) * bs, len(tokens) - bs + 1, bs):
-            parent = hash_block(parent, tokens[start : start + bs])
-            hashes.append(parent)
+        hashes = request.block_hashes
+        hashes += chain_hashes(request.all_token_ids, self.block_size, len(hashes),
+                               hashes[-1] if hashes else b"")  # fmt: skip
 
     def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:
         """The longest cached prefix of full blocks, never covering the last token:

@@ -1,0 +1,108 @@
+"""The Kubernetes manifests, proven offline: every overlay renders with kustomize,
+every object validates against the Kubernetes schemas, the custom resources carry
+what their CRDs require, and every command and variable is one our code takes."""
+
+import shutil
+import subprocess
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.test_compose import PARSERS
+from tools.stack import ROOT
+
+K8S = ROOT / "deploy" / "k8s"
+OVERLAYS = ["cpu", "gpu", "tp", "gateway"]
+KUBERNETES_VERSION = "1.32.0"  # the oldest release we support
+# Custom resources (not in the Kubernetes schemas): the fields their CRDs require.
+CUSTOM = {
+    ("inference.networking.k8s.io/v1", "InferencePool"): [
+        "spec.selector.matchLabels", "spec.targetPorts.0.number",
+        "spec.endpointPickerRef.name", "spec.endpointPickerRef.port.number",
+    ],
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"): [
+        "spec.parentRefs.0.name", "spec.rules.0.backendRefs.0.name",
+    ],
+}  # fmt: skip
+
+
+def render(overlay: str) -> list[dict]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("no kubectl here (its kustomize renders the overlays): not rendered")
+    done = subprocess.run(
+        [kubectl, "kustomize", str(K8S / "overlays" / overlay)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+
+
+def field(obj, path: str):
+    for key in path.split("."):
+        obj = obj[int(key)] if isinstance(obj, list) else obj[key]
+    return obj
+
+
+def containers(objects: list[dict]):
+    for obj in objects:
+        if obj["kind"] == "Deployment":
+            spec = obj["spec"]["template"]["spec"]
+            for container in spec.get("initContainers", []) + spec["containers"]:
+                yield obj["metadata"]["name"], container
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_object_validates(overlay):
+    objects = render(overlay)
+    for obj in objects:
+        key = (obj["apiVersion"], obj["kind"])
+        if key in CUSTOM:
+            for path in CUSTOM[key]:
+                assert field(obj, path) is not None, f"{overlay}: {key} lacks {path}"
+            continue
+        try:
+            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            pytest.fail(f"{overlay}: {obj['kind']} {obj['metadata']['name']}: {e.message}")
+    kinds = {obj["kind"] for obj in objects}
+    assert {"Deployment", "Service", "PodDisruptionBudget"} <= kinds
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_command_and_variable_is_one_our_code_takes(overlay, monkeypatch):
+    for name, container in containers(render(overlay)):
+        command = container["command"]
+        assert command[:2] == ["python", "-m"], name
+        parse, prefix = PARSERS[command[2]]
+        env = {e["name"]: e["value"] for e in container.get("env", [])}
+        ours = {k: v for k, v in env.items() if prefix and k.startswith(prefix)}
+        assert set(env) - set(ours) <= {"OTEL_SERVICE_NAME"}, f"{name}: {sorted(env)}"
+        with monkeypatch.context() as patch:
+            for variable, value in ours.items():
+                patch.setenv(variable, value)
+            parsed = parse(command[3:])
+        for variable, value in ours.items():
+            assert str(getattr(parsed, variable.removeprefix(prefix).lower())) == value
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_probes_ask_the_health_entries_on_the_ports_served(overlay):
+    for name, container in containers(render(overlay)):
+        env = {e["name"]: e["value"] for e in container.get("env", [])}
+        ports = {v for k, v in env.items() if k.endswith("_PORT")}
+        for probe, entry in [("livenessProbe", "liveness"), ("readinessProbe", "readiness")]:
+            if probe in container:
+                assert container[probe]["grpc"]["service"] == entry, (name, probe)
+                assert str(container[probe]["grpc"]["port"]) in ports, (name, probe)
+
+
+def test_the_routers_find_the_replicas_through_the_headless_service():
+    objects = render("cpu")
+    service = next(o for o in objects if o["metadata"]["name"] == "flagstop-replica"
+                   and o["kind"] == "Service")  # fmt: skip
+    assert service["spec"]["clusterIP"] == "None"
+    port = service["spec"]["ports"][0]["port"]
+    router = dict(containers(objects))["flagstop-router"]
+    env = {e["name"]: e["value"] for e in router["env"]}
+    assert env["FLAGSTOP_ROUTER_SCHEDULER"] == f"dns:flagstop-replica:{port}"
