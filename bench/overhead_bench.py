@@ -24,22 +24,20 @@ per token, reported apart.
 import argparse
 import asyncio
 import contextlib
-import json
 import math
-import os
 import random
 import statistics
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from datetime import date
 from pathlib import Path
 
 import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.output import write_result
 from bench.serve_bench import cpu_seconds
 from flagstop.server import CHANNEL_OPTIONS
 from flagstop.v1 import generation_pb2, generation_pb2_grpc
@@ -229,15 +227,13 @@ def main() -> None:
             rows += run_variant(model_dir, label, checkout, flags, args)
     text = table(rows)
     print(text)
-    Path(args.out).with_suffix(".json").write_text(json.dumps({"args": vars(args), "rows": rows}))
-    Path(args.out).write_text(
-        f"# Router and scheduler overhead{f': {args.label}' if args.label else ''}\n\n"
-        f"`python bench/overhead_bench.py "
-        f"{' '.join(sys.argv[1:])}` on {date.today()}, {os.cpu_count()} CPU cores: the "
-        f"executor simulator (fixed step time), closed-loop gRPC streams of "
+    write_result(
+        args.out, f"Router and scheduler overhead{f': {args.label}' if args.label else ''}",
+        f"the executor simulator (fixed step time), closed-loop gRPC streams of "
         f"{PROMPT_TOKENS}-token prompts and {MAX_TOKENS} tokens over {args.connections} "
-        f"connections, {args.warmup:g} s warm-up, {args.duration:g} s window.\n\n{text}\n"
-    )
+        f"connections, {args.warmup:g} s warm-up, {args.duration:g} s window.",
+        text, {"args": vars(args), "rows": rows},
+    )  # fmt: skip
 
 
 def run_variant(model_dir: Path, label: str, checkout: Path, flags: list[str], args) -> list:

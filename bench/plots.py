@@ -155,9 +155,10 @@ def main() -> None:
                     args.results / "occupancy.png")  # fmt: skip
     serving_chart(json.loads((args.results / "serve.json").read_text()),
                   args.results / "serving.png")  # fmt: skip
-    if (args.results / "overhead.json").exists():
-        overhead_chart(json.loads((args.results / "overhead.json").read_text()),
-                       args.results / "overhead.png")  # fmt: skip
+    for name in ("overhead", "overhead_levers"):
+        if (args.results / f"{name}.json").exists():
+            overhead_chart(json.loads((args.results / f"{name}.json").read_text()),
+                           args.results / f"{name}.png")  # fmt: skip
     print(f"wrote the charts in {args.results}")
 
 

@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import random
 import shutil
 import statistics
@@ -25,13 +24,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import date
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.output import write_result
 from tools.make_model import write_model
 from tools.stack import Stack, free_port, spawn, start_replicas, wait_serving
 
@@ -217,17 +216,15 @@ def main() -> None:
     prompts = workload(args.groups, args.per_group, args.prefix_words)
     rows = [variant(model_dir, label, prompts, args) for label in labels]
     print(table(rows))
-    Path(args.out).with_suffix(".json").write_text(json.dumps({"args": vars(args), "rows": rows}))
-    Path(args.out).write_text(
-        f"# Routing across replicas\n\n`python bench/replica_bench.py "
-        f"{' '.join(sys.argv[1:])}` on {date.today()}, {os.cpu_count()} CPU cores: "
+    write_result(
+        args.out, "Routing across replicas",
         f"{args.replicas} replicas (the executor simulator, {args.step_ms:g} ms steps + "
         f"{args.us_per_prefill_token:g} µs per scheduled token, {args.num_blocks} KV blocks "
         f"each), {args.groups} groups x {args.per_group} requests sharing a "
         f"{args.prefix_words}-word prefix per group, interleaved, {args.concurrency} "
-        f"concurrent, {args.max_tokens} tokens each; fresh replicas per router.\n\n"
-        f"{table(rows)}\n"
-    )
+        f"concurrent, {args.max_tokens} tokens each; fresh replicas per router.",
+        table(rows), {"args": vars(args), "rows": rows},
+    )  # fmt: skip
 
 
 def _importable(name: str) -> bool:

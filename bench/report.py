@@ -46,8 +46,10 @@ def main() -> None:
             sections.append("![Batch slots over steps](results/occupancy.png)")
         if path.stem == "serve" and (results / "serving.png").exists():
             sections.append("![Throughput and p99 TTFT vs request rate](results/serving.png)")
-        if path.stem == "overhead" and (results / "overhead.png").exists():
-            sections.append("![Tokens/s and router CPU per token vs streams](results/overhead.png)")
+        if path.stem.startswith("overhead") and (results / f"{path.stem}.png").exists():
+            sections.append(
+                f"![Tokens/s and router CPU per token vs streams](results/{path.stem}.png)"
+            )
     (HERE / "RESULTS.md").write_text(
         f"# Benchmark results\n\nWritten by `make bench` (`python bench/report.py`) on "
         f"{date.today()}. Machine: {machine()}. Each table names the command and the day "
