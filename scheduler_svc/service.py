@@ -3,6 +3,7 @@ engine loop between them keeping up to two steps in flight."""
 
 import asyncio
 import logging
+import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator
@@ -32,6 +33,9 @@ from flagstop.v1 import (
 log = logging.getLogger("flagstop.scheduler")
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 HEARTBEAT_INTERVAL_S = 1.0
+# A router with nothing running here still hears the load this often (and when the
+# replica goes idle), so that its replica choice does not rest on an old figure.
+LOAD_REPORT_INTERVAL_S = 0.25
 EMPTY_LOGPROB = generation_pb2.TokenLogprob()
 
 
@@ -49,6 +53,7 @@ class RouterConnection:
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
     credits: int = 0  # granted, not yet used by an add
     num_queued: int = 0  # requests waiting at the router, as it last said
+    load_sent_at: float = 0.0  # monotonic time of the last load report to it
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
@@ -239,11 +244,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 for r, lp in zip(plan.sampling_requests, result.logprobs, strict=True)
             }
         self._grant_credits()
-        load = self._load()
+        load, now = self._load(), time.monotonic()
         for owner, out in outputs.items():
             conn = self.routers.get(owner)
             if conn is None:
                 continue
+            conn.load_sent_at = now
             msg = scheduler_pb2.SchedulerMessage(
                 step_id=plan.step_id, request_ids=out.req_ids, token_ids=out.new_token_ids,
                 finished_ids=list(out.finished), finish_reasons=list(out.finished.values()),
@@ -252,8 +258,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             if logprobs:
                 msg.logprobs.extend(logprobs.get(r, EMPTY_LOGPROB) for r in out.req_ids)
             conn.outbox.put_nowait(msg)
+        idle = not self.scheduler.has_unfinished_requests()
         for conn in self.routers.values():
-            if conn.credits and conn.router_id not in outputs:
+            if conn.router_id in outputs:
+                continue
+            if conn.credits or idle or now - conn.load_sent_at > LOAD_REPORT_INTERVAL_S:
+                conn.load_sent_at = now
                 conn.outbox.put_nowait(
                     scheduler_pb2.SchedulerMessage(credits=self._take_credits(conn), load=load)
                 )
