@@ -11,7 +11,7 @@ import pytest
 from flagstop.v1 import generation_pb2
 from tests.test_faults import Streams, assert_token_exact, workload
 from tests.test_observability import scrape
-from tools.stack import start_replicas, start_stack
+from tools.stack import generate, start_replicas, start_stack
 
 SIMULATE = ["--simulate", "--simulate-base-ms", "2"]
 
@@ -96,13 +96,19 @@ LOSS = {"executor_args": ["--num-blocks", "512"], "router_args": ["--replica-gra
 
 @pytest.mark.parametrize("replicas", [LOSS], indirect=True)
 def test_a_lost_replica_hands_its_streams_to_the_other_token_exact(replicas, reference):
-    streams = Streams(replicas, workload())
-    streams.wait_for_tokens(10)
-    busy = [replicas.stats(f"scheduler-{i}").num_running for i in range(2)]
-    assert min(busy) > 0, busy  # both replicas serve some of the streams
-    replicas.kill("scheduler-0")
-    replicas.kill("executor-0")
-    assert_token_exact(reference, streams)
+    # Seeded sampling: the same noise per position wherever the stream ends up.
+    seeded = [([0, 5 + i, 9, 11], 7 + i) for i in range(4)]
+    expected = [sample(replicas, prompt, seed) for prompt, seed in seeded]
+    with ThreadPoolExecutor(len(seeded)) as pool:
+        sampled = [pool.submit(sample, replicas, prompt, seed) for prompt, seed in seeded]
+        streams = Streams(replicas, workload())
+        streams.wait_for_tokens(10)
+        busy = [replicas.stats(f"scheduler-{i}").num_running for i in range(2)]
+        assert min(busy) > 0, busy  # both replicas serve some of the streams
+        replicas.kill("scheduler-0")
+        replicas.kill("executor-0")
+        assert_token_exact(reference, streams)
+        assert [future.result() for future in sampled] == expected
     replicas.wait_idle(scheduler="scheduler-1")
     # Back again, it takes traffic again.
     replicas.restart("executor-0")
@@ -111,6 +117,11 @@ def test_a_lost_replica_hands_its_streams_to_the_other_token_exact(replicas, ref
     assert len(Streams(replicas, workload(4, seed=2)).results()) == 4
     assert replicas.stats("scheduler-0").prefix_cache_queries > 0
     replicas.wait_idle(scheduler="scheduler-0")
+
+
+def sample(stack, prompt: list[int], seed: int) -> list[int]:
+    return generate(stack, prompt_token_ids=prompt, max_tokens=200, ignore_eos=True,
+                    temperature=1.0, seed=seed)[0]  # fmt: skip
 
 
 @pytest.mark.parametrize("replicas", [{"executor_args": SIMULATE, "num_routed": 1}], indirect=True)
