@@ -19,6 +19,10 @@ def parse_targets(value: str) -> list[str]:
         host, _, port = target.removeprefix("dns:").rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"{target!r} is not HOST:PORT or dns:NAME:PORT")
+        try:
+            host.encode("idna")  # what the resolver will ask for
+        except UnicodeError as e:
+            raise ValueError(f"{target!r}: not a valid host name ({e})") from None
     return targets
 
 
@@ -41,7 +45,7 @@ class Resolver:
                 continue
             try:
                 self.last[target] = await resolve(target)
-            except OSError as e:
+            except (OSError, UnicodeError) as e:
                 log.warning("cannot resolve %s: %s; keeping %s", target, e,
                             sorted(self.last.get(target, ())))  # fmt: skip
             found |= self.last.get(target, set())

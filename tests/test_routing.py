@@ -110,9 +110,11 @@ def test_the_admission_budget_counts_every_queue():
     assert "full (3 requests)" in budget.refusal(queues, 1)
 
 
-@pytest.mark.parametrize("bad", ["", "host", "host:port", "dns:name", "a:1,b:99999"])
+@pytest.mark.parametrize(
+    "bad", ["", "host", "host:port", "dns:name", "a:1,b:99999", f"dns:{'a' * 70}.svc:5"]
+)
 def test_bad_scheduler_lists_are_named(bad):
-    with pytest.raises(ValueError, match=r"not HOST:PORT|no address"):
+    with pytest.raises(ValueError, match=r"not HOST:PORT|no address|not a valid host"):
         parse_targets(bad)
 
 
