@@ -36,6 +36,7 @@ class Replica:
         self.reconnect = Reconnect(give_up_after_s=engine.settings.scheduler_timeout)
         self.reported = scheduler_pb2.ReplicaLoad()
         self.routed_since_report = 0
+        self.last_failure = ""  # why the last attempt failed, since the last success
         self.channel = channel(address, engine.tls)
         self.task: asyncio.Task | None = None
 
@@ -63,13 +64,22 @@ class Replica:
                 try:
                     await self._connect(stub)
                 except grpc.aio.AioRpcError as e:
-                    log.warning("scheduler %s: %s", self.address, e.code())
+                    self._failed(logging.WARNING, e.code())
                 except ReplicaMismatch as e:
-                    log.error("scheduler %s: %s", self.address, e)
+                    self._failed(logging.ERROR, e)
                 self.engine.lost(self)
                 await self.reconnect.wait()
         finally:
             self.engine.lost(self)
+
+    def _failed(self, level: int, why) -> None:
+        """Said once while it stays the same; the retries that fail alike (every 2 s at
+        most, for as long as the replica is away) at debug."""
+        why = str(why)
+        if why == self.last_failure:
+            level = logging.DEBUG
+        self.last_failure = why
+        log.log(level, "scheduler %s: %s", self.address, why)
 
     async def _connect(self, stub) -> None:
         info = await stub.Describe(scheduler_pb2.DescribeSchedulerRequest(), timeout=5)
@@ -77,7 +87,7 @@ class Replica:
         self.described = True
         call = stub.Connect()
         await call.write(scheduler_pb2.RouterMessage(router_id=self.engine.settings.router_id))
-        self.connected, self.credits = True, 0
+        self.connected, self.credits, self.last_failure = True, 0, ""
         self.reconnect.connected()
         self.flush.set()  # tell the scheduler what is queued (resubmissions included)
         self.engine.connected(self)
