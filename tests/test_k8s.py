@@ -103,6 +103,7 @@ def test_the_routers_find_the_replicas_through_the_headless_service():
                    and o["kind"] == "Service")  # fmt: skip
     assert service["spec"]["clusterIP"] == "None"
     port = service["spec"]["ports"][0]["port"]
-    router = dict(containers(objects))["flagstop-router"]
+    router = next(c for name, c in containers(objects)
+                  if name == "flagstop-router" and c["name"] == "router")  # fmt: skip
     env = {e["name"]: e["value"] for e in router["env"]}
     assert env["FLAGSTOP_ROUTER_SCHEDULER"] == f"dns:flagstop-replica:{port}"

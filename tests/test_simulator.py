@@ -115,7 +115,7 @@ def test_the_simulated_executor_imports_no_torch():
 def test_two_thousand_streams_at_gpu_step_rates(model_dir, tmp_path):
     """One stack on the simulator (8 ms steps): 2,000 concurrent streams, twice; no
     errors, every block free after each, memory back, in bounded time."""
-    from tests.test_faults import rss_kib
+    from tests.test_faults import many_streams, rss_kib
     from tools.stack import start_stack
 
     stack = start_stack(
@@ -143,22 +143,3 @@ def test_two_thousand_streams_at_gpu_step_rates(model_dir, tmp_path):
             assert second[name] - first[name] < 16 * 1024, (name, rss)
     finally:
         assert set(stack.stop().values()) == {0}
-
-
-async def many_streams(router: str, n: int) -> list[int]:
-    """n concurrent streams of 4 tokens each; returns how many tokens each got."""
-    import grpc
-
-    from flagstop.server import CHANNEL_OPTIONS
-    from flagstop.v1 import generation_pb2, generation_pb2_grpc
-
-    async with grpc.aio.insecure_channel(router, options=CHANNEL_OPTIONS) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
-
-        async def one(i: int) -> int:
-            request = generation_pb2.GenerateRequest(
-                prompt_token_ids=[0, 3 + i % 500, 7], max_tokens=4, ignore_eos=True, seed=i
-            )
-            return sum([len(c.token_ids) async for c in stub.Generate(request, timeout=120)])
-
-        return await asyncio.gather(*(one(i) for i in range(n)))
