@@ -1,166 +1,320 @@
-"""Executor step time vs batch size, against a transformers forward on the same batch.
+"""Executor step time against transformers on the same batch, in interleaved rounds.
 
-    python bench/executor_bench.py [--sizes tiny small] [--out bench/results/executor.md]
+    python bench/executor_bench.py [--sizes tiny small] [--rounds 5] [--repeats 3]
+        [--variant LABEL=CHECKOUT ...] [--out bench/results/executor.md]
 
-Decode rows: B requests with C tokens of context compute one token each (one step of
-ours; one transformers forward with a C-token DynamicCache). The caches hold random
-values: a step's cost does not depend on them, and filling them by real prefills
-would take longer than the measurement. Prefill row: one 512-token prompt.
+Rows. decode B x C: B requests with C tokens of context compute one token each: one
+step of ours (plan diff, inputs, forward, greedy sampling) beside one transformers
+forward on a contiguous C-token DynamicCache and its greedy pick. prefill: one
+512-token prompt. mixed: 15 decodes at 128 tokens and a 497-token prompt chunk in one
+step of ours; transformers needs two forwards for the same work (a 497-token prefill
+and a 15-row decode), timed together. Our caches hold random values: a step's cost
+does not depend on them, and real prefills would take longer than the measurement.
+
+Noise (these 2-core machines swing +-15 % between minutes): a row is --rounds rounds;
+a round times ours and transformers back to back (median of --repeats steps each),
+alternating which goes first. The speed-up is the median of the rounds' ratios, shown
+with their range. A row is "slower" only if ours lost every round: were the two equal,
+that would happen with probability 1/2^rounds (3 % at 5 rounds, a one-sided sign
+test); "faster" likewise; anything else is "even", within the noise.
+
+Each model size runs in a worker process per variant, one variant after the other:
+--variant LABEL=CHECKOUT measures another checkout of flagstop (with its own .venv and
+this file in its bench/) beside this one, for a before/after table from one run.
 """
 
 import argparse
-import os
+import json
 import statistics
+import subprocess
 import sys
 import time
-from datetime import date
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-from flagstop.executor.config import ExecutorConfig
-from flagstop.executor.model_runner import ModelRunner
-from flagstop.executor.sampling_params import SamplingParams
-from flagstop.scheduler_svc.core.output import NewRequestData, SchedulerOutput
-from flagstop.utils import cdiv
-from tools.make_model import write_model
+from bench.output import write_result  # noqa: E402 (needs the path above)
 
 BLOCK_SIZE = 16
 CASES = {  # model size -> (contexts, batch sizes)
     "tiny": ((128, 512, 1536), (1, 4, 16, 64, 256)),
     "small": ((128, 512), (1, 4, 16, 64, 256)),
 }
+MIXED = (15, 128, 497)  # decodes, their context, prompt chunk: a full 512-token step
+Timer = Callable[[], float]  # runs once, returns the seconds that count
 
 
-def median_time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
+def timed(fn: Callable[[], object]) -> Timer:
+    def run() -> float:
         start = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        return time.perf_counter() - start
+
+    return run
 
 
-def our_decode(runner: ModelRunner, batch: int, context: int, repeats: int) -> float:
-    """B requests whose first context-1 tokens count as cached; each step decodes one."""
-    runner.batch = runner._new_batch()
-    blocks_per_req = cdiv(context + repeats + 2, BLOCK_SIZE)
+def median_time(fn: Callable[[], object], repeats: int) -> float:
+    """Median seconds of fn over repeats calls, after one warm-up call."""
+    return median_of(timed(fn), repeats)
+
+
+def median_of(timer: Timer, repeats: int) -> float:
+    timer()  # warm-up
+    return statistics.median(timer() for _ in range(repeats))
+
+
+# -- ours ---------------------------------------------------------------------------
+
+
+def new_runner(model_dir: Path, max_seqs: int, max_tokens: int):
+    from flagstop.executor.config import ExecutorConfig
+    from flagstop.executor.model_runner import ModelRunner
+    from flagstop.utils import cdiv
+
+    config = ExecutorConfig(
+        model=str(model_dir), num_blocks=max_seqs * cdiv(max_tokens, BLOCK_SIZE) + 64,
+        block_size=BLOCK_SIZE, max_num_seqs=max_seqs, max_num_batched_tokens=4096,
+    )  # fmt: skip
+    return ModelRunner(config)
+
+
+def new_request(req_id: str, num_tokens: int, num_computed: int, first_block: int):
+    from flagstop.executor.sampling_params import SamplingParams
+    from flagstop.scheduler_svc.core.output import NewRequestData
+    from flagstop.utils import cdiv
+
+    blocks = list(range(first_block, first_block + cdiv(num_tokens + 64, BLOCK_SIZE)))
+    return NewRequestData(req_id, [1] * num_tokens, num_tokens, SamplingParams(), blocks,
+                          num_computed)  # fmt: skip
+
+
+def our_decode_step(runner, batch: int, context: int) -> Callable[[], None]:
+    """B requests whose first context-1 tokens count as cached; a call decodes one more
+    token for each (the contexts grow by one a call)."""
+    from flagstop.scheduler_svc.core.output import SchedulerOutput
+    from flagstop.utils import cdiv
+
+    runner.reset()
+    stride = cdiv(context + 64, BLOCK_SIZE)
     plan = SchedulerOutput()
     for i in range(batch):
-        req_id = f"r{i}"
-        blocks = list(range(i * blocks_per_req, (i + 1) * blocks_per_req))
-        plan.scheduled_new_reqs.append(
-            NewRequestData(req_id, [1] * context, context, SamplingParams(), blocks, context - 1)
-        )
-        plan.num_scheduled_tokens[req_id] = 1
+        plan.scheduled_new_reqs.append(new_request(f"r{i}", context, context - 1, i * stride))
+        plan.num_scheduled_tokens[f"r{i}"] = 1
     runner.execute(plan)
+    ids = list(plan.num_scheduled_tokens)
 
-    def step():
-        cached = SchedulerOutput(num_scheduled_tokens={f"r{i}": 1 for i in range(batch)})
-        cached.scheduled_cached_reqs.req_ids = list(cached.num_scheduled_tokens)
+    def step() -> None:
+        cached = SchedulerOutput(num_scheduled_tokens=dict.fromkeys(ids, 1))
+        cached.scheduled_cached_reqs.req_ids = ids
         cached.scheduled_cached_reqs.num_computed_tokens = [
-            int(runner.batch.num_computed_tokens[runner.batch.req_rows[r]])
-            for r in cached.num_scheduled_tokens
+            int(runner.batch.num_computed_tokens[runner.batch.req_rows[r]]) for r in ids
         ]
-        cached.scheduled_cached_reqs.new_block_ids = [[] for _ in range(batch)]
+        cached.scheduled_cached_reqs.new_block_ids = [[] for _ in ids]
         runner.execute(cached)
 
-    return median_time(step, repeats)
+    return step
 
 
-def hf_decode(model, batch: int, context: int, repeats: int) -> float:
+def our_decode(runner, batch: int, context: int, repeats: int) -> float:
+    """Median seconds of one decode step of B requests at C tokens of context."""
+    return median_time(our_decode_step(runner, batch, context), repeats)
+
+
+def our_step(runner, decodes: int, context: int, chunk: int) -> Timer:
+    """One step of a fresh batch: `decodes` requests at `context` plus one `chunk`-token
+    prompt (the batch's making is not timed)."""
+    from flagstop.scheduler_svc.core.output import SchedulerOutput
+    from flagstop.utils import cdiv
+
+    stride = cdiv(context + 64, BLOCK_SIZE)
+
+    def run() -> float:
+        runner.reset()
+        plan = SchedulerOutput()
+        for i in range(decodes):
+            plan.scheduled_new_reqs.append(new_request(f"d{i}", context, context - 1, i * stride))
+            plan.num_scheduled_tokens[f"d{i}"] = 1
+        plan.scheduled_new_reqs.append(new_request("p", chunk, 0, decodes * stride))
+        plan.num_scheduled_tokens["p"] = chunk
+        start = time.perf_counter()
+        runner.execute(plan)
+        return time.perf_counter() - start
+
+    return run
+
+
+# -- transformers -------------------------------------------------------------------
+
+
+def load_hf(model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
+    return model.eval()
+
+
+def hf_decode_timer(model, batch: int, context: int) -> Timer:
+    """One forward of B rows on a fresh contiguous cache of context-1 tokens and the
+    greedy pick; the cache's making is not timed. The cache's first update keeps the
+    tensors it is given and the forward appends by torch.cat into new ones, so one set
+    of random tensors serves every call."""
+    from transformers import DynamicCache
+
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     shape = (batch, c.num_key_value_heads, context - 1, head_dim)
     tokens = torch.ones(batch, 1, dtype=torch.long)
+    layers = [(torch.randn(shape), torch.randn(shape)) for _ in range(c.num_hidden_layers)]
 
-    def step():
+    def run() -> float:
         cache = DynamicCache()
-        for layer in range(c.num_hidden_layers):
-            cache.update(torch.randn(shape), torch.randn(shape), layer)
+        for layer, (k, v) in enumerate(layers):
+            cache.update(k, v, layer)
         start = time.perf_counter()
-        model(tokens, past_key_values=cache, use_cache=True)
+        model(tokens, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1).tolist()
         return time.perf_counter() - start
 
-    step()
-    return statistics.median(step() for _ in range(repeats))
+    return run
 
 
-def bench_model(size: str, repeats: int) -> list[tuple]:
-    model_dir = Path("models") / f"flagstop-{size}"
-    if not (model_dir / "config.json").exists():
-        write_model(model_dir, size)
+def hf_decode(model, batch: int, context: int, repeats: int) -> float:
+    return median_of(hf_decode_timer(model, batch, context), repeats)
+
+
+def hf_prefill_timer(model, num_tokens: int) -> Timer:
+    tokens = torch.ones(1, num_tokens, dtype=torch.long)
+    # logits_to_keep=1: generate()'s prefill computes the last position's logits only.
+    return timed(lambda: model(tokens, logits_to_keep=1).logits[:, -1].argmax(-1).tolist())
+
+
+def hf_mixed_timer(model, decodes: int, context: int, chunk: int) -> Timer:
+    """The work of one mixed step: a chunk-token prefill and a decode of `decodes` rows."""
+    prefill, decode = hf_prefill_timer(model, chunk), hf_decode_timer(model, decodes, context)
+    return lambda: prefill() + decode()
+
+
+def hf_prefill(model, num_tokens: int, repeats: int) -> float:
+    return median_of(hf_prefill_timer(model, num_tokens), repeats)
+
+
+# -- the worker: one model size, one checkout ----------------------------------------
+
+
+def rounds(ours: Timer, theirs: Timer, num_rounds: int, repeats: int) -> dict:
+    """Per-round medians of ours and theirs, alternating which goes first."""
+    our_times, their_times = [], []
+    for i in range(num_rounds):
+        pair = [(ours, our_times), (theirs, their_times)]
+        for timer, times in pair if i % 2 == 0 else pair[::-1]:
+            times.append(median_of(timer, repeats))
+    return {"ours": our_times, "theirs": their_times}
+
+
+def cases(size: str) -> list[tuple[str, Callable, Callable]]:
+    """(row name, ours(runner) -> Timer, theirs(hf) -> Timer) of a model size."""
     contexts, batches = CASES[size]
-    max_tokens = max(contexts) + repeats + 2
-    num_blocks = max(batches) * cdiv(max_tokens, BLOCK_SIZE)
-    runner = ModelRunner(
-        ExecutorConfig(
-            model=str(model_dir),
-            num_blocks=num_blocks,
-            block_size=BLOCK_SIZE,
-            max_num_seqs=max(batches),
-            max_num_batched_tokens=4096,
-        )
-    )
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa").eval()
-    rows = []
-    with torch.inference_mode():
-        for context in contexts:
-            for batch in batches:
-                ours = our_decode(runner, batch, context, repeats)
-                theirs = hf_decode(hf, batch, context, repeats)
-                rows.append((size, f"decode B={batch} ctx={context}", ours, theirs))
-                print(
-                    f"{rows[-1][1]:>24} ours {ours * 1e3:8.1f} ms  hf {theirs * 1e3:8.1f} ms",
-                    flush=True,
-                )
-        rows.append(
-            (size, "prefill 512 tokens", our_prefill(runner, repeats), hf_prefill(hf, repeats))
-        )
+    rows = [
+        (f"decode B={b} ctx={c}",
+         lambda r, b=b, c=c: timed(our_decode_step(r, b, c)),
+         lambda m, b=b, c=c: hf_decode_timer(m, b, c))
+        for c in contexts for b in batches
+    ]  # fmt: skip
+    decodes, context, chunk = MIXED
+    rows += [
+        ("prefill 512 tokens", lambda r: our_step(r, 0, 0, 512),
+         lambda m: hf_prefill_timer(m, 512)),
+        (f"mixed: {decodes} decodes at {context} + {chunk}-token chunk",
+         lambda r: our_step(r, decodes, context, chunk),
+         lambda m: hf_mixed_timer(m, decodes, context, chunk)),
+    ]  # fmt: skip
     return rows
 
 
-def our_prefill(runner: ModelRunner, repeats: int) -> float:
-    def step():
-        runner.batch = runner._new_batch()
-        blocks = list(range(cdiv(512, BLOCK_SIZE)))
-        request = NewRequestData("p", [1] * 512, 512, SamplingParams(), blocks)
-        runner.execute(
-            SchedulerOutput(scheduled_new_reqs=[request], num_scheduled_tokens={"p": 512})
-        )
+@torch.inference_mode()
+def worker(size: str, num_rounds: int, repeats: int) -> None:
+    """Prints one JSON line per row."""
+    from tools.make_model import write_model
 
-    return median_time(step, repeats)
+    model_dir = ROOT / "models" / f"flagstop-{size}"
+    if not (model_dir / "config.json").exists():
+        write_model(model_dir, size)
+    contexts, batches = CASES[size]
+    runner = new_runner(model_dir, max(batches), max(contexts) + 64)
+    hf = load_hf(model_dir)
+    for name, ours, theirs in cases(size):
+        row = rounds(ours(runner), theirs(hf), num_rounds, repeats)
+        print(json.dumps({"size": size, "step": name, **row}), flush=True)
 
 
-def hf_prefill(model, repeats: int) -> float:
-    tokens = torch.ones(1, 512, dtype=torch.long)
-    return median_time(lambda: model(tokens), repeats)
+# -- the driver ----------------------------------------------------------------------
+
+
+def run_variant(checkout: Path, size: str, args) -> list[dict]:
+    python = sys.executable if checkout == ROOT else str(checkout / ".venv" / "bin" / "python")
+    command = [python, str(checkout / "bench" / "executor_bench.py"), "--worker", size,
+               "--rounds", str(args.rounds), "--repeats", str(args.repeats)]  # fmt: skip
+    out = subprocess.run(command, cwd=checkout, check=True, capture_output=True, text=True)
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+def summarize(row: dict) -> dict:
+    ratios = [t / o for o, t in zip(row["ours"], row["theirs"], strict=True)]
+    verdict = "slower" if max(ratios) < 1 else "faster" if min(ratios) > 1 else "even"
+    return {
+        "ours_ms": statistics.median(row["ours"]) * 1e3,
+        "theirs_ms": statistics.median(row["theirs"]) * 1e3,
+        "speedup": statistics.median(ratios), "low": min(ratios), "high": max(ratios),
+        "verdict": verdict,
+    }  # fmt: skip
+
+
+def table(results: dict[str, list[dict]]) -> str:
+    labels = list(results)
+    head = "| model | step |" + "".join(
+        f" {v}: ours (ms) | transformers (ms) | speed-up (range) | verdict |" for v in labels
+    )
+    lines = [head, "|---|---|" + "---:|---:|---:|---|" * len(labels)]
+    for i, first in enumerate(results[labels[0]]):
+        cells = ""
+        for label in labels:
+            s = summarize(results[label][i])
+            cells += (f" {s['ours_ms']:.1f} | {s['theirs_ms']:.1f} | {s['speedup']:.2f}x "
+                      f"({s['low']:.2f}-{s['high']:.2f}) | {s['verdict']} |")  # fmt: skip
+        lines.append(f"| {first['size']} | {first['step']} |{cells}")
+    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", default=["tiny", "small"], choices=sorted(CASES))
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--label", default="flagstop", help="this checkout's column label")
+    parser.add_argument("--variant", action="append", default=[], help="LABEL=CHECKOUT")
+    parser.add_argument("--worker", choices=sorted(CASES), help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "executor.md"))
     args = parser.parse_args()
-    rows = [row for size in args.sizes for row in bench_model(size, args.repeats)]
-    lines = [
-        "| model | step | ours (ms) | transformers (ms) | speed-up |",
-        "|---|---|---:|---:|---:|",
-        *(f"| {m} | {s} | {o * 1e3:.1f} | {t * 1e3:.1f} | {t / o:.2f}x |" for m, s, o, t in rows),
-    ]
-    table = "\n".join(lines)
-    print(table)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(
-        f"# Executor step time\n\n`python bench/executor_bench.py --repeats {args.repeats}` on "
-        f"{date.today()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, fp32, torch "
-        f"reference attention. Median seconds of one step.\n\n{table}\n"
+    if args.worker:
+        return worker(args.worker, args.rounds, args.repeats)
+    variants = [(label, Path(path).resolve()) for label, path in
+                (v.split("=", 1) for v in args.variant)] + [(args.label, ROOT)]  # fmt: skip
+    results: dict[str, list[dict]] = {label: [] for label, _ in variants}
+    for size in args.sizes:
+        for label, checkout in variants:
+            results[label] += run_variant(checkout, size, args)
+            print(f"{size}: {label} done", flush=True)
+    text = table(results)
+    print(text)
+    setup = (
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, the torch "
+        f"reference attention; median ms of a step, {args.rounds} interleaved rounds of "
+        f"{args.repeats} steps; verdict by a sign test over the rounds (see the bench's doc)."
     )
+    write_result(args.out, "Executor step time", setup, text, results)
 
 
 if __name__ == "__main__":

@@ -1,26 +1,33 @@
 """Useful output tokens/s of our engine beside transformers' static and continuous
 batching, on the same checkpoint and the same deterministic workload.
 
-    python bench/peers.py [--size small] [--requests 64] [--out bench/results/peers.md]
+    python bench/peers.py [--size small] [--requests 64] [--variant LABEL=CHECKOUT ...]
+        [--out bench/results/peers.md]
 
 Every request is sent at t=0, greedy, EOS ignored, so each system generates exactly
-the tokens asked for. 16 slots everywhere. "limit" is the cost of the model forwards
-alone for a perfect 16-slot schedule: every prompt prefilled in 512-token steps, every
-decode step full. The per-step slot occupancy of the static and of our continuous run
-goes to peers.json for bench/plots.py.
+the tokens asked for. 16 slots everywhere. The limits are the cost of the model
+forwards alone for a perfect 16-slot schedule: every prompt prefilled in 512-token
+steps, every decode step full. Each step shape is timed with our forward and with
+transformers' (interleaved rounds): one limit with ours throughout, and the honest one
+with the FASTER of the two for each shape, which a slow forward cannot flatter. The
+tail (the steps after the last one with every slot busy) is reported from our
+in-process run's step times. The per-step slot occupancy of the static and of our
+continuous run goes to peers.json for bench/plots.py.
+
+--variant LABEL=CHECKOUT also runs another checkout (with its own .venv): its engine
+in one process and its 3-process stack, in the same run (a before/after table).
 """
 
 import argparse
 import asyncio
 import json
 import logging
-import os
 import random
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from datetime import date
 from pathlib import Path
 
 import torch
@@ -29,18 +36,25 @@ from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, Generat
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.executor_bench import median_time, our_decode
+from bench.executor_bench import (
+    hf_decode_timer,
+    hf_prefill_timer,
+    our_decode_step,
+    our_step,
+    rounds,
+    timed,
+)
+from bench.output import write_result
 from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.model_runner import ModelRunner
 from flagstop.executor.sampling_params import SamplingParams
 from flagstop.scheduler_svc.core.config import SchedulerConfig
-from flagstop.scheduler_svc.core.output import NewRequestData, SchedulerOutput
 from flagstop.scheduler_svc.core.request import Request, StopParams
 from flagstop.scheduler_svc.core.scheduler import Scheduler
 from flagstop.server import channel
 from flagstop.v1 import generation_pb2, generation_pb2_grpc
 from tools.make_model import write_model
-from tools.stack import start_stack
+from tools.stack import ROOT, start_stack
 
 NUM_BLOCKS, BLOCK_SIZE, SLOTS, BUDGET = 1024, 16, 16, 512
 Workload = list[tuple[list[int], int]]  # (prompt token ids, output tokens)
@@ -70,9 +84,10 @@ def new_runner(model_dir: Path) -> ModelRunner:
 
 @torch.inference_mode()
 def run_in_process(
-    model_dir: Path, requests: Workload, on_step: Callable[[list[str]], None] | None = None
+    model_dir: Path, requests: Workload, steps: list | None = None
 ) -> tuple[float, int]:
-    """The scheduler core and the model runner called directly: (wall s, tokens)."""
+    """The scheduler core and the model runner called directly: (wall s, tokens);
+    steps, if given, gets (scheduled request ids, seconds) of every step."""
     runner = new_runner(model_dir)
     scheduler_config = SchedulerConfig(
         max_num_batched_tokens=BUDGET, max_num_seqs=SLOTS, block_size=BLOCK_SIZE,
@@ -87,13 +102,28 @@ def run_in_process(
         ))  # fmt: skip
     generated = 0
     while scheduler.has_unfinished_requests():
+        step_start = time.perf_counter()
         plan = scheduler.schedule()
-        if on_step:
-            on_step(list(plan.num_scheduled_tokens))
         output = runner.execute(plan)
         for out in scheduler.update_from_output(plan, output.token_ids).values():
             generated += len(out.new_token_ids)
+        if steps is not None:
+            steps.append((list(plan.num_scheduled_tokens), time.perf_counter() - step_start))
     return time.perf_counter() - start, generated
+
+
+def run_in_checkout(checkout: Path, model_dir: Path, requests: Workload) -> tuple[float, int]:
+    """run_in_process of another checkout, in its own interpreter."""
+    code = (
+        "import json, sys; from pathlib import Path; sys.path.insert(0, '.'); "
+        "from bench.peers import run_in_process, workload; "
+        "print(json.dumps(run_in_process(Path(sys.argv[1]), workload(int(sys.argv[2])))))"
+    )
+    python = str(checkout / ".venv" / "bin" / "python")
+    command = [python, "-c", code, str(model_dir.resolve()), str(len(requests))]
+    out = subprocess.run(command, cwd=checkout, check=True, capture_output=True, text=True)
+    seconds, tokens = json.loads(out.stdout.splitlines()[-1])
+    return seconds, tokens
 
 
 async def run_stack(router: str, requests: Workload) -> tuple[float, int]:
@@ -111,13 +141,15 @@ async def run_stack(router: str, requests: Workload) -> tuple[float, int]:
         return time.perf_counter() - start, sum(counts)
 
 
-def run_through_stack(model_dir: Path, requests: Workload, env: dict[str, str] | None = None):
-    """(wall seconds, generated tokens) through a fresh 3-process stack."""
+def run_through_stack(
+    model_dir: Path, requests: Workload, env: dict[str, str] | None = None, checkout: Path = ROOT
+):
+    """(wall seconds, generated tokens) through a fresh 3-process stack (of checkout)."""
     stack = start_stack(
-        model_dir, Path(tempfile.mkdtemp(prefix="bench-")),
+        model_dir.resolve(), Path(tempfile.mkdtemp(prefix="bench-")),
         executor_args=["--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE)],
         scheduler_args=["--max-num-seqs", str(SLOTS), "--max-num-batched-tokens", str(BUDGET)],
-        env=env,
+        env=env, checkout=checkout,
     )  # fmt: skip
     try:
         return asyncio.run(run_stack(stack.router, requests))
@@ -180,26 +212,42 @@ def run_hf_continuous(model_dir: Path, requests: Workload) -> tuple[float, int]:
 
 
 @torch.inference_mode()
-def limit(model_dir: Path, requests: Workload) -> tuple[float, int]:
+def limits(model_dir: Path, requests: Workload) -> dict:
     """Forward time of a perfect schedule: prompt tokens in full 512-token prefill steps,
-    then decode steps with all 16 slots busy at the workload's mean decode context."""
-    runner = new_runner(model_dir)
-    blocks = list(range(BUDGET // BLOCK_SIZE))
-
-    def prefill_step():
-        runner.batch = runner._new_batch()
-        request = NewRequestData("p", [1] * BUDGET, BUDGET, SamplingParams(), blocks)
-        runner.execute(
-            SchedulerOutput(scheduled_new_reqs=[request], num_scheduled_tokens={"p": BUDGET})
-        )
-
+    then decode steps with all 16 slots busy at the workload's mean decode context.
+    Each shape timed with ours and transformers' forward in interleaved rounds."""
     prompt_tokens = sum(len(p) for p, _ in requests)
-    output_tokens = sum(n for _, n in requests)
-    decode_tokens = output_tokens - len(requests)  # the first comes with the prefill
+    decode_tokens = sum(n for _, n in requests) - len(requests)  # 1st comes with prefill
     mean_context = sum(len(p) * (n - 1) + n * (n - 1) // 2 for p, n in requests) / decode_tokens
-    decode_s = our_decode(new_runner(model_dir), SLOTS, round(mean_context), repeats=5)
-    prefill_s = prompt_tokens / BUDGET * median_time(prefill_step, 3)
-    return prefill_s + decode_tokens / SLOTS * decode_s, output_tokens
+    hf = load_hf(model_dir)
+    shapes = [
+        (f"prefill {BUDGET}", prompt_tokens / BUDGET,
+         our_step(new_runner(model_dir), 0, 0, BUDGET), hf_prefill_timer(hf, BUDGET)),
+        (f"decode {SLOTS} x {round(mean_context)}", decode_tokens / SLOTS,
+         timed(our_decode_step(new_runner(model_dir), SLOTS, round(mean_context))),
+         hf_decode_timer(hf, SLOTS, round(mean_context))),
+    ]  # fmt: skip
+    found = {"ours": 0.0, "faster": 0.0, "shapes": []}
+    for name, count, ours, theirs in shapes:
+        times = rounds(ours, theirs, num_rounds=3, repeats=3)
+        our_s, their_s = statistics.median(times["ours"]), statistics.median(times["theirs"])
+        found["ours"] += count * our_s
+        found["faster"] += count * min(our_s, their_s)
+        found["shapes"].append({"shape": name, "steps": count, "ours": our_s, "theirs": their_s})
+    return found
+
+
+def tail(steps: list[tuple[list[str], float]], full_decode_s: float) -> dict:
+    """The steps after the last one with every slot busy: their share of the wall time,
+    and what their tokens would cost in full decode steps."""
+    last_full = max((i for i, (ids, _) in enumerate(steps) if len(ids) == SLOTS), default=-1)
+    tail_steps = steps[last_full + 1 :]
+    tokens = sum(len(ids) for ids, _ in tail_steps)
+    return {
+        "steps": len(tail_steps), "tokens": tokens,
+        "seconds": sum(s for _, s in tail_steps), "total_seconds": sum(s for _, s in steps),
+        "at_full_occupancy": tokens / SLOTS * full_decode_s,
+    }  # fmt: skip
 
 
 def idle_fraction(occupancy: list[list[str]]) -> float:
@@ -210,6 +258,7 @@ def parse_args(out_name: str, requests: int) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=sys.modules["__main__"].__doc__.splitlines()[0])
     parser.add_argument("--size", default="small", choices=["tiny", "small"])
     parser.add_argument("--requests", type=int, default=requests)
+    parser.add_argument("--variant", action="append", default=[], help="LABEL=CHECKOUT")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / out_name))
     args = parser.parse_args()
     args.model_dir = Path("models") / f"flagstop-{args.size}"
@@ -218,24 +267,76 @@ def parse_args(out_name: str, requests: int) -> argparse.Namespace:
     return args
 
 
-def run_all(model_dir: Path, requests: Workload) -> tuple[list[tuple[str, float, int]], dict]:
+def run_all(model_dir: Path, requests: Workload, variants: list[tuple[str, Path]]) -> dict:
+    """Every system's (name, wall s, tokens), the limits, the occupancies and the tail."""
     static_steps: list[list[str]] = []
-    continuous_steps: list[list[str]] = []
-    rows = []
-    for name, run, *extra in [
-        ("flagstop, one process", run_in_process, continuous_steps.append),
+    our_steps: list[tuple[list[str], float]] = []
+    systems = [
+        ("flagstop, one process", lambda m, r: run_in_process(m, r, our_steps)),
         ("flagstop, router -> scheduler -> executor", run_through_stack),
-        ("transformers generate(), static batches", run_hf_static, static_steps),
+        ("transformers generate(), static batches",
+         lambda m, r: run_hf_static(m, r, static_steps)),
         ("transformers generate_batch(), continuous", run_hf_continuous),
-        ("limit: model forwards of a perfect schedule", limit),
-    ]:
-        seconds, tokens = run(model_dir, requests, *extra)
-        print(
-            f"{name:>46}: {tokens} tokens in {seconds:6.1f} s = {tokens / seconds:6.1f} tok/s",
-            flush=True,
-        )
+    ]  # fmt: skip
+    for label, checkout in variants:
+        systems[:0] = [
+            (f"{label}: one process", lambda m, r, c=checkout: run_in_checkout(c, m, r)),
+            (f"{label}: router -> scheduler -> executor",
+             lambda m, r, c=checkout: run_through_stack(m, r, checkout=c)),
+        ]  # fmt: skip
+    rows = []
+    for name, run in systems:
+        seconds, tokens = run(model_dir, requests)
+        print(f"{name:>46}: {tokens} tokens in {seconds:6.1f} s = {tokens / seconds:6.1f} tok/s",
+              flush=True)  # fmt: skip
         rows.append((name, seconds, tokens))
-    return rows, {"static": static_steps, "continuous": continuous_steps}
+    found = limits(model_dir, requests)
+    output_tokens = sum(n for _, n in requests)
+    rows += [("limit: our forwards of a perfect schedule", found["ours"], output_tokens),
+             ("limit: the faster forward (ours or transformers') per step shape",
+              found["faster"], output_tokens)]  # fmt: skip
+    decode_s = found["shapes"][-1]["ours"]
+    return {
+        "rows": rows, "limits": found, "tail": tail(our_steps, decode_s),
+        "occupancy": {"static": static_steps, "continuous": [ids for ids, _ in our_steps]},
+    }  # fmt: skip
+
+
+def describe(result: dict) -> tuple[str, str]:
+    """The table and the summary under it."""
+    rows = {name: (s, n) for name, s, n in result["rows"]}
+    limit = rows["limit: the faster forward (ours or transformers') per step shape"][0]
+    table = "\n".join([
+        "| system | wall (s) | output tokens | useful tokens/s | of the honest limit |",
+        "|---|---:|---:|---:|---:|",
+        *(f"| {name} | {s:.1f} | {n} | {n / s:.1f} | {limit / s:.2f} |"
+          for name, s, n in result["rows"]),
+    ])  # fmt: skip
+    shapes = "; ".join(
+        f"{x['shape']} ({x['steps']:.0f} steps): ours {x['ours'] * 1e3:.0f} ms, transformers "
+        f"{x['theirs'] * 1e3:.0f} ms"
+        for x in result["limits"]["shapes"]
+    )
+    idle = {kind: idle_fraction(steps) for kind, steps in result["occupancy"].items()}
+    t = result["tail"]
+    stack, alone = rows["flagstop, router -> scheduler -> executor"], rows["flagstop, one process"]
+    static = rows["transformers generate(), static batches"]
+    continuous = rows["transformers generate_batch(), continuous"]
+    summary = (
+        f"Step shapes of the limits: {shapes}. Idle slot-steps: static batching "
+        f"{idle['static']:.0%}, ours {idle['continuous']:.0%}. The 3-process stack reaches "
+        f"**{limit / stack[0]:.2f}** of the honest limit and the engine in one process "
+        f"**{limit / alone[0]:.2f}**; the stack is **{static[0] / stack[0]:.1f}x** "
+        f"transformers' static batching and **{continuous[0] / stack[0]:.1f}x** its continuous "
+        f"batching.\n\nThe tail: after the last step with all {SLOTS} slots busy, {t['steps']} "
+        f"steps filled {t['tokens']} slot-steps (a token each) in {t['seconds']:.1f} s, "
+        f"**{t['seconds'] / t['total_seconds']:.0%}** of the one-process run's step time; in "
+        f"full decode steps they would take {t['at_full_occupancy']:.1f} s. The tail "
+        f"alone keeps the one-process run "
+        f"{(t['seconds'] - t['at_full_occupancy']) / alone[0]:.0%} of its wall time from the "
+        f"limit, which counts every decode step full."
+    )
+    return table, summary
 
 
 def main() -> None:
@@ -243,36 +344,23 @@ def main() -> None:
     transformers.utils.logging.disable_progress_bar()
     args = parse_args("peers.md", 64)
     requests = workload(args.requests)
-    rows, occupancy = run_all(args.model_dir, requests)
+    variants = [(label, Path(path).resolve()) for label, path in
+                (v.split("=", 1) for v in args.variant)]  # fmt: skip
+    result = run_all(args.model_dir, requests, variants)
     expected = sum(n for _, n in requests)
-    assert all(tokens == expected for _, _, tokens in rows), rows
-    ours = rows[1][2] / rows[1][1]
-    table = "\n".join([
-        "| system | wall (s) | output tokens | useful tokens/s | ours (3 processes) / it |",
-        "|---|---:|---:|---:|---:|",
-        *(f"| {name} | {s:.1f} | {n} | {n / s:.1f} | {ours / (n / s):.2f} |"
-          for name, s, n in rows),
-    ])  # fmt: skip
-    idle = {kind: idle_fraction(steps) for kind, steps in occupancy.items()}
-    summary = (
-        f"Idle slot-steps: static batching {idle['static']:.0%}, ours {idle['continuous']:.0%}. "
-        f"The 3-process stack reaches **{rows[4][1] / rows[1][1]:.2f}** of the "
-        f"limit, **{ours / (rows[2][2] / rows[2][1]):.1f}x** transformers' static batching and "
-        f"**{ours / (rows[3][2] / rows[3][1]):.1f}x** its continuous batching."
-    )
+    assert all(tokens == expected for _, _, tokens in result["rows"]), result["rows"]
+    table, summary = describe(result)
     print(f"\n{table}\n\n{summary}")
     prompt_lens, output_lens = [len(p) for p, _ in requests], [n for _, n in requests]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        f"# Beside the peers\n\n`python bench/peers.py --size {args.size} --requests "
-        f"{args.requests}` on {date.today()}, {os.cpu_count()} CPU cores, {args.size} model, "
-        f"fp32, torch {torch.__version__}; {args.requests} requests at t=0, prompts of "
-        f"{min(prompt_lens)}-{max(prompt_lens)} tokens, outputs of {min(output_lens)}-"
-        f"{max(output_lens)} tokens (skewed short, seeded), greedy, EOS ignored; {SLOTS} slots, "
-        f"{BUDGET}-token step budget.\n\n{table}\n\n{summary}\n"
+    setup = (
+        f"{args.size} model, fp32, torch {torch.__version__}; {args.requests} requests at t=0, "
+        f"prompts of {min(prompt_lens)}-{max(prompt_lens)} tokens, outputs of "
+        f"{min(output_lens)}-{max(output_lens)} tokens (skewed short, seeded), greedy, EOS "
+        f"ignored; {SLOTS} slots, {BUDGET}-token step budget."
     )
-    out.with_suffix(".json").write_text(json.dumps({"occupancy": occupancy, "idle": idle}))
+    idle = {kind: idle_fraction(steps) for kind, steps in result["occupancy"].items()}
+    data = {**result, "idle": idle}
+    write_result(args.out, "Beside the peers", setup, f"{table}\n\n{summary}", data)
 
 
 if __name__ == "__main__":

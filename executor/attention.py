@@ -2,10 +2,11 @@
 
 The batch is laid out decodes first (one token each), then prefill chunks, so that each
 kind runs as one kernel call. A backend is a kernels module with the functions (and
-signatures) of kernels/torch_ref.py."""
+signatures) of kernels/torch_ref.py; its kv_cache_shape() says how the model runner
+lays out the cache it reads."""
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
@@ -20,6 +21,15 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [num_seqs] cached + new tokens
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
     num_decodes: int  # the first num_decodes sequences have exactly one new token
+    # The decode rows and the prefill rows, cut once a step: every layer passes the same
+    # tensors, so a backend may keep what it derives from them for the other layers.
+    decode: tuple[torch.Tensor, torch.Tensor] = field(init=False)  # block tables, seq lens
+    prefill: tuple[torch.Tensor, ...] = field(init=False)  # ... and query_start_loc
+
+    def __post_init__(self) -> None:
+        n = self.num_decodes
+        self.decode = (self.block_tables[:n], self.seq_lens[:n])
+        self.prefill = (self.block_tables[n:], self.query_start_loc[n:] - n, self.seq_lens[n:])
 
 
 def attention_backend(name: str, device: torch.device) -> ModuleType:
@@ -54,19 +64,10 @@ def paged_attention(
     n = meta.num_decodes
     decode, prefill = backend.paged_attention_decode, backend.paged_attention_prefill
     if n == query.shape[0]:
-        return decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+        return decode(query, k_cache, v_cache, *meta.decode, scale)
     out = torch.empty_like(query)
     if n:
-        out[:n] = decode(
-            query[:n], k_cache, v_cache, meta.block_tables[:n], meta.seq_lens[:n], scale
-        )
-    out[n:] = prefill(
-        query[n:],
-        k_cache,
-        v_cache,
-        meta.block_tables[n:],
-        meta.query_start_loc[n:] - n,
-        meta.seq_lens[n:],
-        scale,
-    )
+        out[:n] = decode(query[:n], k_cache, v_cache, *meta.decode, scale)
+    block_tables, query_start_loc, seq_lens = meta.prefill
+    out[n:] = prefill(query[n:], k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
     return out

@@ -86,7 +86,9 @@ class ModelRunner:
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[KVCache]:
         mc = self.model_config
-        shape = (num_blocks, self.block_size, self.num_kv_heads, mc.head_dim)
+        shape = self.attention_backend.kv_cache_shape(
+            num_blocks, self.block_size, self.num_kv_heads, mc.head_dim
+        )
         return [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),

@@ -1,5 +1,7 @@
 """Triton kernels for the paged KV cache, twins of kernels/torch_ref.py (same
-signatures, same layout: [num_blocks, block_size, num_kv_heads, head_dim]).
+signatures). Layout: kv_cache_shape() = [num_blocks, block_size, num_kv_heads, head_dim],
+token-major (a stored token is one contiguous row); the torch twins read head-major
+blocks, the tests hand them a transposed copy.
 
 Imported only when the triton backend is chosen; on a CPU they run under
 TRITON_INTERPRET=1, which is how the tests hold them to their torch twins."""
@@ -11,6 +13,12 @@ import triton.language as tl
 # Tokens of context one decode program reduces before the partial results are merged
 # (flash-decoding): long contexts spread over more programs than there are sequences.
 DECODE_PARTITION = 512
+
+
+def kv_cache_shape(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+) -> tuple[int, ...]:
+    return (num_blocks, block_size, num_kv_heads, head_dim)
 
 
 @triton.jit

@@ -77,3 +77,24 @@ def test_the_png_writer_writes_what_was_drawn(tmp_path):
     row = raw[2 * (1 + 3 * width) : 3 * (1 + 3 * width)]
     assert row[1 + 3 * 3 : 1 + 3 * 4] == bytes([10, 20, 30])
     assert row[1 + 3 * 6 : 1 + 3 * 7] == bytes([255, 255, 255])
+
+
+def test_the_tail_starts_after_the_last_full_step_and_is_costed_in_full_steps():
+    from bench.peers import SLOTS, tail
+
+    full = [f"r{i}" for i in range(SLOTS)]
+    steps = [(full[:3], 1.0), (full, 2.0), (full, 2.0), (full[:4], 1.5), (full[:2], 1.0)]
+    found = tail(steps, full_decode_s=2.0)
+    assert (found["steps"], found["tokens"]) == (2, 6)
+    assert (found["seconds"], found["total_seconds"]) == (2.5, 7.5)
+    assert found["at_full_occupancy"] == pytest.approx(6 / SLOTS * 2.0)
+
+
+def test_a_row_is_slower_or_faster_only_when_every_round_agrees():
+    from bench.executor_bench import summarize
+
+    row = lambda ours, theirs: {"ours": ours, "theirs": theirs}  # noqa: E731
+    assert summarize(row([2.0, 2.0, 2.0], [1.9, 1.8, 1.99]))["verdict"] == "slower"
+    assert summarize(row([2.0, 2.0, 2.0], [1.9, 2.2, 1.99]))["verdict"] == "even"
+    fast = summarize(row([1.0, 1.0, 2.0], [2.0, 3.0, 2.2]))
+    assert fast["verdict"] == "faster" and fast["speedup"] == 2.0 and fast["low"] == 1.1

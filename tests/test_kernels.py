@@ -20,10 +20,16 @@ SHAPE_IDS = [f"h{h}-kv{k}-d{d}-bs{b}" for h, k, d, b in SHAPES]
 
 
 def make_caches(num_blocks, block_size, num_kv_heads, head_dim, dtype, seed=0):
+    """In the Triton kernels' layout; head_major() gives the torch twins' copy."""
     g = torch.Generator().manual_seed(seed)
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    shape = triton_attention.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
     return (torch.randn(shape, generator=g).to(DEVICE, dtype),
             torch.randn(shape, generator=g).to(DEVICE, dtype))  # fmt: skip
+
+
+def head_major(*caches: torch.Tensor) -> list[torch.Tensor]:
+    """[blocks, block_size, kv_heads, dim] -> torch_ref's [blocks, kv_heads, block_size, dim]."""
+    return [cache.transpose(1, 2).contiguous() for cache in caches]
 
 
 def randn(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -52,14 +58,14 @@ def assert_close(got, expected, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"), SHAPES[:4])
 def test_store_kv(num_heads, num_kv_heads, head_dim, block_size, dtype):
-    k_ref, v_ref = make_caches(6, block_size, num_kv_heads, head_dim, dtype)
-    k_tri, v_tri = k_ref.clone(), v_ref.clone()
+    k_tri, v_tri = make_caches(6, block_size, num_kv_heads, head_dim, dtype)
+    k_ref, v_ref = head_major(k_tri, v_tri)
     key = randn(5, num_kv_heads, head_dim, dtype=dtype)
     value = randn(5, num_kv_heads, head_dim, dtype=dtype, seed=1)
     slots = torch.tensor([0, block_size - 1, -1, block_size, 5 * block_size + 3], device=DEVICE)
     torch_ref.store_kv(key, value, k_ref, v_ref, slots)
     triton_attention.store_kv(key, value, k_tri, v_tri, slots)
-    assert torch.equal(k_tri, k_ref) and torch.equal(v_tri, v_ref)
+    assert all(map(torch.equal, head_major(k_tri, v_tri), (k_ref, v_ref)))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -76,7 +82,9 @@ def test_paged_attention_decode(num_heads, num_kv_heads, head_dim, block_size, d
     query = randn(len(seq_lens), num_heads, head_dim, dtype=dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     scale = head_dim**-0.5
-    expected = torch_ref.paged_attention_decode(query, k_cache, v_cache, tables, lens, scale)
+    expected = torch_ref.paged_attention_decode(
+        query, *head_major(k_cache, v_cache), tables, lens, scale
+    )
     got = triton_attention.paged_attention_decode(query, k_cache, v_cache, tables, lens, scale)
     assert_close(got, expected, dtype)
 
@@ -102,7 +110,7 @@ def test_paged_attention_prefill(
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     starts, scale = starts.to(DEVICE), head_dim**-0.5
     expected = torch_ref.paged_attention_prefill(
-        query, k_cache, v_cache, tables, starts, lens, scale
+        query, *head_major(k_cache, v_cache), tables, starts, lens, scale
     )
     got = triton_attention.paged_attention_prefill(
         query, k_cache, v_cache, tables, starts, lens, scale

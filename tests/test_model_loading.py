@@ -6,6 +6,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
+from flagstop.executor.models import onednn
 from flagstop.executor.models.config import ModelConfig
 from flagstop.executor.models.loader import load_model
 from flagstop.kernels.torch_ref import gather_kv, store_kv
@@ -62,11 +63,33 @@ def test_a_checkpoint_missing_a_tensor_is_refused(tiny, tmp_path):
 
 
 def test_store_kv_skips_padding_slots_and_gather_reads_blocks_back():
-    k_cache = torch.zeros(3, 2, 1, 4)
-    v_cache = torch.zeros(3, 2, 1, 4)
-    key = torch.arange(12.0).view(3, 1, 4)
+    # 3 blocks of 2 tokens, 2 KV heads, head-major: [block, head, offset, dim].
+    k_cache = torch.zeros(3, 2, 2, 4)
+    v_cache = torch.zeros(3, 2, 2, 4)
+    key = torch.arange(24.0).view(3, 2, 4)
     store_kv(key, -key, k_cache, v_cache, torch.tensor([5, -1, 0]))
-    assert torch.equal(k_cache[2, 1, 0], key[0, 0]) and torch.equal(k_cache[0, 0, 0], key[2, 0])
-    assert int((k_cache != 0).sum()) == 7  # key[2] holds a zero: 8 values, 7 non-zero
+    assert torch.equal(k_cache[2, :, 1], key[0]) and torch.equal(k_cache[0, :, 0], key[2])
+    assert torch.equal(v_cache[2, :, 1], -key[0])
+    assert int((k_cache != 0).sum()) == 15  # key[0] holds a zero: 16 values, 15 non-zero
     gathered = gather_kv(k_cache, torch.tensor([[2, 0]]), 3)
-    assert torch.equal(gathered[0, 1, 0], key[0, 0]) and torch.equal(gathered[0, 2, 0], key[2, 0])
+    assert gathered.shape == (1, 2, 3, 4)
+    assert torch.equal(gathered[0, :, 1], key[0]) and torch.equal(gathered[0, :, 2], key[2])
+
+
+@pytest.mark.skipif(
+    not onednn.usable(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch"
+)
+def test_the_cpu_model_runs_on_packed_weights_equal_to_f_linear_at_every_row_count(tiny):
+    model = load_model(tiny, torch.float32, torch.device("cpu"))
+    linear = model.layers[0].mlp.gate_up_proj
+    assert linear.packed is not None and linear.weight.numel() == 0  # the copy replaced it
+    assert model.embed_tokens.weight.numel() > 0
+    weight = torch.randn(40, 24)
+    fresh = onednn.Linear(24, 40, bias=True)
+    with torch.no_grad():
+        fresh.weight.copy_(weight)
+    reference = [fresh(torch.ones(n, 24)) for n in (1, 17, 33)]
+    assert onednn.pack(fresh, shared=set()) == 1
+    for n, expected in zip((1, 17, 33), reference, strict=True):
+        torch.testing.assert_close(fresh(torch.ones(n, 24)), expected, rtol=1e-5, atol=1e-5)
+    assert [onednn.padded_rows(n) for n in (16, 17, 33, 512, 513)] == [16, 18, 36, 512, 576]

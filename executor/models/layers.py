@@ -54,9 +54,13 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
+Rope = tuple[torch.Tensor, torch.Tensor]  # a step's (cos, sin) rows
+
+
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE over the whole head. The cos/sin tables stay float32 whatever
-    the model's dtype (plain attributes, not buffers, so .to(dtype) leaves them)."""
+    """Rotate-half RoPE over the whole head: the cos/sin tables, which stay float32
+    whatever the model's dtype (plain attributes, not buffers, so .to(dtype) leaves
+    them); apply_rotary() rotates with a step's rows of them."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
@@ -69,11 +73,15 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(positions, self.inv_freq.to(device))
         self.cos, self.sin = freqs.cos(), freqs.sin()
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q [T, H, D], k [T, KVH, D] rotated, returned in their own dtype."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def lookup(self, positions: torch.Tensor) -> Rope:
+        """The step's (cos, sin) rows [T, 1, D/2], looked up once for every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rotary(rope: Rope, q: torch.Tensor, k: torch.Tensor):
+    """q [T, H, D], k [T, KVH, D] rotated, returned in their own dtype."""
+    cos, sin = rope
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -11,14 +11,21 @@ from torch import nn
 
 from flagstop.executor.attention import AttentionMetadata, paged_attention
 from flagstop.executor.models.config import ModelConfig
-from flagstop.executor.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from flagstop.executor.models.layers import (
+    RMSNorm,
+    Rope,
+    RotaryEmbedding,
+    apply_rotary,
+    silu_and_mul,
+)
+from flagstop.executor.models.onednn import Linear
 from flagstop.executor.parallel import SINGLE, TensorParallel
 from flagstop.kernels import torch_ref
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """Input features split over the ranks: each rank's partial product is summed by
     one all-reduce, and the bias, held whole, is added once after it."""
 
@@ -29,7 +36,7 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return super().forward(x)
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+        out = self.tp.all_reduce(self.matmul(x))
         return out if self.bias is None else out + self.bias
 
 
@@ -52,7 +59,7 @@ class VocabParallelEmbedding(nn.Embedding):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
         self.num_heads = tp.shard.heads(config.num_heads)[1]
         self.num_kv_heads = tp.shard.kv_heads(config.num_kv_heads)[1]
@@ -60,17 +67,16 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * config.head_dim
         self.kv_size = self.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
         )
         self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, config.o_bias, tp)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.rotary = rotary
         self.backend: ModuleType = torch_ref
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+        self, rope: Rope, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -78,7 +84,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(rope, q, k)
         out = paged_attention(self.backend, q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.flatten(1))
 
@@ -87,7 +93,7 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
         size, inner = config.hidden_size, tp.shard.split(config.intermediate_size)[1]
-        self.gate_up_proj = nn.Linear(size, 2 * inner, bias=config.mlp_bias)
+        self.gate_up_proj = Linear(size, 2 * inner, bias=config.mlp_bias)
         self.down_proj = RowParallelLinear(inner, size, config.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -95,19 +101,19 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, tp: TensorParallel) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.self_attn = Attention(config, rotary, tp)
+        self.self_attn = Attention(config, tp)
         self.mlp = MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, x, residual, kv_cache: KVCache, meta: AttentionMetadata):
+    def forward(self, rope: Rope, x, residual, kv_cache: KVCache, meta: AttentionMetadata):
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, kv_cache, meta)
+        x = self.self_attn(rope, x, kv_cache, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -121,13 +127,11 @@ class LlamaForCausalLM(nn.Module):
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, self.rotary, tp) for _ in range(config.num_layers)
-        )
+        self.layers = nn.ModuleList(DecoderLayer(config, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Vocabulary-parallel like the embedding (it may be the same tensor, tied).
         rows = tp.shard.vocab(config.vocab_size)[1]
-        self.lm_head = nn.Linear(config.hidden_size, rows, bias=False)
+        self.lm_head = Linear(config.hidden_size, rows, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -143,8 +147,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] of one flattened step."""
         x, residual = self.embed_tokens(input_ids), None
+        rope = self.rotary.lookup(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(positions, x, residual, kv_cache, meta)
+            x, residual = layer(rope, x, residual, kv_cache, meta)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -8,6 +8,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from flagstop.executor.models import onednn
 from flagstop.executor.models.config import ModelConfig
 from flagstop.executor.models.llama import LlamaForCausalLM
 from flagstop.executor.parallel import SINGLE, Shard, TensorParallel
@@ -142,4 +143,7 @@ def load_model(
     model.tie_weights()  # to_empty gives the tied parameters separate storage
     load_weights(model, model_dir)
     model.rotary.build(device)
-    return model.to(dtype=dtype).eval()
+    model = model.to(dtype=dtype).eval()
+    if onednn.usable(device, dtype):
+        onednn.pack(model, shared={id(model.embed_tokens.weight)})
+    return model
