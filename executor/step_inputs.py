@@ -29,8 +29,9 @@ class StepInputs:
 def prepare_inputs(batch: InputBatch, plan: SchedulerOutput, device: torch.device) -> StepInputs:
     """The flattened forward's tensors of one step, on the device."""
     rows, num_scheduled, seq_lens, samples = batch.schedule(plan)
-    # Decodes first, so that each kind is one attention call.
-    order = np.argsort(num_scheduled != 1, kind="stable")
+    # Decodes first, so that each kind is one attention call; shortest first within
+    # each, so that the torch kernels can group decodes of similar lengths.
+    order = np.lexsort((seq_lens, num_scheduled != 1))
     o_rows, o_num = rows[order], num_scheduled[order]
     cu_tokens = np.cumsum(o_num)
     token_seq = np.repeat(np.arange(len(rows)), o_num)

@@ -8,9 +8,11 @@ of a request lives at offset p % block_size of block block_table[p // block_size
 read fastest, with no transpose (10-30 % of the decode attention, at 64-256 decodes).
 """
 
+import itertools
 import math
 import threading
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -138,13 +140,60 @@ def paged_attention_decode(
     scale: float,
 ) -> torch.Tensor:
     """One query token per sequence, attending to its seq_len cached tokens (its own
-    included). query [num_seqs, num_heads, head_dim] -> same shape."""
+    included). query [num_seqs, num_heads, head_dim] -> same shape.
+
+    A batch gathers every sequence to the longest one's length, so sequences sorted by
+    length (the model runner sorts them) run in a few groups of similar lengths: 16
+    decodes at 17-529 tokens cost what 16 at 529 do in one group (small model: 64 vs
+    47 ms at their mean length)."""
+    groups = _memo.get("groups", (block_tables, seq_lens), length_groups)
+    if len(groups) == 1:
+        return _decode_group(query, k_cache, v_cache, *groups[0][1:], scale, 0)
+    out = torch.empty_like(query)
+    for i, (start, *group) in enumerate(groups):
+        end = start + len(group[1])
+        out[start:end] = _decode_group(query[start:end], k_cache, v_cache, *group, scale, i)
+    return out
+
+
+def length_groups(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, max_groups: int = 4
+) -> list[tuple[int, torch.Tensor, torch.Tensor, int]]:
+    """(first row, block tables, seq lens, longest) of each group: runs of ascending
+    lengths split where that saves at least a tenth of the gathered tokens (each group
+    costs three more kernel calls a layer); one group if the lengths are not sorted."""
+    lens = seq_lens.cpu().numpy()
+    bounds = [0, len(lens)]
+    if len(lens) > 1 and bool((lens[1:] >= lens[:-1]).all()):
+        while len(bounds) <= max_groups and (cut := _best_cut(lens, bounds)) is not None:
+            bounds = sorted([*bounds, cut])
+    return [
+        (start, block_tables[start:end], seq_lens[start:end], int(lens[end - 1]))
+        for start, end in itertools.pairwise(bounds)
+    ]
+
+
+def _best_cut(lens, bounds: list[int]) -> int | None:
+    """The row to split a group at that saves the most gathered tokens, if enough."""
+    total = sum((end - start) * int(lens[end - 1]) for start, end in itertools.pairwise(bounds))
+    best, best_saving = None, 0.1 * total
+    for start, end in itertools.pairwise(bounds):
+        cuts = np.arange(start + 1, end)
+        if len(cuts) == 0:
+            continue
+        savings = (cuts - start) * (int(lens[end - 1]) - lens[cuts - 1])
+        i = int(savings.argmax())
+        if savings[i] > best_saving:
+            best, best_saving = int(cuts[i]), float(savings[i])
+    return best
+
+
+def _decode_group(query, k_cache, v_cache, block_tables, seq_lens, max_len, scale, group):
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[1]
-    max_len = _memo.get("max_len", (seq_lens,), lambda lens: int(lens.max()))
-    k = gather_kv(k_cache, block_tables, max_len, "decode_k")
-    v = gather_kv(v_cache, block_tables, max_len, "decode_v")
-    visible = _memo.get("visible", (seq_lens, max_len), _visible)
+    k = gather_kv(k_cache, block_tables, max_len, f"decode_k{group}")
+    v = gather_kv(v_cache, block_tables, max_len, f"decode_v{group}")
+    visible = _memo.get(f"visible{group}", (seq_lens, max_len), _visible)
     # The query heads that share a KV head are that head's queries, one per row: each
     # K/V tile is read once for all of them (SDPA's enable_gqa reads it per head).
     grouped = query.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)

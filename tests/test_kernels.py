@@ -139,3 +139,23 @@ def test_the_model_on_triton_kernels_matches_transformers(tmp_path):
     shared = harness.requests["a"].token_ids[:16]
     harness.add("c", [*shared, 5, 6, 7], shared_blocks=harness.requests["a"].block_ids[:1])
     assert_matches(reference, harness, harness.logits({"a": 1, "b": 1, "c": 3}))
+
+
+def test_the_torch_decode_in_length_groups_equals_one_sequence_at_a_time():
+    # Sorted, spread lengths: the decode runs in several groups of similar lengths.
+    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 16, 4
+    seq_lens = [1, 2, 3, 5, 9, 40, 41, 90, 300]
+    num_blocks = sum(cdiv(n, block_size) for n in seq_lens) + 3
+    k_cache, v_cache = head_major(*make_caches(num_blocks, block_size, num_kv_heads, head_dim,
+                                               torch.float32))  # fmt: skip
+    tables = block_tables(seq_lens, block_size, num_blocks)
+    query = randn(len(seq_lens), num_heads, head_dim, dtype=torch.float32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    assert len(torch_ref.length_groups(tables, lens)) > 1
+    assert len(torch_ref.length_groups(tables, lens.flip(0))) == 1  # unsorted: one group
+    got = torch_ref.paged_attention_decode(query, k_cache, v_cache, tables, lens, 0.25)
+    for i in range(len(seq_lens)):
+        one = torch_ref.paged_attention_decode(
+            query[i : i + 1], k_cache, v_cache, tables[i : i + 1], lens[i : i + 1], 0.25
+        )
+        torch.testing.assert_close(got[i], one[0], rtol=1e-5, atol=1e-5)
