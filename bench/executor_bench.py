@@ -57,11 +57,6 @@ def timed(fn: Callable[[], object]) -> Timer:
     return run
 
 
-def median_time(fn: Callable[[], object], repeats: int) -> float:
-    """Median seconds of fn over repeats calls, after one warm-up call."""
-    return median_of(timed(fn), repeats)
-
-
 def median_of(timer: Timer, repeats: int) -> float:
     timer()  # warm-up
     return statistics.median(timer() for _ in range(repeats))
@@ -117,11 +112,6 @@ def our_decode_step(runner, batch: int, context: int) -> Callable[[], None]:
         runner.execute(cached)
 
     return step
-
-
-def our_decode(runner, batch: int, context: int, repeats: int) -> float:
-    """Median seconds of one decode step of B requests at C tokens of context."""
-    return median_time(our_decode_step(runner, batch, context), repeats)
 
 
 def our_step(runner, decodes: int, context: int, chunk: int) -> Timer:
@@ -181,10 +171,6 @@ def hf_decode_timer(model, batch: int, context: int) -> Timer:
     return run
 
 
-def hf_decode(model, batch: int, context: int, repeats: int) -> float:
-    return median_of(hf_decode_timer(model, batch, context), repeats)
-
-
 def hf_prefill_timer(model, num_tokens: int) -> Timer:
     tokens = torch.ones(1, num_tokens, dtype=torch.long)
     # logits_to_keep=1: generate()'s prefill computes the last position's logits only.
@@ -195,10 +181,6 @@ def hf_mixed_timer(model, decodes: int, context: int, chunk: int) -> Timer:
     """The work of one mixed step: a chunk-token prefill and a decode of `decodes` rows."""
     prefill, decode = hf_prefill_timer(model, chunk), hf_decode_timer(model, decodes, context)
     return lambda: prefill() + decode()
-
-
-def hf_prefill(model, num_tokens: int, repeats: int) -> float:
-    return median_of(hf_prefill_timer(model, num_tokens), repeats)
 
 
 # -- the worker: one model size, one checkout ----------------------------------------
