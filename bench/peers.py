@@ -224,20 +224,21 @@ class Limits:
         context = round(
             sum(len(p) * (n - 1) + n * (n - 1) // 2 for p, n in requests) / decode_tokens
         )
-        hf = load_hf(model_dir)
+        hf, runner = load_hf(model_dir), new_runner(model_dir)
+        # Our timers are made afresh per measurement: a decode step grows its contexts.
         self.shapes = [
             (f"prefill {BUDGET}", prompt_tokens / BUDGET,
-             our_step(new_runner(model_dir), 0, 0, BUDGET), hf_prefill_timer(hf, BUDGET)),
+             lambda: our_step(runner, 0, 0, BUDGET), hf_prefill_timer(hf, BUDGET)),
             (f"decode {SLOTS} x {context}", decode_tokens / SLOTS,
-             timed(our_decode_step(new_runner(model_dir), SLOTS, context)),
+             lambda: timed(our_decode_step(runner, SLOTS, context)),
              hf_decode_timer(hf, SLOTS, context)),
         ]  # fmt: skip
 
     @torch.inference_mode()
     def measure(self) -> dict:
         found = {"ours": 0.0, "faster": 0.0, "shapes": []}
-        for name, count, ours, theirs in self.shapes:
-            times = rounds(ours, theirs, num_rounds=2, repeats=2)
+        for name, count, make_ours, theirs in self.shapes:
+            times = rounds(make_ours(), theirs, num_rounds=2, repeats=2)
             our_s, their_s = statistics.median(times["ours"]), statistics.median(times["theirs"])
             found["ours"] += count * our_s
             found["faster"] += count * min(our_s, their_s)

@@ -54,7 +54,9 @@ class _StepMemo(threading.local):
     """Index tensors derived from a step's metadata, kept for its other layers: every
     layer passes the very same metadata tensors, and deriving them again costs about
     ten small ops a layer (0.2 ms of a 4-layer step at 16 decodes). Keyed by identity;
-    holding the source tensors keeps their ids from being reused."""
+    holding the source tensors keeps their ids from being reused. So a caller must not
+    change a metadata tensor in place between calls (prepare_inputs makes fresh ones
+    each step)."""
 
     def __init__(self) -> None:
         self.entries: dict[str, tuple[tuple, object]] = {}
@@ -143,9 +145,9 @@ def paged_attention_decode(
     included). query [num_seqs, num_heads, head_dim] -> same shape.
 
     A batch gathers every sequence to the longest one's length, so sequences sorted by
-    length (the model runner sorts them) run in a few groups of similar lengths: 16
-    decodes at 17-529 tokens cost what 16 at 529 do in one group (small model: 64 vs
-    47 ms at their mean length)."""
+    length (the model runner sorts them) run in a few groups of similar lengths. Small
+    model, 16 decodes at 17-529 tokens: 64 ms in one group (what 16 at 529 cost), 58 ms
+    in groups, 47 ms were they all at their mean length."""
     groups = _memo.get("groups", (block_tables, seq_lens), length_groups)
     if len(groups) == 1:
         return _decode_group(query, k_cache, v_cache, *groups[0][1:], scale, 0)

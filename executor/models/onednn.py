@@ -22,7 +22,7 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias) if self.packed is None else self.matmul(x, True)
+        return self.matmul(x, with_bias=True)
 
     def matmul(self, x: torch.Tensor, with_bias: bool = False) -> torch.Tensor:
         """x [rows, in_features] times the weight (plus the bias if asked)."""
