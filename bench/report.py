@@ -16,7 +16,7 @@ import transformers
 HERE = Path(__file__).parent
 ORDER = [
     "peers", "serve", "serve_backends", "overhead", "overhead_levers", "replicas", "scheduler",
-    "detokenizer", "tracing", "executor", "tp",
+    "detokenizer", "tracing", "executor", "tp", "structured",
 ]  # fmt: skip
 
 

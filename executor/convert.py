@@ -7,10 +7,13 @@ from flagstop.scheduler_svc.core.output import (
     NewRequestData,
     SchedulerOutput,
 )
+from flagstop.structured import spec_from_proto, spec_to_proto
 from flagstop.v1 import executor_pb2, generation_pb2
 
 
 def sampling_from_proto(p: executor_pb2.SamplingParams) -> SamplingParams:
+    """Raises GrammarError for a constraint the router would have refused."""
+    structured = p.structured_outputs if p.HasField("structured_outputs") else None
     return SamplingParams(
         temperature=p.temperature,
         top_p=p.top_p,
@@ -19,7 +22,10 @@ def sampling_from_proto(p: executor_pb2.SamplingParams) -> SamplingParams:
         min_tokens=p.min_tokens,
         stop_token_ids=tuple(p.stop_token_ids),
         logprobs=p.logprobs if p.HasField("logprobs") else None,
-    )
+        grammar=None if structured is None else spec_from_proto(structured),
+        num_prompt_tokens_constrained=0 if structured is None
+        else structured.num_prompt_tokens_constrained,
+    )  # fmt: skip
 
 
 def sampling_to_proto(p: SamplingParams) -> executor_pb2.SamplingParams:
@@ -27,6 +33,9 @@ def sampling_to_proto(p: SamplingParams) -> executor_pb2.SamplingParams:
         temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_tokens=p.min_tokens,
         stop_token_ids=p.stop_token_ids, seed=p.seed, logprobs=p.logprobs,
     )  # fmt: skip
+    if p.grammar is not None:
+        out.structured_outputs.CopyFrom(spec_to_proto(p.grammar))
+        out.structured_outputs.num_prompt_tokens_constrained = p.num_prompt_tokens_constrained
     return out
 
 

@@ -1,7 +1,9 @@
 """Turns step plans into sampled tokens: the model, its paged KV cache, the persistent
 batch and the sampler, on one device."""
 
+import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,7 +17,11 @@ from flagstop.executor.sampling import sample
 from flagstop.executor.sampling_params import SampleOutput, SamplingParams
 from flagstop.executor.step_inputs import StepInputs, prepare_inputs
 from flagstop.scheduler_svc.core.output import NewRequestData, SchedulerOutput
+from flagstop.structured import GrammarSpec
 from flagstop.utils import cdiv
+
+if TYPE_CHECKING:
+    from flagstop.executor.structured import GrammarBook
 
 
 def resolve_device(name: str) -> torch.device:
@@ -65,12 +71,37 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         self.batch = self._new_batch()
         self.last_inputs: StepInputs | None = None  # ranks > 0: awaiting sampled tokens
+        # Rank 0 (which samples), on the first constrained request: loading the
+        # tokenizer and xgrammar costs seconds that a server never asked for them
+        # should not pay.
+        self._grammars: GrammarBook | None = None
+        self._grammars_lock = threading.Lock()
 
     def reset(self) -> None:
         """Forget every request (a new scheduler stream). The cache contents need no
         clearing: nothing is read that the new scheduler has not had written."""
         self.batch = self._new_batch()
         self.last_inputs = None
+        if self._grammars is not None:
+            self._grammars.matchers.clear()
+
+    @property
+    def grammars(self) -> "GrammarBook":
+        """Rank 0's grammars (made on first use, from a compile thread or the step
+        loop). Raises GrammarError when the checkpoint has no tokenizer."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                from flagstop.executor.structured import GrammarBook
+
+                self._grammars = GrammarBook(
+                    self.config.model, self.model_config.vocab_size,
+                    self.model_config.eos_token_ids, self.config.max_num_seqs,
+                )  # fmt: skip
+            return self._grammars
+
+    def prepare_grammar(self, spec: GrammarSpec) -> float:
+        """Compile a constraint ahead of its request (on a thread): seconds taken."""
+        return self.grammars.compile(spec)
 
     def _new_batch(self) -> InputBatch:
         return InputBatch(
@@ -136,7 +167,11 @@ class ModelRunner:
     ) -> tuple[torch.Tensor | None, StepInputs] | None:
         """Apply the diff and run the forward: logits [num_sampling, vocab] in plan
         order (on rank 0; None on the other ranks); None without scheduled tokens."""
+        if self._grammars is not None and self._grammars.matchers:
+            self._drop_matchers(plan)
         self.batch.apply(plan)
+        if self.tp.rank == 0:
+            self._add_matchers(plan)
         if not plan.num_scheduled_tokens:
             return None
         inputs = prepare_inputs(self.batch, plan, self.device)
@@ -151,9 +186,30 @@ class ModelRunner:
             return SampleOutput([])
         logits, inputs = result
         assert logits is not None, "only rank 0 samples"
-        output = sample(logits, inputs.sampling)
+        grammars = self._grammars
+        if grammars is None or not grammars.matchers:
+            output = sample(logits, inputs.sampling)
+        else:  # the logprobs are those of the masked distribution
+            constrained = grammars.mask(logits, inputs.sampling_rows)
+            output = sample(logits, inputs.sampling)
+            grammars.accept(constrained, output.token_ids)
         self.advance(inputs, output.token_ids)
         return output
+
+    def _drop_matchers(self, plan: SchedulerOutput) -> None:
+        rows = self.batch.req_rows
+        for req_id in (*plan.finished_req_ids, *plan.preempted_req_ids):
+            if (row := rows.get(req_id)) is not None:
+                self._grammars.remove(row)  # type: ignore[union-attr]
+
+    def _add_matchers(self, plan: SchedulerOutput) -> None:
+        for data in (*plan.scheduled_new_reqs, *plan.scheduled_resumed_reqs):
+            params = data.sampling_params
+            if params is None or params.grammar is None:
+                continue
+            start = data.num_prompt_tokens - params.num_prompt_tokens_constrained
+            row = self.batch.req_rows[data.req_id]
+            self.grammars.add(row, params.grammar, data.token_ids[start:])
 
     async def step(self, plan: SchedulerOutput) -> SampleOutput:
         """execute() for the service (the simulator's step waits instead)."""

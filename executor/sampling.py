@@ -82,6 +82,15 @@ def _logprobs(
     top_values, top_ids = logprobs.topk(num_top, dim=-1)
     top_ids_list, top_values_list = top_ids.tolist(), top_values.tolist()
     return [
-        None if n is None else (chosen[i], top_ids_list[i][:n], top_values_list[i][:n])
+        None if n is None else _top(chosen[i], top_ids_list[i][:n], top_values_list[i][:n])
         for i, n in enumerate(num_logprobs)
     ]
+
+
+def _top(chosen: float, ids: list[int], values: list[float]):
+    # A grammar's mask leaves -inf tokens: they are no alternatives (and JSON has
+    # no -inf).
+    if values and values[-1] == float("-inf"):
+        kept = [k for k, v in enumerate(values) if v != float("-inf")]
+        ids, values = [ids[k] for k in kept], [values[k] for k in kept]
+    return chosen, ids, values

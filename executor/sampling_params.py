@@ -3,6 +3,8 @@ no torch (the executor simulator and the conversions use them too)."""
 
 from dataclasses import dataclass
 
+from flagstop.structured import GrammarSpec
+
 
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
@@ -15,6 +17,10 @@ class SamplingParams:
     # token ids): masked while fewer than min_tokens were generated.
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None  # None: off; n: the sampled token's and the top n
+    grammar: GrammarSpec | None = None  # set: the output is constrained
+    # The prompt's last tokens that are output the grammar already covers (a request
+    # resubmitted with its outputs so far in its prompt).
+    num_prompt_tokens_constrained: int = 0
 
 
 @dataclass(slots=True)

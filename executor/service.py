@@ -5,6 +5,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import grpc
@@ -12,6 +13,7 @@ from prometheus_client import Histogram
 
 from flagstop.executor.convert import plan_from_proto, result_to_proto
 from flagstop.executor.tp_messages import RESET, STEP, STOP
+from flagstop.structured import GrammarError, spec_from_proto
 from flagstop.telemetry import LATENCY_BUCKETS, Telemetry, extract
 from flagstop.v1 import executor_pb2, executor_pb2_grpc
 
@@ -44,6 +46,7 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         # Bumped by every new Execute stream: the newest scheduler wins, an older
         # stream still open (a scheduler that died) is ended at its next message.
         self.generation = 0
+        self.compile_pool = ThreadPoolExecutor(2, thread_name_prefix="grammar")
 
     # -- the tensor-parallel group ---------------------------------------------
 
@@ -95,6 +98,20 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
             max_num_batched_tokens=runner.config.max_num_batched_tokens,
             tensor_parallel_size=runner.tensor_parallel_size,
         )  # fmt: skip
+
+    async def PrepareGrammar(self, request, context) -> executor_pb2.PrepareGrammarResponse:
+        prepare = getattr(self.runner, "prepare_grammar", None)
+        if prepare is None:  # the simulator: its tokens are not sampled from a model
+            return executor_pb2.PrepareGrammarResponse()
+        try:
+            spec = spec_from_proto(request.structured_outputs)
+            # On a thread: xgrammar compiles without the GIL, beside the step loop.
+            seconds = await asyncio.get_running_loop().run_in_executor(
+                self.compile_pool, prepare, spec
+            )
+        except GrammarError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return executor_pb2.PrepareGrammarResponse(compile_seconds=seconds)
 
     async def Execute(
         self, request_iterator: AsyncIterator[executor_pb2.StepRequest], context

@@ -111,6 +111,8 @@ class Pending:
         add.min_tokens = max(0, add.min_tokens - done)
         if add.HasField("max_tokens"):
             add.max_tokens -= done
+        if add.sampling.HasField("structured_outputs"):  # the grammar replays them
+            add.sampling.structured_outputs.num_prompt_tokens_constrained += done
         return add
 
 

@@ -5,13 +5,14 @@ this one refuses with the same words).
 Unknown fields are ignored, as vLLM does and unlike OpenAI's own API (which answers
 400): the field's clients send extras of other providers, and refusing them would
 break LiteLLM, gateways and benchmark tools for nothing. But a field we know and do
-not implement (penalties, logit_bias, tools, response_format, echo, suffix, best_of)
+not implement (penalties, logit_bias, tools, echo, suffix, best_of)
 is refused when set to anything but its neutral value, rather than silently dropped:
 its caller expects an output we would not produce."""
 
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from flagstop.v1 import generation_pb2
 
@@ -22,6 +23,35 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: str = "response"
+    schema_: dict[str, Any] | bool = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs its json_schema")
+        return self
+
+
+class StructuredOutputsParams(BaseModel):
+    """vLLM's structured_outputs object."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class OpenAIRequest(BaseModel):
@@ -46,6 +76,15 @@ class OpenAIRequest(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     priority: int = 0
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its
+    # older guided_* fields; at most one constraint.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    _constraint: generation_pb2.StructuredOutputs | None = PrivateAttr(None)
     # Known, not implemented: refused unless neutral.
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
@@ -59,7 +98,37 @@ class OpenAIRequest(BaseModel):
                 raise ValueError(f"{name} is not supported by flagstop; leave it unset")
         if self.best_of not in (None, self.n):
             raise ValueError("best_of is not supported by flagstop; leave it unset")
+        self._constraint = self._structured_outputs()
         return self
+
+    def _structured_outputs(self) -> generation_pb2.StructuredOutputs | None:
+        """The one constraint the request sets, on the gRPC API's terms."""
+        found: list[tuple[str, generation_pb2.StructuredOutputs]] = []
+        rf, so = self.response_format, self.structured_outputs or StructuredOutputsParams()
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", generation_pb2.StructuredOutputs(json_object=True)))
+        if rf is not None and rf.type == "json_schema" and rf.json_schema is not None:
+            schema = _schema_text(rf.json_schema.schema_)
+            strict = bool(rf.json_schema.strict)
+            found.append(("response_format", _so(json_schema=schema, strict=strict)))
+        for name, value in (
+            ("guided_json", self.guided_json), ("structured_outputs.json", so.json_),
+        ):  # fmt: skip
+            if value is not None:
+                found.append((name, _so(json_schema=_schema_text(value), strict=True)))
+        if so.json_object:
+            found.append(("structured_outputs.json_object", _so(json_object=True)))
+        for kind in ("regex", "choice", "grammar"):
+            for name, value in ((f"guided_{kind}", getattr(self, f"guided_{kind}")),
+                                (f"structured_outputs.{kind}", getattr(so, kind))):  # fmt: skip
+                if value is not None:
+                    if kind == "choice":
+                        value = generation_pb2.Choices(choices=value)
+                    found.append((name, _so(**{kind: value})))
+        if len(found) > 1:
+            names = ", ".join(name for name, _ in found)
+            raise ValueError(f"set at most one output constraint, got {names}")
+        return found[0][1] if found else None
 
     def unsupported(self) -> dict[str, Any]:
         return {
@@ -92,7 +161,17 @@ class OpenAIRequest(BaseModel):
             request.top_p = self.top_p
         if self.seed is not None:
             request.seed = self.seed + choice
+        if self._constraint is not None:
+            request.structured_outputs.CopyFrom(self._constraint)
         return request
+
+
+def _so(**fields) -> generation_pb2.StructuredOutputs:
+    return generation_pb2.StructuredOutputs(**fields)
+
+
+def _schema_text(schema: dict[str, Any] | bool | str) -> str:
+    return schema if isinstance(schema, str) else json.dumps(schema)
 
 
 class CompletionRequest(OpenAIRequest):
@@ -156,11 +235,10 @@ class ChatCompletionRequest(OpenAIRequest):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: Any = None
 
     def unsupported(self) -> dict[str, Any]:
         return {
-            **super().unsupported(), "tools": self.tools, "response_format": self.response_format,
+            **super().unsupported(), "tools": self.tools,
             "tool_choice": self.tool_choice not in (None, "none") and self.tool_choice,
         }  # fmt: skip
 

@@ -73,6 +73,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.reconnect = Reconnect(give_up_after_s=settings.executor_timeout)
         self.accepting = True
         self.policy_client: RemotePolicyClient | None = None
+        # Constrained requests waiting for the executor to compile their grammar
+        # (vLLM's WAITING_FOR_FSM): by id, (owner, task). The step loop never waits.
+        self.compiling: dict[str, tuple[str, asyncio.Task]] = {}
 
     # -- the executor --------------------------------------------------------
 
@@ -279,7 +282,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def num_waiting(self) -> int:
         """Requests waiting here and those the routers still hold queued for us."""
         assert self.scheduler is not None
-        return len(self.scheduler.waiting) + self.num_queued_at_routers()
+        waiting = len(self.scheduler.waiting) + len(self.compiling)
+        return waiting + self.num_queued_at_routers()
 
     def num_queued_at_routers(self) -> int:
         return sum(c.num_queued for c in self.routers.values())
@@ -301,7 +305,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if self.scheduler is None or not self.accepting:
             return
         outstanding = sum(c.credits for c in self.routers.values())
-        room = self.settings.max_waiting_requests - len(self.scheduler.waiting) - outstanding
+        waiting = len(self.scheduler.waiting) + len(self.compiling)
+        room = self.settings.max_waiting_requests - waiting - outstanding
         wanting = [c for c in self.routers.values() if c.num_queued > c.credits]
         while room > 0 and wanting:
             for conn in list(wanting):
@@ -355,6 +360,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         scheduler = self.scheduler
         errors = []
         if msg.aborts and scheduler is not None:
+            self._cancel_compiles(msg.aborts)
             scheduler.abort(msg.aborts)
             for request_id in msg.aborts:
                 self.telemetry.on_finish(request_id, FinishReason.ABORT)
@@ -376,6 +382,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 request_id=add.request_id, code=grpc.StatusCode.UNAVAILABLE.value[0],
                 message="the scheduler is not serving (starting, stopping, or no executor)",
             )  # fmt: skip
+        if add.sampling.HasField("structured_outputs"):
+            task = asyncio.create_task(self._compile_then_add(conn, add))
+            self.compiling[add.request_id] = (conn.router_id, task)
+            return None
+        return self._admit(conn, add)
+
+    def _admit(self, conn: RouterConnection, add: scheduler_pb2.AddRequest):
         try:
             self.scheduler.add_request(request_from_proto(add, conn.router_id, self.eos_token_ids))
             self.telemetry.on_add(add.request_id, len(add.prompt_token_ids), add.traceparent)
@@ -387,10 +400,45 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             )
         return None
 
+    async def _compile_then_add(self, conn: RouterConnection, add: scheduler_pb2.AddRequest):
+        """The request waits for its grammar here, the batch does not. A grammar the
+        executor refuses ends the request with INVALID_ARGUMENT; an executor that does
+        not answer (lost, restarting) leaves the compile to the request's first step."""
+        request = executor_pb2.PrepareGrammarRequest(
+            structured_outputs=add.sampling.structured_outputs
+        )
+        error = None
+        try:
+            await self.executor.PrepareGrammar(request, timeout=self.settings.executor_timeout)
+        except grpc.aio.AioRpcError as e:
+            if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+                error = scheduler_pb2.RequestError(
+                    request_id=add.request_id, code=e.code().value[0], message=e.details()
+                )
+            else:
+                log.warning("grammar of %s not compiled ahead: %s", add.request_id, e.code())
+        finally:
+            self.compiling.pop(add.request_id, None)
+        if self.routers.get(conn.router_id) is not conn:
+            return  # its router left meanwhile
+        error = error or self._admit(conn, add)
+        if error is not None:
+            conn.outbox.put_nowait(scheduler_pb2.SchedulerMessage(errors=[error]))
+        self.wakeup.set()
+
+    def _cancel_compiles(self, request_ids) -> None:
+        for request_id in request_ids:
+            entry = self.compiling.pop(request_id, None)
+            if entry is not None:
+                entry[1].cancel()
+
     def _drop_router(self, conn: RouterConnection) -> None:
         """Its clients are gone with it: nobody is left to stream these tokens to."""
         if self.routers.get(conn.router_id) is conn:
             del self.routers[conn.router_id]
+        self._cancel_compiles(
+            [r for r, (owner, _) in self.compiling.items() if owner == conn.router_id]
+        )
         if self.scheduler is not None:
             owned = self.scheduler.request_ids_by_owner().get(conn.router_id, [])
             self.scheduler.abort(owned)

@@ -7,6 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class PrepareGrammarRequest(_message.Message):
+    __slots__ = ("structured_outputs",)
+    STRUCTURED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    structured_outputs: _generation_pb2.StructuredOutputs
+    def __init__(self, structured_outputs: _Optional[_Union[_generation_pb2.StructuredOutputs, _Mapping]] = ...) -> None: ...
+
+class PrepareGrammarResponse(_message.Message):
+    __slots__ = ("compile_seconds",)
+    COMPILE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    compile_seconds: float
+    def __init__(self, compile_seconds: _Optional[float] = ...) -> None: ...
+
 class DescribeExecutorRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -34,7 +46,7 @@ class DescribeExecutorResponse(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed", "min_tokens", "stop_token_ids", "logprobs")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "min_tokens", "stop_token_ids", "logprobs", "structured_outputs")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +54,7 @@ class SamplingParams(_message.Message):
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -49,7 +62,8 @@ class SamplingParams(_message.Message):
     min_tokens: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[int] = ...) -> None: ...
+    structured_outputs: _generation_pb2.StructuredOutputs
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[int] = ..., structured_outputs: _Optional[_Union[_generation_pb2.StructuredOutputs, _Mapping]] = ...) -> None: ...
 
 class NewRequestData(_message.Message):
     __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "sampling_params", "block_ids", "num_computed_tokens", "num_scheduled_tokens")

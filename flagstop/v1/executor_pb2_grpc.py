@@ -44,6 +44,11 @@ class ExecutorStub:
                 request_serializer=flagstop_dot_v1_dot_executor__pb2.StepRequest.SerializeToString,
                 response_deserializer=flagstop_dot_v1_dot_executor__pb2.StepResult.FromString,
                 _registered_method=True)
+        self.PrepareGrammar = channel.unary_unary(
+                '/flagstop.v1.Executor/PrepareGrammar',
+                request_serializer=flagstop_dot_v1_dot_executor__pb2.PrepareGrammarRequest.SerializeToString,
+                response_deserializer=flagstop_dot_v1_dot_executor__pb2.PrepareGrammarResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutorServicer:
@@ -62,6 +67,15 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrepareGrammar(self, request, context):
+        """Compiles a request's output constraint before the request is scheduled, off the
+        step loop (the scheduler holds the request until this answers): OK when ready,
+        INVALID_ARGUMENT with the grammar engine's message when it does not compile.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -74,6 +88,11 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.Execute,
                     request_deserializer=flagstop_dot_v1_dot_executor__pb2.StepRequest.FromString,
                     response_serializer=flagstop_dot_v1_dot_executor__pb2.StepResult.SerializeToString,
+            ),
+            'PrepareGrammar': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareGrammar,
+                    request_deserializer=flagstop_dot_v1_dot_executor__pb2.PrepareGrammarRequest.FromString,
+                    response_serializer=flagstop_dot_v1_dot_executor__pb2.PrepareGrammarResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -130,6 +149,33 @@ class Executor:
             '/flagstop.v1.Executor/Execute',
             flagstop_dot_v1_dot_executor__pb2.StepRequest.SerializeToString,
             flagstop_dot_v1_dot_executor__pb2.StepResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareGrammar(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagstop.v1.Executor/PrepareGrammar',
+            flagstop_dot_v1_dot_executor__pb2.PrepareGrammarRequest.SerializeToString,
+            flagstop_dot_v1_dot_executor__pb2.PrepareGrammarResponse.FromString,
             options,
             channel_credentials,
             insecure,

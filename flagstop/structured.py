@@ -1,0 +1,162 @@
+"""Structured outputs: the one canonical form of a request's output constraint
+(`GrammarSpec`), its wire form, and the grammar engine's check of it.
+
+The engine is llguidance. xgrammar was measured too (bench/structured_bench.py
+--engines, bench/results/structured.md): its per-token masks are cheaper, but on
+this repository's random-weight model it wrote JSON that no parser takes, raw
+control characters in length-bounded strings (mlc-ai/xgrammar#800, unreleased fix)
+and UTF-8 no decoder takes (overlong forms such as E0 99 AA, encoded surrogates)
+in 1 of 50 sampled objects even after working around the first. llguidance admits
+neither, and its masks cost tens of microseconds a row: little beside a step.
+
+The router checks a spec (no tokenizer needed: 0.2 ms for a small schema) to
+refuse a bad one before admission; the executor compiles it against the model's
+vocabulary (executor/structured.py). The engine is imported on first use."""
+
+import functools
+import json
+from dataclasses import dataclass
+
+from flagstop.v1 import generation_pb2
+
+JSON_SCHEMA, REGEX, EBNF, LARK = "json_schema", "regex", "ebnf", "lark"
+ANY_JSON_OBJECT = '{"type":"object"}'
+MAX_SPEC_CHARS = 1 << 20  # a megabyte of schema or grammar text
+MAX_CHOICES = 1024
+
+
+class GrammarError(ValueError):
+    """A constraint that cannot be used, with a message a person can act on."""
+
+
+@dataclass(slots=True, frozen=True)
+class GrammarSpec:
+    kind: str  # JSON_SCHEMA, REGEX, EBNF or LARK
+    text: str  # canonical: a JSON schema is re-serialized compactly
+    strict: bool = True  # json_schema: only the listed properties and items
+
+    @property
+    def key(self) -> str:
+        """What compiled grammars are cached by."""
+        return f"{self.kind}:{int(self.strict)}:{self.text}"
+
+
+def spec_from_proto(message: generation_pb2.StructuredOutputs) -> GrammarSpec:
+    """The canonical spec of a request's constraint. Raises GrammarError."""
+    kind = message.WhichOneof("kind")
+    if kind == "json_schema":
+        return GrammarSpec(JSON_SCHEMA, _canonical_schema(message.json_schema), message.strict)
+    if kind == "json_object":
+        return GrammarSpec(JSON_SCHEMA, ANY_JSON_OBJECT, strict=False)
+    if kind == "regex":
+        return GrammarSpec(REGEX, _bounded(message.regex, "regex"))
+    if kind == "choice":
+        return GrammarSpec(LARK, _choice_grammar(list(message.choice.choices)))
+    if kind == "grammar":
+        text = _bounded(message.grammar, "grammar")
+        return GrammarSpec(EBNF if "::=" in text else LARK, text)
+    raise GrammarError("structured_outputs sets no constraint: set one of its fields")
+
+
+def spec_to_proto(spec: GrammarSpec) -> generation_pb2.StructuredOutputs:
+    if spec.kind == JSON_SCHEMA:
+        return generation_pb2.StructuredOutputs(json_schema=spec.text, strict=spec.strict)
+    if spec.kind == REGEX:
+        return generation_pb2.StructuredOutputs(regex=spec.text)
+    return generation_pb2.StructuredOutputs(grammar=spec.text)
+
+
+def _bounded(text: str, name: str) -> str:
+    if not text.strip():
+        raise GrammarError(f"{name} is empty")
+    if len(text) > MAX_SPEC_CHARS:
+        raise GrammarError(f"{name} is longer than {MAX_SPEC_CHARS} characters")
+    return text
+
+
+def _canonical_schema(text: str) -> str:
+    try:
+        schema = json.loads(_bounded(text, "json_schema"))
+    except json.JSONDecodeError as e:
+        raise GrammarError(f"json_schema is not valid JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise GrammarError("json_schema must be a JSON object (a JSON Schema document)")
+    # Key order stays: a schema's property order is the order the output takes.
+    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+
+
+def _choice_grammar(choices: list[str]) -> str:
+    if not choices or any(not c for c in choices):
+        raise GrammarError("choice takes a non-empty list of non-empty strings")
+    if len(choices) > MAX_CHOICES:
+        raise GrammarError(f"choice takes at most {MAX_CHOICES} strings")
+    # Lark string literals take JSON's escapes.
+    return "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def to_grammar(spec: GrammarSpec) -> str:
+    """The engine's grammar (llguidance's grammar document). Raises GrammarError
+    with the engine's message. JSON is compact (no free whitespace): free whitespace
+    lets a weak model fill max_tokens with blanks mid-structure, the failure vLLM's
+    disable_any_whitespace exists for."""
+    from llguidance import LLMatcher
+    from llguidance.gbnf_to_lark import gbnf_to_lark
+
+    if spec.kind == JSON_SCHEMA:
+        schema = json.loads(spec.text)
+        if spec.strict:
+            schema = _closed_objects(schema)
+        return LLMatcher.grammar_from_json_schema(schema, defaults=_COMPACT)
+    if spec.kind == REGEX:
+        return LLMatcher.grammar_from_regex(spec.text)
+    text = spec.text
+    if spec.kind == EBNF:
+        try:
+            text = gbnf_to_lark(text)
+        except Exception as e:  # its parser raises plain exceptions
+            raise GrammarError(f"grammar (EBNF) does not compile: {e}") from None
+    return LLMatcher.grammar_from_lark(text)
+
+
+_COMPACT = {"whitespace_flexible": False}
+_DATA_KEYS = frozenset({"enum", "const", "default", "examples"})  # values, not schemas
+
+
+def _closed_objects(node):
+    """strict: an object schema that does not say otherwise takes only its listed
+    properties (OpenAI's strict mode requires additionalProperties: false)."""
+    if isinstance(node, list):
+        return [_closed_objects(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: v if k in _DATA_KEYS else _closed_objects(v) for k, v in node.items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+_KIND_NAMES = {
+    JSON_SCHEMA: "json_schema does not compile",
+    REGEX: "regex does not compile",
+    EBNF: "grammar (EBNF) does not compile",
+    LARK: "grammar (Lark) does not compile",
+}
+
+
+def refusal_of(spec: GrammarSpec, error: str) -> str:
+    """The engine's error, said as a refusal of the request's constraint."""
+    return f"{_KIND_NAMES[spec.kind]}: {error.strip()}"
+
+
+@functools.lru_cache(maxsize=1024)
+def check(spec: GrammarSpec) -> str | None:
+    """The refusal of a spec the engine cannot use, or None: what the router asks
+    before admission (no tokenizer needed: 0.2 ms for a small schema). Cached,
+    refusals included (a client retrying a bad schema costs a lookup)."""
+    from llguidance import LLMatcher
+
+    try:
+        error = LLMatcher.validate_grammar(to_grammar(spec))
+    except GrammarError as e:
+        return str(e)
+    return refusal_of(spec, error) if error else None
