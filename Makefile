@@ -29,7 +29,7 @@ COMPOSE := $(if $(strip $(PROFILES)),COMPOSE_PROFILES=$(subst $() ,$(comma),$(st
 	$(if $(filter-out 1,$(TP)),TP=$(TP)) $(if $(filter-out 1,$(ROUTERS)),ROUTERS=$(ROUTERS)) \
 	$(DOCKER_COMPOSE) -f compose/compose.yaml $(if $(GPU),-f compose/compose.gpu.yaml)
 
-.PHONY: venv test lint bench bench-executor bench-replicas model proto serve up down logs ps clean
+.PHONY: venv test lint bench bench-executor bench-replicas bench-structured model proto serve up down logs ps clean
 
 venv: $(STAMP)
 
@@ -107,6 +107,13 @@ bench: $(STAMP)
 bench-executor: $(STAMP)
 	$(PY) bench/executor_bench.py
 	$(PY) bench/tp_bench.py
+	$(PY) bench/report.py
+
+# Structured outputs: throughput constrained vs not, compile times, and the grammar
+# engines side by side (xgrammar comes with the bench extra).
+bench-structured: $(STAMP)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
+	$(PY) bench/structured_bench.py --engines
 	$(PY) bench/report.py
 
 clean:
