@@ -1,6 +1,7 @@
 """Turns step plans into sampled tokens: the model, its paged KV cache, the persistent
 batch and the sampler, on one device."""
 
+import logging
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -17,11 +18,13 @@ from flagstop.executor.sampling import sample
 from flagstop.executor.sampling_params import SampleOutput, SamplingParams
 from flagstop.executor.step_inputs import StepInputs, prepare_inputs
 from flagstop.scheduler_svc.core.output import NewRequestData, SchedulerOutput
-from flagstop.structured import GrammarSpec
+from flagstop.structured import GrammarError, GrammarSpec
 from flagstop.utils import cdiv
 
 if TYPE_CHECKING:
     from flagstop.executor.structured import GrammarBook
+
+log = logging.getLogger("flagstop.executor")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -72,10 +75,11 @@ class ModelRunner:
         self.batch = self._new_batch()
         self.last_inputs: StepInputs | None = None  # ranks > 0: awaiting sampled tokens
         # Rank 0 (which samples), on the first constrained request: loading the
-        # tokenizer and xgrammar costs seconds that a server never asked for them
-        # should not pay.
+        # tokenizer and the grammar engine costs a server that never sees one nothing.
         self._grammars: GrammarBook | None = None
         self._grammars_lock = threading.Lock()
+        # Rows whose grammar failed here (see _add_matchers): their token is -1.
+        self._failed_rows: set[int] = set()
 
     def reset(self) -> None:
         """Forget every request (a new scheduler stream). The cache contents need no
@@ -84,6 +88,7 @@ class ModelRunner:
         self.last_inputs = None
         if self._grammars is not None:
             self._grammars.matchers.clear()
+        self._failed_rows.clear()
 
     @property
     def grammars(self) -> "GrammarBook":
@@ -167,7 +172,7 @@ class ModelRunner:
     ) -> tuple[torch.Tensor | None, StepInputs] | None:
         """Apply the diff and run the forward: logits [num_sampling, vocab] in plan
         order (on rank 0; None on the other ranks); None without scheduled tokens."""
-        if self._grammars is not None and self._grammars.matchers:
+        if self._failed_rows or (self._grammars is not None and self._grammars.matchers):
             self._drop_matchers(plan)
         self.batch.apply(plan)
         if self.tp.rank == 0:
@@ -194,13 +199,20 @@ class ModelRunner:
             output = sample(logits, inputs.sampling)
             grammars.accept(constrained, output.token_ids)
         self.advance(inputs, output.token_ids)
+        if self._failed_rows:  # after advance: a step in flight may still decode them
+            output.token_ids = [
+                -1 if row in self._failed_rows else token
+                for row, token in zip(inputs.sampling_rows.tolist(), output.token_ids, strict=True)
+            ]
         return output
 
     def _drop_matchers(self, plan: SchedulerOutput) -> None:
         rows = self.batch.req_rows
         for req_id in (*plan.finished_req_ids, *plan.preempted_req_ids):
             if (row := rows.get(req_id)) is not None:
-                self._grammars.remove(row)  # type: ignore[union-attr]
+                self._failed_rows.discard(row)
+                if self._grammars is not None:
+                    self._grammars.remove(row)
 
     def _add_matchers(self, plan: SchedulerOutput) -> None:
         for data in (*plan.scheduled_new_reqs, *plan.scheduled_resumed_reqs):
@@ -209,7 +221,14 @@ class ModelRunner:
                 continue
             start = data.num_prompt_tokens - params.num_prompt_tokens_constrained
             row = self.batch.req_rows[data.req_id]
-            self.grammars.add(row, params.grammar, data.token_ids[start:])
+            try:
+                self.grammars.add(row, params.grammar, data.token_ids[start:])
+            except GrammarError as e:
+                # Only where the scheduler's PrepareGrammar did not run first (an
+                # executor that was away): the request ends with an error (a -1 token),
+                # the batch goes on; raising would fail every step that resumes it.
+                log.error("request %s: %s", data.req_id, e)
+                self._failed_rows.add(row)
 
     async def step(self, plan: SchedulerOutput) -> SampleOutput:
         """execute() for the service (the simulator's step waits instead)."""

@@ -105,7 +105,7 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
             return executor_pb2.PrepareGrammarResponse()
         try:
             spec = spec_from_proto(request.structured_outputs)
-            # On a thread: xgrammar compiles without the GIL, beside the step loop.
+            # On a thread: llguidance compiles without the GIL, beside the step loop.
             seconds = await asyncio.get_running_loop().run_in_executor(
                 self.compile_pool, prepare, spec
             )

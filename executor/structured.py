@@ -20,7 +20,7 @@ import torch
 from flagstop.structured import GrammarError, GrammarSpec, refusal_of, to_grammar
 
 log = logging.getLogger("flagstop.executor")
-MAX_CACHED_GRAMMARS = 512
+MAX_CACHED_GRAMMARS = 128
 PARALLEL_MASK_CORES = 8
 
 

@@ -22,7 +22,7 @@ from flagstop.v1 import generation_pb2
 
 JSON_SCHEMA, REGEX, EBNF, LARK = "json_schema", "regex", "ebnf", "lark"
 ANY_JSON_OBJECT = '{"type":"object"}'
-MAX_SPEC_CHARS = 1 << 20  # a megabyte of schema or grammar text
+MAX_SPEC_CHARS = 1 << 17  # 128k characters of schema or grammar text
 MAX_CHOICES = 1024
 
 
@@ -149,7 +149,7 @@ def refusal_of(spec: GrammarSpec, error: str) -> str:
     return f"{_KIND_NAMES[spec.kind]}: {error.strip()}"
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=256)
 def check(spec: GrammarSpec) -> str | None:
     """The refusal of a spec the engine cannot use, or None: what the router asks
     before admission (no tokenizer needed: 0.2 ms for a small schema). Cached,

@@ -14,10 +14,15 @@ import grpc
 import jsonschema
 import openai
 import pytest
+from transformers import AutoTokenizer
 
+from flagstop.executor.config import ExecutorConfig
+from flagstop.executor.model_runner import ModelRunner
+from flagstop.executor.sampling_params import SamplingParams
 from flagstop.router.openai_protocol import ChatCompletionRequest, CompletionRequest
 from flagstop.structured import GrammarError, GrammarSpec, check, spec_from_proto
 from flagstop.v1 import generation_pb2
+from tests.executor_harness import Harness
 from tools.stack import generate, start_stack
 
 MODEL = "flagstop-tiny"
@@ -185,6 +190,39 @@ def test_openai_fields_map_to_one_constraint():
     assert not text.HasField("structured_outputs")
     with pytest.raises(ValueError, match="at most one output constraint"):
         CompletionRequest(**body, guided_regex="a", guided_choice=["a"])
+
+
+# -- the executor's masks, in process ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def harness(model_dir) -> Harness:
+    config = ExecutorConfig(model=str(model_dir), num_blocks=64, block_size=16, max_num_seqs=8)
+    return Harness(ModelRunner(config))
+
+
+def test_only_constrained_rows_are_masked_and_a_replay_that_breaks_fails_one_request(
+    harness, model_dir
+):
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    digits = GrammarSpec("regex", "[0-9]{3}")
+    letters = tokenizer("abc").input_ids[-2:]  # "output" a digit grammar cannot replay
+    harness.add("free", [0, 5, 6, 7])
+    harness.add("digits", [0, 5, 6, 7], SamplingParams(grammar=digits))
+    broken = [0, 5, *letters]
+    harness.add("broken", broken, SamplingParams(
+        grammar=digits, num_prompt_tokens_constrained=len(letters)))  # fmt: skip
+    first = harness.step({"free": 4, "digits": 4, "broken": len(broken)})
+    assert first["broken"] == -1, "its replay failed: it ends, the batch goes on"
+    assert harness.runner.batch.req_rows.keys() >= {"free", "digits", "broken"}
+    harness.leave("broken")
+    text = tokenizer.decode([first["digits"]])
+    for _ in range(3):
+        out = harness.step({"free": 1, "digits": 1})
+        text += tokenizer.decode([out["digits"]]) if out["digits"] != 1 else ""
+    assert re.fullmatch("[0-9]{1,3}", text), text
+    unconstrained = tokenizer.decode(harness.requests["free"].token_ids[4:])
+    assert not unconstrained.isdigit(), "the free row was masked too"
 
 
 # -- 50 sampled completions per case, through both APIs --------------------------------
