@@ -75,8 +75,10 @@ def test_prefix_routing_beats_round_robin(model_dir, tmp_path):
         finally:
             stack.stop(10)
     (rr_rate, rr_prefilled, _), (rate, prefilled, per_replica) = results.values()
-    assert rate >= 1.5 * rr_rate, results
-    assert prefilled < rr_prefilled, results
+    # Round-robin's hit rate depends on arrival timing (0.41-0.52 seen on the same
+    # workload; prefix routing 0.77-0.78): the margins leave room for that.
+    assert rate >= 1.3 * rr_rate, results
+    assert prefilled <= 0.6 * rr_prefilled, results
     assert max(per_replica) <= 0.7 * sum(per_replica), results  # no replica > 70%
 
 
