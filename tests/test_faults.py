@@ -2,6 +2,7 @@
 signals, and every stream checked token for token against transformers."""
 
 import asyncio
+import itertools
 import random
 import signal
 import subprocess
@@ -196,15 +197,18 @@ def test_a_thousand_concurrent_streams_complete_and_memory_returns(stack):
     asyncio.run(many_streams(stack.router, 100))  # warm-up: the baseline is a used stack
     stack.wait_idle()
     rss = [{name: rss_kib(p.pid) for name, p in stack.processes.items()}]
-    for _ in range(2):
+    for _ in range(3):
         assert asyncio.run(many_streams(stack.router, 1000)) == [4] * 1000
         stats = stack.wait_idle()
         assert stats.num_free_blocks == stats.num_total_blocks
         rss.append({name: rss_kib(p.pid) for name, p in stack.processes.items()})
-    baseline, first, second = rss
-    for name in baseline:
+    for name in rss[0]:
         # The allocators keep some of the first load's peak (seen: up to 16 MiB in the
-        # router); a second equal load must not grow it much further (seen: at most
-        # 3 MiB; a leak of 16 KiB per request would add 16 MiB).
-        assert second[name] - baseline[name] < 64 * 1024, (name, rss)
-        assert second[name] - first[name] < 16 * 1024, (name, rss)
+        # router), and the executor's caches fill over a few loads (oneDNN primitives
+        # per padded row count, the attention workspace; seen: +22, +12, +13, +1, +5
+        # MiB over five loads, 19 MiB once in CI). A leak grows every load alike (16
+        # KiB per request: 16 MiB each), caches less and less: one of the two later
+        # loads must add little.
+        growth = [after[name] - before[name] for before, after in itertools.pairwise(rss)]
+        assert rss[-1][name] - rss[0][name] < 80 * 1024, (name, rss)
+        assert min(growth[1:]) < 16 * 1024, (name, rss)
