@@ -2,7 +2,6 @@
 signals, and every stream checked token for token against transformers."""
 
 import asyncio
-import itertools
 import random
 import signal
 import subprocess
@@ -27,6 +26,7 @@ def stack(model_dir, tmp_path, request):
     stack = start_stack(
         model_dir, tmp_path, executor_args=["--num-blocks", "512"],
         scheduler_args=flags.get("scheduler", []), router_args=flags.get("router", []),
+        env=flags.get("env"),
     )  # fmt: skip
     yield stack
     stack.stop(10)
@@ -193,22 +193,27 @@ async def many_streams(router: str, n: int) -> list[int]:
         return await asyncio.gather(*(one(i) for i in range(n)))
 
 
+# ideep (oneDNN under torch's packed linears) caches a primitive per padded row count
+# and shape, up to 1024: the executor grew 10-27 MiB per load of 1000 streams while it
+# filled (bounded, not ours), and stays flat with 16 entries. The test is about leaks
+# of our own objects, so it pins the cache small.
+SMALL_PRIMITIVE_CACHE = {"env": {"LRU_CACHE_CAPACITY": "16"}}
+
+
+@pytest.mark.parametrize("stack", [SMALL_PRIMITIVE_CACHE], indirect=True)
 def test_a_thousand_concurrent_streams_complete_and_memory_returns(stack):
     asyncio.run(many_streams(stack.router, 100))  # warm-up: the baseline is a used stack
     stack.wait_idle()
     rss = [{name: rss_kib(p.pid) for name, p in stack.processes.items()}]
-    for _ in range(3):
+    for _ in range(2):
         assert asyncio.run(many_streams(stack.router, 1000)) == [4] * 1000
         stats = stack.wait_idle()
         assert stats.num_free_blocks == stats.num_total_blocks
         rss.append({name: rss_kib(p.pid) for name, p in stack.processes.items()})
-    for name in rss[0]:
+    baseline, first, second = rss
+    for name in baseline:
         # The allocators keep some of the first load's peak (seen: up to 16 MiB in the
-        # router), and the executor's caches fill over a few loads (oneDNN primitives
-        # per padded row count, the attention workspace; seen: +22, +12, +13, +1, +5
-        # MiB over five loads, 19 MiB once in CI). A leak grows every load alike (16
-        # KiB per request: 16 MiB each), caches less and less: one of the two later
-        # loads must add little.
-        growth = [after[name] - before[name] for before, after in itertools.pairwise(rss)]
-        assert rss[-1][name] - rss[0][name] < 80 * 1024, (name, rss)
-        assert min(growth[1:]) < 16 * 1024, (name, rss)
+        # router); a second equal load must not grow it much further (seen: at most
+        # 3 MiB; a leak of 16 KiB per request would add 16 MiB).
+        assert second[name] - baseline[name] < 64 * 1024, (name, rss)
+        assert second[name] - first[name] < 16 * 1024, (name, rss)
