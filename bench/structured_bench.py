@@ -214,7 +214,8 @@ def engines(args, model_dir: Path, vocab_size: int) -> tuple[str, dict]:
     return "\n".join(rows), results
 
 
-# The test suite's nested schema (tests/test_structured.py): bounded strings, enums.
+# A nested schema of the kind tests/test_structured.py holds the engine to: bounded
+# strings (where xgrammar admits control characters), enums, a required sub-object.
 TEST_SCHEMA = {
     "type": "object",
     "properties": {
