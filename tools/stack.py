@@ -144,6 +144,7 @@ def start_stack(
     env: dict[str, str] | None = None,
     channel_credentials: grpc.ChannelCredentials | None = None,
     checkout: Path = ROOT,
+    _retried: bool = False,
 ) -> Stack:
     """channel_credentials: how the test talks to the three (with TLS on); checkout:
     run another checkout of flagstop, with its own .venv (two versions side by side)."""
@@ -166,7 +167,18 @@ def start_stack(
                  for name, args in commands.items()}  # fmt: skip
     stack = Stack(address, processes, log_dir, metrics_ports, commands, env,
                   channel_credentials, http)  # fmt: skip
-    return _wait_up(stack)
+    try:
+        return _wait_up(stack)
+    except RuntimeError as e:
+        # free_port() releases the port before the service binds it: another test's
+        # process can take it in between (seen once in a CI run). New ports, once.
+        if "Address already in use" not in str(e) or _retried:
+            raise
+    return start_stack(
+        model_dir, log_dir, executor_args=executor_args, scheduler_args=scheduler_args,
+        router_args=router_args, env=env, channel_credentials=channel_credentials,
+        checkout=checkout, _retried=True,
+    )  # fmt: skip
 
 
 def _wait_up(stack: Stack) -> Stack:
