@@ -23,7 +23,6 @@
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -37,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.output import write_result
+from bench.serve_bench import cpu_seconds
 from flagstop.executor.structured import GrammarBook
 from flagstop.structured import check, spec_from_proto
 from flagstop.v1 import generation_pb2
@@ -89,11 +89,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--walks", type=int, default=200)
     p.add_argument("--out", default=str(RESULTS / "structured.md"))
     return p.parse_args()
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def constraint(i: int) -> generation_pb2.StructuredOutputs:
