@@ -27,11 +27,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flagstop.executor.config import ExecutorConfig
-from flagstop.executor.convert import plan_from_proto, plan_to_proto
+from flagstop.executor.convert import plan_from_proto, sampling_to_proto
 from flagstop.executor.distributed import join, start_group
 from flagstop.executor.model_runner import ModelRunner
 from flagstop.executor.sampling_params import SamplingParams
 from flagstop.executor.tp_messages import STEP, STOP
+from flagstop.scheduler_svc.convert import step_to_proto
 from flagstop.scheduler_svc.core.output import NewRequestData, SchedulerOutput
 from flagstop.utils import cdiv
 from tools.make_model import write_model
@@ -41,20 +42,20 @@ BATCHES = (1, 16, 64)
 
 
 class Stepper:
-    """Runs plans as the executor would: alone, or as rank 0 of a group."""
+    """Runs plans as the executor service would: decoded from the scheduler's wire
+    form, alone or as rank 0 of a group (which is sent the wire form first)."""
 
     def __init__(self, runner: ModelRunner, group=None) -> None:
         self.runner, self.group = runner, group
         self.message_s = 0.0
 
     def __call__(self, plan: SchedulerOutput) -> None:
+        step = step_to_proto(plan)
         if self.group is not None:
-            step = plan_to_proto(plan)
             started = time.perf_counter()
             self.group.send(STEP, step.SerializeToString())
             self.message_s += time.perf_counter() - started
-            plan = plan_from_proto(step)
-        output = self.runner.execute(plan)
+        output = self.runner.execute(plan_from_proto(step))
         if self.group is not None:
             self.group.sampled = output.token_ids
 
@@ -67,7 +68,8 @@ def decode_plans(runner: ModelRunner, batch: int, repeats: int):
     for i in range(batch):
         blocks = list(range(i * blocks_per_req, (i + 1) * blocks_per_req))
         first.scheduled_new_reqs.append(NewRequestData(
-            f"r{i}", [1] * CONTEXT, CONTEXT, SamplingParams(), blocks, CONTEXT - 1
+            f"r{i}", [1] * CONTEXT, CONTEXT, sampling_to_proto(SamplingParams()), blocks,
+            CONTEXT - 1,
         ))  # fmt: skip
         first.num_scheduled_tokens[f"r{i}"] = 1
 

@@ -21,7 +21,7 @@ def load_runner(settings: ExecutorSettings, membership):
     """(runner, group or None); a model that cannot be split or loaded stops start-up."""
     import torch
 
-    from flagstop.executor.distributed import join, start_group
+    from flagstop.executor.distributed import GroupDriver, join, start_group
     from flagstop.executor.model_runner import ModelRunner
     from flagstop.executor.models.config import ModelConfig
     from flagstop.executor.parallel import check_divisible
@@ -39,7 +39,8 @@ def load_runner(settings: ExecutorSettings, membership):
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     group = start_group(settings, membership)
     try:
-        return ModelRunner(settings, group.tp, lambda: join(group), group.device), group
+        runner = ModelRunner(settings, group.tp, lambda: join(group), group.device)
+        return runner, GroupDriver(group)
     except BaseException:
         group.stop_children()
         raise

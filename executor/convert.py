@@ -1,5 +1,6 @@
 """Conversions between the flagstop.v1 executor messages and the executor's objects:
-the step plan (the scheduler core's SchedulerOutput) in, sampled tokens out."""
+the step plan (the scheduler core's SchedulerOutput) in, sampled tokens out. The plan's
+one encoder is the scheduler's (scheduler_svc/convert.py: step_to_proto)."""
 
 from flagstop.executor.sampling_params import SampleOutput, SamplingParams
 from flagstop.scheduler_svc.core.output import (
@@ -29,6 +30,8 @@ def sampling_from_proto(p: executor_pb2.SamplingParams) -> SamplingParams:
 
 
 def sampling_to_proto(p: SamplingParams) -> executor_pb2.SamplingParams:
+    """The inverse of sampling_from_proto (tests and benchmarks that write plans by
+    hand; the scheduler passes the router's message through)."""
     out = executor_pb2.SamplingParams(
         temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_tokens=p.min_tokens,
         stop_token_ids=p.stop_token_ids, seed=p.seed, logprobs=p.logprobs,
@@ -37,29 +40,6 @@ def sampling_to_proto(p: SamplingParams) -> executor_pb2.SamplingParams:
         out.structured_outputs.CopyFrom(spec_to_proto(p.grammar))
         out.structured_outputs.num_prompt_tokens_constrained = p.num_prompt_tokens_constrained
     return out
-
-
-def plan_to_proto(plan: SchedulerOutput) -> executor_pb2.StepRequest:
-    """An executor-side plan back on the wire (tests and benchmarks that drive a
-    tensor-parallel group with hand-made plans)."""
-    step = executor_pb2.StepRequest(step_id=plan.step_id)
-    out, c = step.plan, plan.scheduled_cached_reqs
-    out.finished_req_ids.extend(plan.finished_req_ids)
-    out.preempted_req_ids.extend(plan.preempted_req_ids)
-    cached = out.scheduled_cached_reqs
-    cached.req_ids.extend(c.req_ids)
-    cached.num_computed_tokens.extend(c.num_computed_tokens)
-    cached.num_scheduled_tokens.extend(plan.num_scheduled_tokens[r] for r in c.req_ids)
-    cached.num_new_blocks.extend(len(b) for b in c.new_block_ids)
-    cached.new_block_ids.extend(b for blocks in c.new_block_ids for b in blocks)
-    for d in (*plan.scheduled_new_reqs, *plan.scheduled_resumed_reqs):
-        out.scheduled_new_reqs.add(
-            req_id=d.req_id, token_ids=d.token_ids, num_prompt_tokens=d.num_prompt_tokens,
-            sampling_params=sampling_to_proto(d.sampling_params or SamplingParams()),
-            block_ids=d.block_ids, num_computed_tokens=d.num_computed_tokens,
-            num_scheduled_tokens=plan.num_scheduled_tokens[d.req_id],
-        )  # fmt: skip
-    return step
 
 
 def plan_from_proto(step: executor_pb2.StepRequest) -> SchedulerOutput:

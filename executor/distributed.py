@@ -17,6 +17,7 @@ a rank that dies or hangs takes the whole group down within seconds instead of
 leaving a rank waiting forever; the scheduler then treats the executor as lost and
 recomputes on the group that a supervisor restarts."""
 
+import asyncio
 import json
 import logging
 import os
@@ -32,7 +33,7 @@ import torch.distributed as dist
 
 from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.parallel import Shard, TensorParallel
-from flagstop.executor.tp_messages import PING, RESET, STEP
+from flagstop.executor.tp_messages import PING, RESET, STEP, STOP
 from flagstop.server import StartupError, die_with_parent
 
 log = logging.getLogger("flagstop.executor.tp")
@@ -141,6 +142,65 @@ class Group:
             if child.poll() is not None:
                 return f"rank {rank} exited with {child.returncode}"
         return ""
+
+
+class GroupDriver:
+    """Rank 0's hold on the group, for the executor service: each reset and step goes
+    to the other ranks before rank 0 runs it, the ranks are pinged while idle, and a
+    rank that is lost takes the whole group down for a restart."""
+
+    def __init__(self, group: Group) -> None:
+        self.group: Group | None = group
+
+    def reset(self) -> None:
+        self._send(RESET)
+
+    def step(self, step_bytes: bytes) -> None:
+        """The scheduler's serialized StepRequest, as it came (never a pickle)."""
+        self._send(STEP, step_bytes)
+
+    def sampled(self, token_ids: list[int]) -> None:
+        """What rank 0 sampled: sent with the next step."""
+        if self.group is not None:
+            self.group.sampled = token_ids
+
+    def _send(self, kind: int, payload: bytes = b"") -> None:
+        if self.group is not None:
+            try:
+                self.group.send(kind, payload)
+            except Exception as e:
+                self.lost(e)
+
+    def lost(self, error: Exception) -> None:
+        """A rank died or hung, or a step failed with the ranks out of step: the group
+        cannot go on. Down it goes, at once and loudly; the scheduler sees a lost
+        executor and recomputes when a supervisor has restarted it."""
+        log.critical("tensor-parallel group lost (%s): exiting for a restart", error)
+        if self.group is not None:
+            self.group.stop_children()
+        os._exit(1)
+
+    async def keep_alive(self) -> None:
+        """Ping the other ranks while idle: a dead one is found before the next step,
+        and a waiting one is not mistaken for a hung rank 0."""
+        while self.group is not None:
+            await asyncio.sleep(self.group.timeout_s / 8)
+            if self.group is None:
+                return  # stopped meanwhile
+            try:
+                self.group.ping_if_idle()
+            except Exception as e:
+                self.lost(e)
+
+    def stop(self) -> None:
+        """On shutdown: the other ranks exit with this one, and nothing pings them."""
+        group, self.group = self.group, None
+        if group is not None:
+            try:
+                group.send(STOP)
+            except Exception as e:
+                log.warning("the tensor-parallel ranks did not take the stop: %s", e)
+            group.stop_children(grace_s=5.0)
 
 
 def start_group(config: ExecutorConfig, membership: Membership | None) -> Group:

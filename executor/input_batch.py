@@ -10,9 +10,6 @@ from flagstop.executor.sampling_params import SamplingParams
 from flagstop.scheduler_svc.core.output import NewRequestData, SchedulerOutput
 from flagstop.utils import cdiv
 
-MAX_STOP_IDS = 16  # stop ids kept per row as an array (the simulator's; the sampler
-# reads them all from the request's params)
-
 
 class BatchDesync(RuntimeError):
     """The scheduler's view and ours disagree: the executor must be reset."""
@@ -43,8 +40,6 @@ class InputBatch:
         self.min_tokens = np.zeros(max_num_reqs, np.int64)
         self.seeded = np.zeros(max_num_reqs, np.bool_)
         self.num_logprobs = np.full(max_num_reqs, -1, np.int64)  # -1: none asked
-        self.stop_ids = np.full((max_num_reqs, MAX_STOP_IDS), -1, np.int64)
-        self.stop_counts = np.zeros(max_num_reqs, np.int64)
         self.req_rows: dict[str, int] = {}
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
 
@@ -97,10 +92,6 @@ class InputBatch:
         self.min_tokens[row] = p.min_tokens if p.stop_token_ids else 0
         self.seeded[row] = p.seed is not None and p.temperature > 0
         self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
-        stops = p.stop_token_ids[:MAX_STOP_IDS]
-        self.stop_ids[row] = -1
-        self.stop_ids[row, : len(stops)] = stops
-        self.stop_counts[row] = len(stops)
 
     def _append_blocks(self, row: int, block_ids: Sequence[int]) -> None:
         start = self.num_blocks[row]

@@ -43,10 +43,10 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    """One rank's model, KV cache and persistent batch. Under tensor parallelism every
-    rank runs each step's forward in lockstep; rank 0 samples (execute), the others
-    compute their shard (execute_shard) and append the sampled tokens when the next
-    step brings them (advance_sampled)."""
+    """A Runner (executor/runner.py): one rank's model, KV cache and persistent batch.
+    Under tensor parallelism every rank runs each step's forward in lockstep; rank 0
+    samples (execute), the others compute their shard (execute_shard) and append the
+    sampled tokens when the next step brings them (advance_sampled)."""
 
     def __init__(
         self,
@@ -231,7 +231,10 @@ class ModelRunner:
                 self._failed_rows.add(row)
 
     async def step(self, plan: SchedulerOutput) -> SampleOutput:
-        """execute() for the service (the simulator's step waits instead)."""
+        """The Runner's step: execute() on the event loop's own thread. The next step
+        waits in gRPC's buffers anyway, and a forward on a worker thread ran ~20%
+        slower on the CPU (measured with bench/peers.py), its threads contending with
+        the loop."""
         return self.execute(plan)
 
     @property

@@ -25,10 +25,12 @@ import numpy as np
 from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.input_batch import InputBatch
 from flagstop.executor.models.config import ModelConfig
-from flagstop.executor.sampling_params import SampleOutput
+from flagstop.executor.sampling_params import SampleOutput, SamplingParams
 from flagstop.scheduler_svc.core.output import SchedulerOutput
+from flagstop.structured import GrammarSpec
 
 _A, _B, _C = 0x9E3779B1, 0x85EBCA6B, 0xC2B2AE35  # odd 32-bit mixers
+MAX_STOP_IDS = 16  # stop ids kept per row, the first of them emitted as a stop
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,8 +44,26 @@ class CostModel:
         return self.base_ms / 1e3 + us / 1e6
 
 
+class SimulatedBatch(InputBatch):
+    """The persistent batch with each row's stop ids as an array too: the simulator
+    picks its stop tokens for the whole batch at once (the model runner's sampler
+    reads them from the request's params)."""
+
+    def __init__(self, max_num_reqs: int, *args) -> None:
+        super().__init__(max_num_reqs, *args)
+        self.stop_ids = np.full((max_num_reqs, MAX_STOP_IDS), -1, np.int64)
+        self.stop_counts = np.zeros(max_num_reqs, np.int64)
+
+    def _set_sampling(self, row: int, p: SamplingParams) -> None:
+        super()._set_sampling(row, p)
+        stops = p.stop_token_ids[:MAX_STOP_IDS]
+        self.stop_ids[row] = -1
+        self.stop_ids[row, : len(stops)] = stops
+        self.stop_counts[row] = len(stops)
+
+
 class SimulatedRunner:
-    """What the executor service needs of a runner, without a model."""
+    """A Runner (executor/runner.py) without a model."""
 
     tensor_parallel_size = 1
     device = "simulated"
@@ -61,12 +81,17 @@ class SimulatedRunner:
         self.busy_until = self.last_step_seconds = 0.0
         self.batch = self._new_batch()
 
-    def _new_batch(self) -> InputBatch:
-        return InputBatch(self.config.max_num_seqs, self.max_model_len, self.block_size,
+    def _new_batch(self) -> SimulatedBatch:
+        return SimulatedBatch(self.config.max_num_seqs, self.max_model_len, self.block_size,
                           self.model_config.vocab_size)  # fmt: skip
 
     def reset(self) -> None:
         self.batch = self._new_batch()
+
+    def prepare_grammar(self, spec: GrammarSpec) -> float:
+        """Nothing to compile: the simulator's tokens are not sampled from a model, so
+        a constrained request runs unconstrained here (a load-test tool)."""
+        return 0.0
 
     async def step(self, plan: SchedulerOutput) -> SampleOutput:
         """The step's tokens, once the simulated device would have finished it."""

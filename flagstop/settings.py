@@ -5,6 +5,7 @@ one before, all through the same validation. pydantic-settings reads the three
 sources; what this module adds is the one line a person can act on when a value is
 bad, naming where the value came from (flag, variable or file key)."""
 
+import dataclasses
 import os
 import tomllib
 from pathlib import Path
@@ -85,6 +86,20 @@ class ServiceSettings(BaseSettings):
             return cls(**values)
         except ValidationError as e:
             raise SettingsInvalid(origins.explain(e)) from None
+
+
+def config_from(settings: ServiceSettings, config_cls: type, **resolved: Any):
+    """A core's config from a service's settings, the one way every service maps
+    them: each field of the config takes the setting of the same name, by keyword;
+    resolved gives the fields only known at run time (what the executor described).
+    A config field without a setting of its name keeps its default."""
+    if dataclasses.is_dataclass(config_cls):
+        names = [f.name for f in dataclasses.fields(config_cls)]
+    else:  # a pydantic model
+        names = list(config_cls.model_fields)
+    given = type(settings).model_fields
+    values = {n: getattr(settings, n) for n in names if n in given and n not in resolved}
+    return config_cls(**values, **resolved)
 
 
 class _Origins:

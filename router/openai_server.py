@@ -14,8 +14,9 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from flagstop.router.chat import ChatTemplate
-from flagstop.router.engine import Pending, RequestFailed, RouterEngine
+from flagstop.router.engine import RouterEngine
 from flagstop.router.openai_responses import Choice, ResponseBuilder, TokenTexts
+from flagstop.router.output import Pending, RequestFailed
 
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,

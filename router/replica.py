@@ -1,6 +1,7 @@
 """One replica behind this router: a scheduler (and its executor) at one address. The
 router keeps one stream to each; a replica has its own admission queue, credits,
-aborts and reported load, and comes back on its own after it is lost."""
+aborts and reported load, changes them itself as its stream comes and goes, and
+comes back on its own after it is lost."""
 
 import asyncio
 import logging
@@ -10,11 +11,12 @@ import grpc
 
 from flagstop.reconnect import Reconnect
 from flagstop.router.admission import AdmissionQueue
-from flagstop.server import channel
+from flagstop.router.settings import RouterSettings
+from flagstop.server import TLSConfig, channel
 from flagstop.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 if TYPE_CHECKING:
-    from flagstop.router.engine import RouterEngine
+    from flagstop.router.replicas import ReplicaSet
 
 log = logging.getLogger("flagstop.router")
 
@@ -24,8 +26,10 @@ class ReplicaMismatch(Exception):
 
 
 class Replica:
-    def __init__(self, address: str, engine: "RouterEngine") -> None:
-        self.address, self.engine = address, engine
+    def __init__(
+        self, address: str, settings: RouterSettings, tls: TLSConfig, fleet: "ReplicaSet"
+    ) -> None:
+        self.address, self.settings, self.fleet = address, settings, fleet
         self.admission = AdmissionQueue()
         self.aborts: list[str] = []
         self.credits = 0
@@ -33,11 +37,11 @@ class Replica:
         self.connected = False
         self.described = False  # it described itself once: worth waiting for
         self.removed = False  # gone from the scheduler list: its requests move now
-        self.reconnect = Reconnect(give_up_after_s=engine.settings.scheduler_timeout)
+        self.reconnect = Reconnect(give_up_after_s=settings.scheduler_timeout)
         self.reported = scheduler_pb2.ReplicaLoad()
         self.routed_since_report = 0
         self.last_failure = ""  # why the last attempt failed, since the last success
-        self.channel = channel(address, engine.tls)
+        self.channel = channel(address, tls)
         self.task: asyncio.Task | None = None
 
     @property
@@ -48,6 +52,11 @@ class Replica:
         reported = self.reported
         return reported.num_running + reported.num_waiting + self.routed_since_report
 
+    @property
+    def may_come_back(self) -> bool:
+        """Lost, but worth queueing for (as for a restarting scheduler)."""
+        return self.described and not self.removed and not self.reconnect.gave_up
+
     def start(self) -> None:
         self.task = asyncio.get_running_loop().create_task(self.run())
 
@@ -56,6 +65,13 @@ class Replica:
         if self.task is not None:
             self.task.cancel()
         await self.channel.close()
+
+    def abort(self, request_id: str) -> None:
+        """A request its scheduler holds ended at the client: tell the scheduler. A
+        replica that is down has forgotten it already."""
+        if self.connected:
+            self.aborts.append(request_id)
+            self.flush.set()
 
     async def run(self) -> None:
         stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
@@ -67,10 +83,22 @@ class Replica:
                     self._failed(logging.WARNING, e.code())
                 except ReplicaMismatch as e:
                     self._failed(logging.ERROR, e)
-                self.engine.lost(self)
+                self._lost()
                 await self.reconnect.wait()
         finally:
-            self.engine.lost(self)
+            self._lost()
+
+    def _lost(self) -> None:
+        """The stream is gone, and with it all the scheduler held: what it knew of
+        aborts and load is void; the set moves its requests on."""
+        if not self.connected:
+            return
+        log.error("lost the scheduler at %s", self.address)
+        self.connected = False
+        self.reconnect.lost()
+        self.aborts = []  # the scheduler that comes back never knew them
+        self.reported = scheduler_pb2.ReplicaLoad()
+        self.fleet.lost(self)
 
     def _failed(self, level: int, why) -> None:
         """Said once while it stays the same; the retries that fail alike (every 2 s at
@@ -83,15 +111,15 @@ class Replica:
 
     async def _connect(self, stub) -> None:
         info = await stub.Describe(scheduler_pb2.DescribeSchedulerRequest(), timeout=5)
-        self.engine.described(self, info)
+        self.fleet.described(info.model)
         self.described = True
         call = stub.Connect()
-        await call.write(scheduler_pb2.RouterMessage(router_id=self.engine.settings.router_id))
+        await call.write(scheduler_pb2.RouterMessage(router_id=self.settings.router_id))
         self.connected, self.credits, self.last_failure = True, 0, ""
         self.reconnect.connected()
         self.flush.set()  # tell the scheduler what is queued (resubmissions included)
-        self.engine.connected(self)
-        log.info("connected to scheduler %s (%s)", self.address, info.model_name)
+        self.fleet.connected()
+        log.info("connected to scheduler %s (%s)", self.address, info.model.model_name)
         writer = asyncio.create_task(self._write(call))
         try:
             await self._read(call)
@@ -101,28 +129,29 @@ class Replica:
 
     async def _write(self, call) -> None:
         """One message per wake-up: every abort and every release the credits allow."""
-        last_queued, requests = -1, self.engine.requests
+        last_queued = -1
         while True:
             await self.flush.wait()
             self.flush.clear()
             msg = scheduler_pb2.RouterMessage(aborts=self.aborts)
             self.aborts = []
             while self.credits and self.admission:
-                add = self.admission.pop()
-                msg.adds.append(add)
-                requests[add.request_id].sent = True
+                msg.adds.append(self.admission.pop())
                 self.credits -= 1
             msg.num_queued = len(self.admission)
+            if msg.adds:
+                self.fleet.sent(msg.adds)
             if msg.adds or msg.aborts or msg.num_queued != last_queued:
                 last_queued = msg.num_queued
                 await call.write(msg)
 
     async def _read(self, call) -> None:
+        fan_out = self.fleet.fan_out
         while True:
             msg = await call.read()
             if msg is grpc.aio.EOF:
                 return
-            self.engine.fan_out(msg)
+            fan_out(msg)
             if msg.HasField("load"):
                 self.reported, self.routed_since_report = msg.load, 0
             if msg.credits:

@@ -32,11 +32,16 @@ class ReplicaView:
 
 @dataclass(frozen=True, slots=True)
 class RoutingConfig:
-    policy: Routing = "prefix"
-    match_threshold: float = 0.5  # of the prompt's full blocks
-    balance_abs: int = 32  # a replica is far busier than the least loaded one when it has
-    balance_rel: float = 1.5  # more than both least + abs and least x rel requests,
-    kv_high: float = 0.95  # or its KV cache is this full while another's is not
+    """The router's settings of the same names (flagstop.settings.config_from). A
+    replica is far busier than the least loaded one when it has more than both least +
+    balance_abs_threshold and least x balance_rel_threshold requests, or its KV cache
+    is kv_high full while another's is not."""
+
+    routing: Routing = "prefix"
+    prefix_match_threshold: float = 0.5  # of the prompt's full blocks
+    balance_abs_threshold: int = 32
+    balance_rel_threshold: float = 1.5
+    kv_high: float = 0.95
 
 
 class PrefixIndex:
@@ -95,9 +100,9 @@ class ReplicaChooser:
 
     def choose(self, hashes: Sequence[bytes], replicas: Sequence[ReplicaView]) -> tuple[str, str]:
         """(replica name, why: prefix, least-cached, least-loaded or round-robin)."""
-        if self.config.policy == "round-robin":
+        if self.config.routing == "round-robin":
             return replicas[next(self.turn) % len(replicas)].name, "round-robin"
-        if self.config.policy == "least-loaded":
+        if self.config.routing == "least-loaded":
             return self._least_loaded(replicas), "least-loaded"
         name, why = self._by_prefix(hashes, replicas)
         self.index.record(hashes, name)
@@ -108,7 +113,7 @@ class ReplicaChooser:
     ) -> tuple[str, str]:
         matched = self.index.matched(hashes)
         longest = max((matched.get(r.name, 0) for r in replicas), default=0)
-        if not longest or longest < self.config.match_threshold * len(hashes):
+        if not longest or longest < self.config.prefix_match_threshold * len(hashes):
             return self._least_cached(hashes, replicas)
         # Of the replicas holding that much, the one the prefix went to last: after load
         # moved a group elsewhere, it follows there rather than alternating between two
@@ -135,7 +140,10 @@ class ReplicaChooser:
     def _far_busier(self, replica: ReplicaView, replicas: Sequence[ReplicaView]) -> bool:
         least = min(r.load for r in replicas)
         c = self.config
-        if replica.load > least + c.balance_abs and replica.load > least * c.balance_rel:
+        if (
+            replica.load > least + c.balance_abs_threshold
+            and replica.load > least * c.balance_rel_threshold
+        ):
             return True
         return replica.kv_cache_usage >= c.kv_high and any(
             r.kv_cache_usage < c.kv_high for r in replicas

@@ -4,7 +4,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from flagstop.router.engine import RequestFailed, RouterEngine
+from flagstop.router.engine import RouterEngine
+from flagstop.router.output import RequestFailed
 from flagstop.v1 import generation_pb2, generation_pb2_grpc
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -17,7 +18,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     async def GetModelInfo(self, request, context) -> generation_pb2.GetModelInfoResponse:
         if self.engine.limits is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "not connected to a scheduler yet")
-        return self.engine.model_info
+        return generation_pb2.GetModelInfoResponse(model=self.engine.model_info)
 
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context

@@ -19,6 +19,14 @@ class ModelLimits:
     kv_capacity_tokens: int  # num_blocks * block_size
     eos_token_ids: tuple[int, ...]
 
+    @classmethod
+    def of(cls, info: generation_pb2.ModelInfo) -> "ModelLimits":
+        return cls(
+            vocab_size=info.vocab_size, max_model_len=info.max_model_len,
+            kv_capacity_tokens=info.num_blocks * info.block_size,
+            eos_token_ids=tuple(info.eos_token_ids),
+        )  # fmt: skip
+
 
 def validate(
     request: generation_pb2.GenerateRequest, prompt_token_ids: list[int], limits: ModelLimits

@@ -1,50 +1,36 @@
-"""The scheduler's gRPC shell: router streams in, the executor stream out, and the
-engine loop between them keeping up to two steps in flight."""
+"""The scheduler's gRPC shell: the router streams (requests and aborts in, each step's
+tokens, credits and load out), the requests' way into the core (grammars compiled
+first), and what a client asks of the scheduler (Describe, GetStats). The executor's
+side, and the engine loop that drives the core, is scheduler_svc/executor_link.py."""
 
 import asyncio
 import logging
 import time
 import uuid
-from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
 
 from flagstop.health import Health
-from flagstop.reconnect import Reconnect
-from flagstop.scheduler_svc.convert import request_from_proto, step_to_proto
+from flagstop.scheduler_svc.convert import request_from_proto
 from flagstop.scheduler_svc.core.output import OwnerOutputs, SchedulerOutput
 from flagstop.scheduler_svc.core.policy import RankedPolicy
 from flagstop.scheduler_svc.core.request import FinishReason
 from flagstop.scheduler_svc.core.scheduler import RequestRejected, Scheduler
+from flagstop.scheduler_svc.executor_link import ExecutorLink, ExecutorMismatch
 from flagstop.scheduler_svc.policy_client import POLICY_SERVICE, RemotePolicyClient
 from flagstop.scheduler_svc.settings import SchedulerSettings
 from flagstop.scheduler_svc.telemetry import SchedulerTelemetry
-from flagstop.server import StartupError, TLSConfig, channel
-from flagstop.v1 import (
-    executor_pb2,
-    executor_pb2_grpc,
-    generation_pb2,
-    scheduler_pb2,
-    scheduler_pb2_grpc,
-)
+from flagstop.server import StartupError, TLSConfig
+from flagstop.v1 import executor_pb2, generation_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger("flagstop.scheduler")
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
-HEARTBEAT_INTERVAL_S = 1.0
 # A router with nothing running here still hears the load this often (and when the
 # replica goes idle), so that its replica choice does not rest on an old figure.
 LOAD_REPORT_INTERVAL_S = 0.25
 EMPTY_LOGPROB = generation_pb2.TokenLogprob()
-
-
-class ExecutorLost(Exception):
-    pass
-
-
-class ExecutorMismatch(Exception):
-    """The executor cannot honour this scheduler's settings; the message says which."""
 
 
 @dataclass(slots=True, eq=False)
@@ -65,12 +51,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.health = health
         self.telemetry = telemetry
         self.scheduler: Scheduler | None = None
-        self.executor_info = executor_pb2.DescribeExecutorResponse()
         self.eos_token_ids: frozenset[int] = frozenset()
         self.routers: dict[str, RouterConnection] = {}
-        self.wakeup = asyncio.Event()
-        self.executor_connected = False
-        self.reconnect = Reconnect(give_up_after_s=settings.executor_timeout)
+        self.link = ExecutorLink(settings, self.tls, telemetry, self)
         self.accepting = True
         self.policy_client: RemotePolicyClient | None = None
         # Constrained requests waiting for the executor to compile their grammar
@@ -83,158 +66,32 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         """Describe the executor (waiting for it to come up) and size the pool from it;
         a configuration it cannot honour stops start-up (StartupError)."""
         s = self.settings
-        self.executor = executor_pb2_grpc.ExecutorStub(channel(s.executor, self.tls))
-        info = await self._describe()
         try:
-            self._check_executor(info)
-            config = s.core_config(info.max_model_len, info.block_size)
+            info = await self.link.first_executor()
+            config = s.core_config(info.model.max_model_len, info.model.block_size)
         except (ExecutorMismatch, ValueError) as e:
             raise StartupError(str(e)) from None
-        self.executor_info = info
-        self.telemetry.model_name = info.model_name
-        self.eos_token_ids = frozenset(info.eos_token_ids)
-        self.scheduler = Scheduler(config, info.num_blocks)
+        self.telemetry.model_name = info.model.model_name
+        self.eos_token_ids = frozenset(info.model.eos_token_ids)
+        self.scheduler = Scheduler(config, info.model.num_blocks)
         if isinstance(self.scheduler.policy, RankedPolicy):
             self.policy_client = RemotePolicyClient(
                 s.policy_addr, self.scheduler.policy, s.policy_deadline_ms / 1000,
                 self._policy_changed, self.tls,
             )  # fmt: skip
-        log.info("executor %s: %s, %d blocks of %d", s.executor, info.model_name,
-                 info.num_blocks, info.block_size)  # fmt: skip
-
-    def _check_executor(self, info: executor_pb2.DescribeExecutorResponse) -> None:
-        """Refuse what the executor cannot honour now, not as a batch desync later."""
-        s, known = self.settings, self.executor_info
-        if known.model_name and (info.model_name, info.vocab_size, info.block_size) != (
-            known.model_name, known.vocab_size, known.block_size,
-        ):  # fmt: skip
-            raise ExecutorMismatch(
-                f"the executor came back with another model ({info.model_name}, block size "
-                f"{info.block_size}); retry the request"
-            )
-        for flag, ours, theirs in (
-            ("--max-num-seqs", s.max_num_seqs, info.max_num_seqs),
-            ("--max-num-batched-tokens", s.max_num_batched_tokens, info.max_num_batched_tokens),
-            ("--max-model-len", s.max_model_len or 0, info.max_model_len),
-        ):
-            if ours > theirs:
-                raise ExecutorMismatch(
-                    f"{flag} {ours} exceeds the executor's {theirs} ({s.executor}): "
-                    f"lower {flag} or raise the executor's"
-                )
-
-    async def _describe(self) -> executor_pb2.DescribeExecutorResponse:
-        """Describe with backoff until an executor answers; requests that outwait
-        --executor-timeout meanwhile end with UNAVAILABLE."""
-        while True:
-            try:
-                return await self.executor.Describe(
-                    executor_pb2.DescribeExecutorRequest(),
-                    timeout=self.settings.executor_heartbeat_timeout,
-                )
-            except grpc.aio.AioRpcError as e:
-                log.info("waiting for the executor at %s: %s", self.settings.executor, e.code())
-            if self.reconnect.gave_up:
-                self._fail_all(grpc.StatusCode.UNAVAILABLE, (
-                    f"no executor for {self.settings.executor_timeout:g}s: retry the request"
-                ))  # fmt: skip
-            await self.reconnect.wait()
+        log.info("executor %s: %s, %d blocks of %d", s.executor, info.model.model_name,
+                 info.model.num_blocks, info.model.block_size)  # fmt: skip
 
     async def run(self) -> None:
-        """Connect to the executor, then the engine loop. When the executor is lost
-        (dead, or silent past the heartbeat deadline) its KV cache is gone with it:
-        every request is preempted for recompute and goes on, with the tokens it has,
-        on the next executor."""
         await self.connect_executor()
         assert self.scheduler is not None
-        while True:
-            call = self.executor.Execute()
-            self.executor_connected = True
-            self.reconnect.connected()
-            self.health.set_ready(self.accepting)
-            try:
-                await self._drive(call)
-            except (grpc.aio.AioRpcError, ExecutorLost) as e:
-                log.error("executor lost: %s", e)
-            except TimeoutError:
-                log.error("executor lost: silent for %gs", self.settings.executor_heartbeat_timeout)
-            except Exception:  # a bug: fail what is in flight rather than hang forever
-                log.exception("engine loop failed")
-                self._fail_all(grpc.StatusCode.INTERNAL, "the scheduler failed; retry")
-            finally:
-                call.cancel()
-            self.executor_connected = False
-            self.reconnect.lost()
-            self.health.set_ready(False)  # still live: the queue waits for the executor
-            self.telemetry.executor_lost(self.scheduler)
-            self.scheduler.reset_executor()
-            await self._reconnect_executor()
+        await self.link.run(self.scheduler)
 
-    async def _reconnect_executor(self) -> None:
-        """Until an executor that can serve the same requests answers."""
-        while True:
-            info = await self._describe()
-            try:
-                self._check_executor(info)
-            except ExecutorMismatch as e:
-                log.error("%s", e)
-                self._fail_all(grpc.StatusCode.UNAVAILABLE, str(e))
-                await self.reconnect.wait()
-                continue
-            self.scheduler.reset_executor(info.num_blocks)
-            return
+    def executor_changed(self) -> None:
+        """Ready while an executor is connected (and we admit)."""
+        self.health.set_ready(self.accepting and self.link.connected)
 
-    async def _drive(self, call) -> None:
-        scheduler = self.scheduler
-        assert scheduler is not None
-        in_flight: deque[SchedulerOutput] = deque()
-        while True:
-            if not scheduler.has_unfinished_requests() and not in_flight:
-                await self._idle(call)
-                continue
-            if self.policy_client is not None:
-                self.policy_client.maybe_query(scheduler)
-            plan = scheduler.schedule()
-            if not plan.is_empty:
-                step = step_to_proto(plan)
-                self.telemetry.on_schedule(plan, step, scheduler)
-                await call.write(step)
-                in_flight.append(plan)
-            if in_flight and (
-                len(in_flight) >= self.settings.max_steps_in_flight or not plan.num_scheduled_tokens
-            ):
-                result = await self._read(call)
-                done = in_flight.popleft()
-                outputs = scheduler.update_from_output(done, result.sampled_token_ids)
-                self.telemetry.on_update(done, outputs, scheduler, self.num_queued_at_routers())
-                self._dispatch(done, result, outputs)
-            elif not in_flight:
-                # Nothing runnable (e.g. all waiting on blocks held by nobody yet).
-                self.wakeup.clear()
-                await self.wakeup.wait()
-
-    async def _idle(self, call) -> None:
-        """Nothing to do: wait for work, probing the executor now and then."""
-        self.wakeup.clear()
-        try:
-            await asyncio.wait_for(self.wakeup.wait(), HEARTBEAT_INTERVAL_S)
-            return
-        except TimeoutError:
-            pass
-        await call.write(executor_pb2.StepRequest(heartbeat=True))
-        if not (await self._read(call)).heartbeat:
-            raise ExecutorLost("a heartbeat got a step result")
-
-    async def _read(self, call) -> executor_pb2.StepResult:
-        """The next result; an executor silent past the heartbeat deadline (hung, or
-        its host gone without a reset) counts as lost."""
-        async with asyncio.timeout(self.settings.executor_heartbeat_timeout):
-            result = await call.read()
-        if result is grpc.aio.EOF:
-            raise ExecutorLost("the executor closed the stream")
-        return result
-
-    def _dispatch(
+    def dispatch(
         self,
         plan: SchedulerOutput,
         result: executor_pb2.StepResult,
@@ -276,7 +133,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         assert scheduler is not None
         return scheduler_pb2.ReplicaLoad(
             num_running=len(scheduler.running), num_waiting=self.num_waiting(),
-            kv_cache_usage=scheduler.kv.pool.usage(),
+            kv_cache_usage=scheduler.kv_cache_usage,
         )  # fmt: skip
 
     def num_waiting(self) -> int:
@@ -373,11 +230,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             conn.outbox.put_nowait(
                 scheduler_pb2.SchedulerMessage(errors=errors, credits=self._take_credits(conn))
             )
-        self.wakeup.set()
+        self.link.wakeup.set()
 
     def _add(self, conn: RouterConnection, add: scheduler_pb2.AddRequest):
         # While a lost executor may still come back, new requests wait with the rest.
-        if not self.accepting or self.scheduler is None or self.reconnect.gave_up:
+        if not self.accepting or self.scheduler is None or self.link.reconnect.gave_up:
             return scheduler_pb2.RequestError(
                 request_id=add.request_id, code=grpc.StatusCode.UNAVAILABLE.value[0],
                 message="the scheduler is not serving (starting, stopping, or no executor)",
@@ -404,12 +261,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         """The request waits for its grammar here, the batch does not. A grammar the
         executor refuses ends the request with INVALID_ARGUMENT; an executor that does
         not answer (lost, restarting) leaves the compile to the request's first step."""
-        request = executor_pb2.PrepareGrammarRequest(
-            structured_outputs=add.sampling.structured_outputs
-        )
         error = None
         try:
-            await self.executor.PrepareGrammar(request, timeout=self.settings.executor_timeout)
+            await self.link.prepare_grammar(add)
         except grpc.aio.AioRpcError as e:
             if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
                 error = scheduler_pb2.RequestError(
@@ -424,7 +278,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         error = error or self._admit(conn, add)
         if error is not None:
             conn.outbox.put_nowait(scheduler_pb2.SchedulerMessage(errors=[error]))
-        self.wakeup.set()
+        self.link.wakeup.set()
 
     def _cancel_compiles(self, request_ids) -> None:
         for request_id in request_ids:
@@ -445,7 +299,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             for request_id in owned:
                 self.telemetry.on_finish(request_id, FinishReason.ABORT)
 
-    def _fail_all(self, code: grpc.StatusCode, message: str) -> None:
+    def fail_all(self, code: grpc.StatusCode, message: str) -> None:
         if self.scheduler is None:
             return
         for owner, ids in self.scheduler.abort_all().items():
@@ -464,13 +318,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def Describe(self, request, context) -> scheduler_pb2.DescribeSchedulerResponse:
         if self.scheduler is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "waiting for the executor")
-        info = self.executor_info
-        return scheduler_pb2.DescribeSchedulerResponse(
-            model_name=info.model_name, vocab_size=info.vocab_size,
-            max_model_len=self.scheduler.config.max_model_len,  # --max-model-len may lower it
-            eos_token_ids=info.eos_token_ids, block_size=info.block_size,
-            num_blocks=self.scheduler.num_total_blocks,
-        )  # fmt: skip
+        reply = scheduler_pb2.DescribeSchedulerResponse()
+        reply.model.CopyFrom(self.link.model)
+        reply.model.max_model_len = self.scheduler.config.max_model_len  # --max-model-len
+        reply.model.num_blocks = self.scheduler.num_total_blocks  # the pool of the executor now
+        return reply
 
     async def GetStats(self, request, context) -> scheduler_pb2.GetStatsResponse:
         if self.scheduler is None:
@@ -481,7 +333,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             num_free_blocks=s.num_free_blocks, num_total_blocks=s.num_total_blocks,
             kv_cache_usage=s.kv_cache_usage, prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits, num_preemptions=s.num_preemptions,
-            executor_connected=self.executor_connected,
+            executor_connected=self.link.connected,
             remote_policy_active=self.policy_client is not None and self.policy_client.active,
             remote_policy_failures=self.policy_client.num_failures if self.policy_client else 0,
             num_routers=len(self.routers),
@@ -497,7 +349,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         deadline = asyncio.get_running_loop().time() + self.settings.drain_timeout
         while self.scheduler is not None and self.scheduler.has_unfinished_requests():
             if asyncio.get_running_loop().time() > deadline:
-                self._fail_all(grpc.StatusCode.UNAVAILABLE, "the scheduler shut down")
+                self.fail_all(grpc.StatusCode.UNAVAILABLE, "the scheduler shut down")
                 break
             await asyncio.sleep(0.05)
         for conn in self.routers.values():

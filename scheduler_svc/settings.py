@@ -7,7 +7,7 @@ from pydantic_settings import SettingsConfigDict
 
 from flagstop.scheduler_svc.core.config import SchedulerConfig
 from flagstop.scheduler_svc.core.policy import POLICIES
-from flagstop.settings import Port, ServiceSettings
+from flagstop.settings import Port, ServiceSettings, config_from
 
 CORE = SchedulerConfig()  # the core's defaults are the flags' defaults
 
@@ -55,13 +55,7 @@ class SchedulerSettings(ServiceSettings):
     def core_config(self, executor_max_model_len: int, block_size: int) -> SchedulerConfig:
         """The core's config once the executor has described itself (raises ValueError
         for a combination the core cannot run)."""
-        return SchedulerConfig(
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_num_seqs=self.max_num_seqs,
-            max_model_len=self.max_model_len or executor_max_model_len,
-            block_size=block_size,
-            long_prefill_token_threshold=self.long_prefill_token_threshold,
-            enable_chunked_prefill=not self.no_chunked_prefill,
-            enable_prefix_caching=not self.no_prefix_caching,
-            policy=self.policy,
-        )
+        return config_from(
+            self, SchedulerConfig,
+            max_model_len=self.max_model_len or executor_max_model_len, block_size=block_size,
+        )  # fmt: skip

@@ -6,13 +6,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flagstop.executor.convert import plan_from_proto, plan_to_proto
+from flagstop.executor.convert import plan_from_proto, sampling_to_proto
 from flagstop.executor.distributed import Group
 from flagstop.executor.model_runner import ModelRunner
 from flagstop.executor.sampling_params import SampleOutput, SamplingParams
 from flagstop.executor.tp_messages import STEP
+from flagstop.scheduler_svc.convert import step_to_proto
 from flagstop.scheduler_svc.core.output import NewRequestData, SchedulerOutput
 from flagstop.utils import cdiv
+from flagstop.v1 import executor_pb2
 
 
 @dataclass
@@ -72,10 +74,17 @@ class Harness:
         self.free_blocks = tracked.block_ids[::-1] + self.free_blocks
 
     def plan(self, num_tokens: dict[str, int]) -> SchedulerOutput:
+        """The executor's plan of the step, as the service decodes it."""
+        return plan_from_proto(self.step_request(num_tokens))
+
+    def step_request(self, num_tokens: dict[str, int]) -> executor_pb2.StepRequest:
+        """The step on the wire, written as the scheduler service writes it (in batch
+        order: the requests the executor holds, then those it gets now)."""
         plan = SchedulerOutput(
             finished_req_ids=self.pending_drop, preempted_req_ids=self.pending_preempt
         )
         self.pending_drop, self.pending_preempt = set(), set()
+        joining = {}
         for req_id, n in num_tokens.items():
             tracked = self.requests[req_id]
             total = tracked.num_computed_tokens + n
@@ -91,20 +100,22 @@ class Harness:
                         req_id,
                         list(tracked.token_ids),
                         tracked.num_prompt_tokens,
-                        self.params[req_id],
+                        sampling_to_proto(self.params[req_id]),
                         list(tracked.block_ids),
                         tracked.num_computed_tokens,
                     )
                 )
                 tracked.sent = True
+                joining[req_id] = n
             else:
                 cached = plan.scheduled_cached_reqs
                 cached.req_ids.append(req_id)
                 cached.num_computed_tokens.append(tracked.num_computed_tokens)
                 cached.new_block_ids.append(new_blocks)
-            plan.num_scheduled_tokens[req_id] = n
+                plan.num_scheduled_tokens[req_id] = n
             tracked.num_computed_tokens = total
-        return plan
+        plan.num_scheduled_tokens.update(joining)
+        return step_to_proto(plan)
 
     def sampling_ids(self, plan: SchedulerOutput) -> list[str]:
         requests = self.requests
@@ -115,11 +126,9 @@ class Harness:
         ]
 
     def _send(self, num_tokens: dict[str, int]) -> SchedulerOutput:
-        plan = self.plan(num_tokens)
-        if self.group is None:
-            return plan
-        step = plan_to_proto(plan)
-        self.group.send(STEP, step.SerializeToString())
+        step = self.step_request(num_tokens)
+        if self.group is not None:
+            self.group.send(STEP, step.SerializeToString())
         return plan_from_proto(step)
 
     def _sampled(self, tokens: list[int]) -> None:

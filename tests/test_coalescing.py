@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from flagstop.router.detokenizer import StopStringMatcher, new_detokenizer
-from flagstop.router.engine import ChunkBuilder, Mailbox
+from flagstop.router.output import ChunkBuilder, Mailbox, StepToken
 from flagstop.server import CHANNEL_OPTIONS
 from flagstop.v1 import generation_pb2, generation_pb2_grpc, scheduler_pb2
 from tools.make_model import write_model
@@ -70,13 +70,13 @@ def stream(tokenizer, items: list, takes: list[int], stop: list[str]) -> dict:
 )
 def test_any_coalescing_gives_what_one_by_one_gives(tokenizer, token_ids, end, cut, stop_at):
     logprob = generation_pb2.TokenLogprob
-    items = [(t, 0, logprob(token_id=t, logprob=-i)) for i, t in enumerate(token_ids)]
+    items = [StepToken(t, 0, logprob(token_id=t, logprob=-i)) for i, t in enumerate(token_ids)]
     if end == "stop token":
-        items[-1] = (7, STOP, items[-1][2])
+        items[-1] = items[-1]._replace(token_id=7, finish_reason=STOP)
     elif end == "length":
-        items[-1] = (items[-1][0], LENGTH, items[-1][2])
+        items[-1] = items[-1]._replace(finish_reason=LENGTH)
     elif end == "bare finish":
-        items.append((None, STOP, None))
+        items.append(StepToken(None, STOP, None))
     else:
         items.append(scheduler_pb2.RequestError(code=14, message="the scheduler went away"))
     stop = []

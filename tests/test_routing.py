@@ -15,8 +15,8 @@ from flagstop.v1 import scheduler_pb2
 from .test_scheduler import make_request
 
 
-def chooser(policy="prefix", max_blocks=1000, **config) -> ReplicaChooser:
-    return ReplicaChooser(RoutingConfig(policy, **config), PrefixIndex(max_blocks))
+def chooser(routing="prefix", max_blocks=1000, **config) -> ReplicaChooser:
+    return ReplicaChooser(RoutingConfig(routing, **config), PrefixIndex(max_blocks))
 
 
 def views(**loads) -> list[ReplicaView]:
@@ -43,7 +43,10 @@ def test_a_prefix_follows_the_replica_that_got_it():
 
 
 def test_a_far_busier_replica_sheds_work_even_with_the_prefix():
-    c, hashes = chooser(balance_abs=8, balance_rel=1.5), chain_hashes(list(range(64)), 4)
+    c, hashes = (
+        chooser(balance_abs_threshold=8, balance_rel_threshold=1.5),
+        chain_hashes(list(range(64)), 4),
+    )
     c.index.record(hashes, "a")
     assert c.choose(hashes, views(a=8, b=0)) == ("a", "prefix")  # not more than least + 8
     assert c.choose(hashes, views(a=20, b=14)) == ("a", "prefix")  # not 1.5x
@@ -58,13 +61,13 @@ def test_a_full_kv_cache_sheds_work_while_another_has_room():
 
 
 def test_a_short_match_is_no_affinity():
-    c = chooser(match_threshold=0.5)
+    c = chooser(prefix_match_threshold=0.5)
     c.index.record(chain_hashes(list(range(16)), 4), "a")  # 4 blocks of the 16 below
     assert c.choose(chain_hashes(list(range(64)), 4), views(a=0, b=1)) == ("b", "least-cached")
 
 
 def test_new_prefixes_fill_the_caches_evenly_unless_that_one_is_far_busier():
-    c = chooser(balance_abs=8)
+    c = chooser(balance_abs_threshold=8)
     groups = [chain_hashes([g] * 64, 4) for g in range(6)]
     chosen = [c.choose(hashes, views(a=5, b=0))[0] for hashes in groups]
     assert chosen.count("a") == chosen.count("b") == 3  # the load is no reason to skew

@@ -89,7 +89,7 @@ def test_duplicate_request_id_is_rejected():
 
 def test_chunked_prefill_off_needs_a_budget_for_a_whole_prompt():
     with pytest.raises(ValueError, match="without chunked prefill"):
-        SchedulerConfig(max_num_batched_tokens=64, max_model_len=256, enable_chunked_prefill=False)
+        SchedulerConfig(max_num_batched_tokens=64, max_model_len=256, no_chunked_prefill=True)
 
 
 # -- the step plan ---------------------------------------------------------------
@@ -156,9 +156,7 @@ def test_long_prefill_threshold_caps_a_chunk():
 
 
 def test_without_chunking_a_prompt_waits_for_a_step_with_room():
-    scheduler = make_scheduler(
-        num_blocks=128, max_num_batched_tokens=256, enable_chunked_prefill=False
-    )
+    scheduler = make_scheduler(num_blocks=128, max_num_batched_tokens=256, no_chunked_prefill=True)
     scheduler.add_request(make_request("a", num_prompt=250, max_tokens=3, ignore_eos=True))
     scheduler.add_request(make_request("b", num_prompt=10, max_tokens=3, ignore_eos=True))
     plan, _ = step(scheduler)

@@ -39,13 +39,13 @@ CONFIGS = {
     # name: (num_blocks, config overrides)
     "roomy": (512, dict(max_num_batched_tokens=512)),
     "chunked": (512, dict(max_num_batched_tokens=12, long_prefill_token_threshold=5)),
-    "no-prefix-cache": (512, dict(enable_prefix_caching=False)),
+    "no-prefix-cache": (512, dict(no_prefix_caching=True)),
     "preempting": (24, dict(max_num_batched_tokens=32)),
     "preempting-chunked-no-cache": (
         24,
-        dict(max_num_batched_tokens=7, enable_prefix_caching=False),
+        dict(max_num_batched_tokens=7, no_prefix_caching=True),
     ),
-    "no-chunking": (40, dict(max_num_batched_tokens=MAX_MODEL_LEN, enable_chunked_prefill=False)),
+    "no-chunking": (40, dict(max_num_batched_tokens=MAX_MODEL_LEN, no_chunked_prefill=True)),
     "priority-preempting": (24, dict(max_num_batched_tokens=16, policy="priority")),
 }
 

@@ -36,8 +36,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             max_model_len=MAX_MODEL_LEN,
             block_size=BLOCK_SIZE,
             long_prefill_token_threshold=threshold,
-            enable_chunked_prefill=chunked,
-            enable_prefix_caching=caching,
+            no_chunked_prefill=not chunked,
+            no_prefix_caching=not caching,
             policy=policy,
         )
         self.scheduler = Scheduler(self.config, num_blocks)

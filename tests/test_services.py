@@ -285,7 +285,8 @@ def test_a_full_admission_queue_is_resource_exhausted_at_once(queue_stack):
 
 
 def test_model_info(stack):
-    info = stack.generation().GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=5)
+    reply = stack.generation().GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=5)
+    info = reply.model
     assert (info.model_name, info.vocab_size, info.block_size, info.num_blocks) == (
         "flagstop-tiny",
         512,

@@ -27,10 +27,10 @@ def test_defaults_come_from_one_place():
     s = SchedulerSettings.load([])
     assert (s.port, s.max_num_seqs, s.policy, s.max_steps_in_flight) == (50052, 128, "fcfs", 2)
     config = s.core_config(executor_max_model_len=4096, block_size=16)
-    assert (config.max_num_seqs, config.max_model_len, config.enable_prefix_caching) == (
+    assert (config.max_num_seqs, config.max_model_len, config.no_prefix_caching) == (
         128,
         4096,
-        True,
+        False,
     )
 
 

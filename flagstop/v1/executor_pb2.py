@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from flagstop.v1 import generation_pb2 as flagstop_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66lagstop/v1/executor.proto\x12\x0b\x66lagstop.v1\x1a\x1c\x66lagstop/v1/generation.proto\"S\n\x15PrepareGrammarRequest\x12:\n\x12structured_outputs\x18\x01 \x01(\x0b\x32\x1e.flagstop.v1.StructuredOutputs\"1\n\x16PrepareGrammarResponse\x12\x17\n\x0f\x63ompile_seconds\x18\x01 \x01(\x01\"\x19\n\x17\x44\x65scribeExecutorRequest\"\xec\x01\n\x18\x44\x65scribeExecutorResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x12\n\nnum_blocks\x18\x06 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\x08 \x01(\x05\x12\x1c\n\x14tensor_parallel_size\x18\t \x01(\x05\"\xeb\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x05 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x15\n\x08logprobs\x18\x07 \x01(\x05H\x01\x88\x01\x01\x12:\n\x12structured_outputs\x18\x08 \x01(\x0b\x32\x1e.flagstop.v1.StructuredOutputsB\x07\n\x05_seedB\x0b\n\t_logprobs\"\xd2\x01\n\x0eNewRequestData\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\x05\x12\x34\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1b.flagstop.v1.SamplingParams\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\x05\x12\x1c\n\x14num_scheduled_tokens\x18\x07 \x01(\x05\"\x8e\x01\n\x11\x43\x61\x63hedRequestData\x12\x0f\n\x07req_ids\x18\x01 \x03(\t\x12\x1b\n\x13num_computed_tokens\x18\x02 \x03(\x05\x12\x1c\n\x14num_scheduled_tokens\x18\x03 \x03(\x05\x12\x16\n\x0enum_new_blocks\x18\x04 \x03(\x05\x12\x15\n\rnew_block_ids\x18\x05 \x03(\x05\"\xbe\x01\n\x0fSchedulerOutput\x12\x18\n\x10\x66inished_req_ids\x18\x01 \x03(\t\x12\x19\n\x11preempted_req_ids\x18\x02 \x03(\t\x12=\n\x15scheduled_cached_reqs\x18\x03 \x01(\x0b\x32\x1e.flagstop.v1.CachedRequestData\x12\x37\n\x12scheduled_new_reqs\x18\x04 \x03(\x0b\x32\x1b.flagstop.v1.NewRequestData\"r\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12*\n\x04plan\x18\x02 \x01(\x0b\x32\x1c.flagstop.v1.SchedulerOutput\x12\x11\n\theartbeat\x18\x03 \x01(\x08\x12\x13\n\x0btraceparent\x18\x04 \x01(\t\"x\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x19\n\x11sampled_token_ids\x18\x02 \x03(\x05\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.flagstop.v1.TokenLogprob\x12\x11\n\theartbeat\x18\x04 \x01(\x08\x32\x80\x02\n\x08\x45xecutor\x12W\n\x08\x44\x65scribe\x12$.flagstop.v1.DescribeExecutorRequest\x1a%.flagstop.v1.DescribeExecutorResponse\x12@\n\x07\x45xecute\x12\x18.flagstop.v1.StepRequest\x1a\x17.flagstop.v1.StepResult(\x01\x30\x01\x12Y\n\x0ePrepareGrammar\x12\".flagstop.v1.PrepareGrammarRequest\x1a#.flagstop.v1.PrepareGrammarResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66lagstop/v1/executor.proto\x12\x0b\x66lagstop.v1\x1a\x1c\x66lagstop/v1/generation.proto\"S\n\x15PrepareGrammarRequest\x12:\n\x12structured_outputs\x18\x01 \x01(\x0b\x32\x1e.flagstop.v1.StructuredOutputs\"1\n\x16PrepareGrammarResponse\x12\x17\n\x0f\x63ompile_seconds\x18\x01 \x01(\x01\"\x19\n\x17\x44\x65scribeExecutorRequest\"\x9b\x01\n\x18\x44\x65scribeExecutorResponse\x12%\n\x05model\x18\x01 \x01(\x0b\x32\x16.flagstop.v1.ModelInfo\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\x08 \x01(\x05\x12\x1c\n\x14tensor_parallel_size\x18\t \x01(\x05J\x04\x08\x02\x10\x07\"\xeb\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x05 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x15\n\x08logprobs\x18\x07 \x01(\x05H\x01\x88\x01\x01\x12:\n\x12structured_outputs\x18\x08 \x01(\x0b\x32\x1e.flagstop.v1.StructuredOutputsB\x07\n\x05_seedB\x0b\n\t_logprobs\"\xd2\x01\n\x0eNewRequestData\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\x05\x12\x34\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1b.flagstop.v1.SamplingParams\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\x05\x12\x1c\n\x14num_scheduled_tokens\x18\x07 \x01(\x05\"\x8e\x01\n\x11\x43\x61\x63hedRequestData\x12\x0f\n\x07req_ids\x18\x01 \x03(\t\x12\x1b\n\x13num_computed_tokens\x18\x02 \x03(\x05\x12\x1c\n\x14num_scheduled_tokens\x18\x03 \x03(\x05\x12\x16\n\x0enum_new_blocks\x18\x04 \x03(\x05\x12\x15\n\rnew_block_ids\x18\x05 \x03(\x05\"\xbe\x01\n\x0fSchedulerOutput\x12\x18\n\x10\x66inished_req_ids\x18\x01 \x03(\t\x12\x19\n\x11preempted_req_ids\x18\x02 \x03(\t\x12=\n\x15scheduled_cached_reqs\x18\x03 \x01(\x0b\x32\x1e.flagstop.v1.CachedRequestData\x12\x37\n\x12scheduled_new_reqs\x18\x04 \x03(\x0b\x32\x1b.flagstop.v1.NewRequestData\"r\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12*\n\x04plan\x18\x02 \x01(\x0b\x32\x1c.flagstop.v1.SchedulerOutput\x12\x11\n\theartbeat\x18\x03 \x01(\x08\x12\x13\n\x0btraceparent\x18\x04 \x01(\t\"x\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x19\n\x11sampled_token_ids\x18\x02 \x03(\x05\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.flagstop.v1.TokenLogprob\x12\x11\n\theartbeat\x18\x04 \x01(\x08\x32\x80\x02\n\x08\x45xecutor\x12W\n\x08\x44\x65scribe\x12$.flagstop.v1.DescribeExecutorRequest\x1a%.flagstop.v1.DescribeExecutorResponse\x12@\n\x07\x45xecute\x12\x18.flagstop.v1.StepRequest\x1a\x17.flagstop.v1.StepResult(\x01\x30\x01\x12Y\n\x0ePrepareGrammar\x12\".flagstop.v1.PrepareGrammarRequest\x1a#.flagstop.v1.PrepareGrammarResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,19 +39,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIBEEXECUTORREQUEST']._serialized_start=209
   _globals['_DESCRIBEEXECUTORREQUEST']._serialized_end=234
   _globals['_DESCRIBEEXECUTORRESPONSE']._serialized_start=237
-  _globals['_DESCRIBEEXECUTORRESPONSE']._serialized_end=473
-  _globals['_SAMPLINGPARAMS']._serialized_start=476
-  _globals['_SAMPLINGPARAMS']._serialized_end=711
-  _globals['_NEWREQUESTDATA']._serialized_start=714
-  _globals['_NEWREQUESTDATA']._serialized_end=924
-  _globals['_CACHEDREQUESTDATA']._serialized_start=927
-  _globals['_CACHEDREQUESTDATA']._serialized_end=1069
-  _globals['_SCHEDULEROUTPUT']._serialized_start=1072
-  _globals['_SCHEDULEROUTPUT']._serialized_end=1262
-  _globals['_STEPREQUEST']._serialized_start=1264
-  _globals['_STEPREQUEST']._serialized_end=1378
-  _globals['_STEPRESULT']._serialized_start=1380
-  _globals['_STEPRESULT']._serialized_end=1500
-  _globals['_EXECUTOR']._serialized_start=1503
-  _globals['_EXECUTOR']._serialized_end=1759
+  _globals['_DESCRIBEEXECUTORRESPONSE']._serialized_end=392
+  _globals['_SAMPLINGPARAMS']._serialized_start=395
+  _globals['_SAMPLINGPARAMS']._serialized_end=630
+  _globals['_NEWREQUESTDATA']._serialized_start=633
+  _globals['_NEWREQUESTDATA']._serialized_end=843
+  _globals['_CACHEDREQUESTDATA']._serialized_start=846
+  _globals['_CACHEDREQUESTDATA']._serialized_end=988
+  _globals['_SCHEDULEROUTPUT']._serialized_start=991
+  _globals['_SCHEDULEROUTPUT']._serialized_end=1181
+  _globals['_STEPREQUEST']._serialized_start=1183
+  _globals['_STEPREQUEST']._serialized_end=1297
+  _globals['_STEPRESULT']._serialized_start=1299
+  _globals['_STEPRESULT']._serialized_end=1419
+  _globals['_EXECUTOR']._serialized_start=1422
+  _globals['_EXECUTOR']._serialized_end=1678
 # @@protoc_insertion_point(module_scope)

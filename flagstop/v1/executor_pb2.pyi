@@ -24,26 +24,16 @@ class DescribeExecutorRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeExecutorResponse(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "max_model_len", "eos_token_ids", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")
-    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
-    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
-    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
-    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
-    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("model", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
-    model_name: str
-    vocab_size: int
-    max_model_len: int
-    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    block_size: int
-    num_blocks: int
+    model: _generation_pb2.ModelInfo
     max_num_seqs: int
     max_num_batched_tokens: int
     tensor_parallel_size: int
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    def __init__(self, model: _Optional[_Union[_generation_pb2.ModelInfo, _Mapping]] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "min_tokens", "stop_token_ids", "logprobs", "structured_outputs")

@@ -127,7 +127,7 @@ class GetModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class GetModelInfoResponse(_message.Message):
+class ModelInfo(_message.Message):
     __slots__ = ("model_name", "vocab_size", "max_model_len", "eos_token_ids", "block_size", "num_blocks")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -142,3 +142,9 @@ class GetModelInfoResponse(_message.Message):
     block_size: int
     num_blocks: int
     def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class GetModelInfoResponse(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: ModelInfo
+    def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ...) -> None: ...

@@ -27,20 +27,10 @@ class DescribeSchedulerRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeSchedulerResponse(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "max_model_len", "eos_token_ids", "block_size", "num_blocks")
-    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
-    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
-    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
-    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
-    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    model_name: str
-    vocab_size: int
-    max_model_len: int
-    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    block_size: int
-    num_blocks: int
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: _generation_pb2.ModelInfo
+    def __init__(self, model: _Optional[_Union[_generation_pb2.ModelInfo, _Mapping]] = ...) -> None: ...
 
 class AddRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "max_tokens", "min_tokens", "ignore_eos", "stop_token_ids", "priority", "arrival_time", "traceparent", "labels")

@@ -10,8 +10,9 @@ class SchedulerConfig:
     # 0 disables the cap; otherwise one prefill chunk never takes more than this many
     # tokens, so several long prompts cannot crowd the decodes out of a step.
     long_prefill_token_threshold: int = 0
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
+    # Named as the scheduler's flags (--no-chunked-prefill, --no-prefix-caching).
+    no_chunked_prefill: bool = False
+    no_prefix_caching: bool = False
     policy: str = "fcfs"
 
     def __post_init__(self) -> None:
@@ -21,7 +22,7 @@ class SchedulerConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+        if self.no_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             # Without chunking a whole prompt must fit one step, or it would wait forever.
             raise ValueError(
                 f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "

@@ -68,7 +68,7 @@ class Scheduler:
     ) -> None:
         self.config = config
         self.policy = policy or make_policy(config.policy)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, config.block_size, not config.no_prefix_caching)
         # The longest sequence this engine can hold: the model's limit or the whole pool.
         self.max_model_len = min(config.max_model_len, num_blocks * config.block_size)
         self.requests: dict[str, Request] = {}
@@ -139,7 +139,7 @@ class Scheduler:
             request.num_output_placeholders = 0
         config, stats = self.config, self.kv.prefix_stats
         num_blocks = num_blocks or self.kv.pool.num_blocks
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, config.block_size, not config.no_prefix_caching)
         self.kv.prefix_stats = stats
         self.max_model_len = min(config.max_model_len, num_blocks * config.block_size)
         # The new executor starts from an empty batch: nothing of the old to drop.
@@ -213,7 +213,7 @@ class Scheduler:
             hits = self.kv.get_computed_blocks(request)
             num_cached = len(hits) * config.block_size
             num_new = request.num_tokens - num_cached
-            if config.enable_chunked_prefill:
+            if not config.no_chunked_prefill:
                 num_new = min(
                     num_new, config.long_prefill_token_threshold or num_new, step.token_budget
                 )

@@ -1,0 +1,39 @@
+"""What the executor service drives, declared once: the model runner
+(executor/model_runner.py, a real model on a paged KV cache) and the executor
+simulator (executor/simulator.py, a load-test tool) both implement it."""
+
+from typing import Protocol
+
+from flagstop.executor.config import ExecutorConfig
+from flagstop.executor.models.config import ModelConfig
+from flagstop.executor.sampling_params import SampleOutput
+from flagstop.scheduler_svc.core.output import SchedulerOutput
+from flagstop.structured import GrammarSpec
+
+
+class Runner(Protocol):
+    config: ExecutorConfig
+    model_config: ModelConfig
+    max_model_len: int
+    block_size: int
+    num_blocks: int  # the KV pool, in blocks of block_size tokens
+    tensor_parallel_size: int
+
+    @property
+    def device(self) -> object:
+        """Where it runs, for the start-up line."""
+        ...
+
+    def reset(self) -> None:
+        """Forget every request: a new scheduler stream starts from an empty batch."""
+        ...
+
+    async def step(self, plan: SchedulerOutput) -> SampleOutput:
+        """Apply the plan to the persistent batch, run the step and return the tokens
+        of the requests that sample, in plan order."""
+        ...
+
+    def prepare_grammar(self, spec: GrammarSpec) -> float:
+        """Compile a request's output constraint ahead of it (called on a thread);
+        the seconds it took. Raises GrammarError."""
+        ...

@@ -1,0 +1,191 @@
+"""The replicas behind this router: which there are (the --scheduler list, names
+resolved again now and then), the model they serve, which one a request goes to, and
+where the requests of a replica that is lost go.
+
+Each request goes to one replica (router/routing.py) and waits in that replica's
+admission queue until its scheduler grants credits. A replica that is lost hands back
+the requests its scheduler held, as their remainders, to the head of its queue; when
+it stays away past --replica-grace-s (or leaves the list) its queue moves to the live
+replicas, and with none live the requests fail after --scheduler-timeout."""
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+import grpc
+
+from flagstop.router.discovery import Resolver, has_names, parse_targets
+from flagstop.router.output import Pending
+from flagstop.router.replica import Replica, ReplicaMismatch
+from flagstop.router.routing import PrefixIndex, ReplicaChooser, ReplicaView, RoutingConfig
+from flagstop.router.settings import RouterSettings
+from flagstop.router.telemetry import ROUTED
+from flagstop.router.validation import ModelLimits
+from flagstop.scheduler_svc.core.kv_cache_manager import chain_hashes
+from flagstop.server import TLSConfig
+from flagstop.settings import config_from
+from flagstop.v1 import generation_pb2, scheduler_pb2
+
+log = logging.getLogger("flagstop.router")
+REBALANCE_INTERVAL_S = 0.2
+
+
+class ReplicaSet:
+    def __init__(
+        self,
+        settings: RouterSettings,
+        requests: dict[str, Pending],
+        fan_out: Callable[[scheduler_pb2.SchedulerMessage], None],
+        changed: Callable[[], None],
+    ) -> None:
+        """requests: the router's table of client streams (whose replica a move
+        changes); fan_out: where each scheduler message goes; changed: called when
+        a replica connects or is lost (readiness)."""
+        self.settings, self.requests = settings, requests
+        self.fan_out, self.changed = fan_out, changed
+        self.tls = TLSConfig.from_settings(settings)
+        self.model_info = generation_pb2.ModelInfo()
+        self.limits: ModelLimits | None = None
+        self.by_address: dict[str, Replica] = {}
+        self.leaving: list[Replica] = []  # left the scheduler list, requests not moved yet
+        self.chooser = ReplicaChooser(
+            config_from(settings, RoutingConfig), PrefixIndex(settings.prefix_index_blocks)
+        )
+        self.targets = parse_targets(settings.scheduler)
+        self.resolver = Resolver()
+        self.rediscover = asyncio.Event()
+
+    def __iter__(self):
+        return iter(self.by_address.values())
+
+    @property
+    def any_connected(self) -> bool:
+        return any(r.connected for r in self.by_address.values())
+
+    # -- which replicas --------------------------------------------------------
+
+    async def run(self) -> None:
+        try:
+            await asyncio.gather(self._discover_forever(), self._rebalance_forever())
+        finally:
+            for replica in self.by_address.values():
+                await replica.stop()
+
+    def reload(self, scheduler: str) -> None:
+        """A new scheduler list (SIGHUP): replicas not in it leave, new ones join."""
+        self.targets = parse_targets(scheduler)
+        log.info("scheduler list: %s", ", ".join(self.targets))
+        self.rediscover.set()
+
+    async def _discover_forever(self) -> None:
+        while True:
+            await self._discover()
+            interval = self.settings.resolve_interval_s if has_names(self.targets) else None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.rediscover.wait(), interval)
+            self.rediscover.clear()
+
+    async def _discover(self) -> None:
+        addresses = await self.resolver.addresses(self.targets)
+        for address in addresses - self.by_address.keys():
+            log.info("replica %s joins", address)
+            replica = Replica(address, self.settings, self.tls, self)
+            self.by_address[address] = replica
+            replica.start()
+        for address in self.by_address.keys() - addresses:
+            log.info("replica %s leaves", address)
+            replica = self.by_address.pop(address)
+            self.leaving.append(replica)  # until its requests have moved on
+            await replica.stop()
+
+    # -- what a replica tells ----------------------------------------------------
+
+    def described(self, info: generation_pb2.ModelInfo) -> None:
+        """The replica's model must be the one the router already serves."""
+        served = self.model_info.model_name
+        if served and info.model_name != served:
+            raise ReplicaMismatch(f"serves {info.model_name!r}, the other replicas {served!r}")
+        if served and (self.limits.kv_capacity_tokens <= info.num_blocks * info.block_size):
+            return  # the smallest replica bounds what a request may ask
+        self.model_info = generation_pb2.ModelInfo()
+        self.model_info.CopyFrom(info)
+        self.limits = ModelLimits.of(info)
+
+    def connected(self) -> None:
+        self.changed()
+
+    def sent(self, adds) -> None:
+        """These requests reached their replica's scheduler."""
+        for add in adds:
+            self.requests[add.request_id].sent = True
+
+    def lost(self, replica: Replica) -> None:
+        """The replica and all it held are gone. Every request it was serving goes back
+        to the head of its admission queue as its remainder: its client sees a pause,
+        then the rest of its tokens, from this replica when it is back within
+        --replica-grace-s, from another otherwise (see rebalance)."""
+        self.chooser.index.forget(replica.address)  # its prefix cache is gone
+        self.changed()  # still live: the queue waits for a replica
+        resubmit = []
+        for pending in self.requests.values():
+            if pending.replica is replica and pending.sent and not pending.finished:
+                pending.sent = False
+                resubmit.append(pending.remainder())
+        replica.admission.push_front(resubmit)
+
+    # -- where requests go -------------------------------------------------------
+
+    def routable(self) -> list[Replica]:
+        """The live replicas; with none, those lost that may still come back (requests
+        queue for them, as for a restarting scheduler)."""
+        replicas = self.by_address.values()
+        return [r for r in replicas if r.connected] or [r for r in replicas if r.may_come_back]
+
+    def choose(self, token_ids, replicas: list[Replica], moved: bool = False) -> Replica:
+        by_name = {r.address: r for r in replicas}
+        hashes = []
+        if self.settings.routing == "prefix":
+            hashes = chain_hashes(list(token_ids), self.model_info.block_size)
+        views = [ReplicaView(r.address, r.load, r.reported.kv_cache_usage) for r in replicas]
+        name, why = self.chooser.choose(hashes, views)
+        replica = by_name[name]
+        replica.routed_since_report += 1
+        ROUTED.labels(name, "moved" if moved else why).inc()
+        return replica
+
+    async def _rebalance_forever(self) -> None:
+        while True:
+            await asyncio.sleep(REBALANCE_INTERVAL_S)
+            self.rebalance()
+
+    def rebalance(self) -> None:
+        """Requests queued at a replica that is gone move to the live ones; with none
+        live, they wait up to --scheduler-timeout and then fail."""
+        live = [r for r in self.by_address.values() if r.connected]
+        grace = self.settings.replica_grace_s
+        for replica in [*self.by_address.values(), *self.leaving]:
+            if replica.connected or not replica.admission:
+                continue
+            if live and (replica.removed or replica.reconnect.lost_for_s > grace):
+                self._move(replica, live)
+            elif replica.reconnect.gave_up:
+                self._fail(replica, f"no scheduler for {self.settings.scheduler_timeout:g}s")
+        self.leaving = [r for r in self.leaving if r.admission]
+
+    def _move(self, replica: Replica, live: list[Replica]) -> None:
+        moved: dict[Replica, list[scheduler_pb2.AddRequest]] = {}
+        for add in replica.admission.take_all():
+            target = self.choose(add.prompt_token_ids, live, moved=True)
+            self.requests[add.request_id].replica = target
+            moved.setdefault(target, []).append(add)
+        for target, adds in moved.items():
+            target.admission.push_front(adds)  # they came before what is queued there
+            target.flush.set()
+            log.warning("%d requests move from %s to %s", len(adds), replica.address,
+                        target.address)  # fmt: skip
+
+    def _fail(self, replica: Replica, why: str) -> None:
+        for add in replica.admission.take_all():
+            if (pending := self.requests.get(add.request_id)) is not None:
+                pending.fail(grpc.StatusCode.UNAVAILABLE, f"{why}; retry the request")

@@ -1,0 +1,208 @@
+"""The scheduler's link to its executor: describing it (waiting for it to come up),
+refusing one that cannot honour our settings, the Execute stream that keeps up to two
+steps in flight, heartbeats while idle, and a new stream to the executor that comes
+back after one is lost.
+
+The service (scheduler_svc/service.py) owns the routers and the requests' way in;
+this class owns everything that talks to the executor and drives the core's
+schedule() / update_from_output() between the two."""
+
+import asyncio
+import logging
+from collections import deque
+from typing import TYPE_CHECKING
+
+import grpc
+
+from flagstop.reconnect import Reconnect
+from flagstop.scheduler_svc.convert import step_to_proto
+from flagstop.scheduler_svc.core.output import SchedulerOutput
+from flagstop.scheduler_svc.core.scheduler import Scheduler
+from flagstop.scheduler_svc.settings import SchedulerSettings
+from flagstop.scheduler_svc.telemetry import SchedulerTelemetry
+from flagstop.server import TLSConfig, channel
+from flagstop.v1 import executor_pb2, executor_pb2_grpc, generation_pb2, scheduler_pb2
+
+if TYPE_CHECKING:
+    from flagstop.scheduler_svc.service import SchedulerService
+
+log = logging.getLogger("flagstop.scheduler")
+HEARTBEAT_INTERVAL_S = 1.0
+
+
+class ExecutorLost(Exception):
+    pass
+
+
+class ExecutorMismatch(Exception):
+    """The executor cannot honour this scheduler's settings; the message says which."""
+
+
+class ExecutorLink:
+    def __init__(
+        self,
+        settings: SchedulerSettings,
+        tls: TLSConfig,
+        telemetry: SchedulerTelemetry,
+        service: "SchedulerService",
+    ) -> None:
+        self.settings, self.telemetry, self.service = settings, telemetry, service
+        self.stub = executor_pb2_grpc.ExecutorStub(channel(settings.executor, tls))
+        self.info = executor_pb2.DescribeExecutorResponse()  # the first executor's
+        self.connected = False
+        self.reconnect = Reconnect(give_up_after_s=settings.executor_timeout)
+        self.wakeup = asyncio.Event()  # new work, or a request that may run now
+
+    @property
+    def model(self) -> generation_pb2.ModelInfo:
+        return self.info.model
+
+    # -- describing ------------------------------------------------------------
+
+    async def first_executor(self) -> executor_pb2.DescribeExecutorResponse:
+        """The executor's description, once one answers (raises ExecutorMismatch when
+        it cannot honour our settings)."""
+        info = await self._describe()
+        self._check(info)
+        self.info = info
+        return info
+
+    def _check(self, info: executor_pb2.DescribeExecutorResponse) -> None:
+        """Refuse what the executor cannot honour now, not as a batch desync later."""
+        s, known, model = self.settings, self.info.model, info.model
+        if known.model_name and (model.model_name, model.vocab_size, model.block_size) != (
+            known.model_name, known.vocab_size, known.block_size,
+        ):  # fmt: skip
+            raise ExecutorMismatch(
+                f"the executor came back with another model ({model.model_name}, block size "
+                f"{model.block_size}); retry the request"
+            )
+        for flag, ours, theirs in (
+            ("--max-num-seqs", s.max_num_seqs, info.max_num_seqs),
+            ("--max-num-batched-tokens", s.max_num_batched_tokens, info.max_num_batched_tokens),
+            ("--max-model-len", s.max_model_len or 0, model.max_model_len),
+        ):
+            if ours > theirs:
+                raise ExecutorMismatch(
+                    f"{flag} {ours} exceeds the executor's {theirs} ({s.executor}): "
+                    f"lower {flag} or raise the executor's"
+                )
+
+    async def _describe(self) -> executor_pb2.DescribeExecutorResponse:
+        """Describe with backoff until an executor answers; requests that outwait
+        --executor-timeout meanwhile end with UNAVAILABLE."""
+        while True:
+            try:
+                return await self.stub.Describe(
+                    executor_pb2.DescribeExecutorRequest(),
+                    timeout=self.settings.executor_heartbeat_timeout,
+                )
+            except grpc.aio.AioRpcError as e:
+                log.info("waiting for the executor at %s: %s", self.settings.executor, e.code())
+            if self.reconnect.gave_up:
+                self.service.fail_all(grpc.StatusCode.UNAVAILABLE, (
+                    f"no executor for {self.settings.executor_timeout:g}s: retry the request"
+                ))  # fmt: skip
+            await self.reconnect.wait()
+
+    async def _next_executor(self) -> int:
+        """Until an executor that can serve the same requests answers: its pool size."""
+        while True:
+            info = await self._describe()
+            try:
+                self._check(info)
+            except ExecutorMismatch as e:
+                log.error("%s", e)
+                self.service.fail_all(grpc.StatusCode.UNAVAILABLE, str(e))
+                await self.reconnect.wait()
+                continue
+            return info.model.num_blocks
+
+    async def prepare_grammar(self, add: scheduler_pb2.AddRequest) -> None:
+        """Compile a request's constraint on the executor (raises AioRpcError)."""
+        request = executor_pb2.PrepareGrammarRequest(
+            structured_outputs=add.sampling.structured_outputs
+        )
+        await self.stub.PrepareGrammar(request, timeout=self.settings.executor_timeout)
+
+    # -- the step stream -------------------------------------------------------
+
+    async def run(self, scheduler: Scheduler) -> None:
+        """The engine loop, over one executor after another. When the executor is lost
+        (dead, or silent past the heartbeat deadline) its KV cache is gone with it:
+        every request is preempted for recompute and goes on, with the tokens it has,
+        on the next executor."""
+        while True:
+            call = self.stub.Execute()
+            self.connected = True
+            self.reconnect.connected()
+            self.service.executor_changed()
+            try:
+                await self._drive(call, scheduler)
+            except (grpc.aio.AioRpcError, ExecutorLost) as e:
+                log.error("executor lost: %s", e)
+            except TimeoutError:
+                log.error("executor lost: silent for %gs", self.settings.executor_heartbeat_timeout)
+            except Exception:  # a bug: fail what is in flight rather than hang forever
+                log.exception("engine loop failed")
+                self.service.fail_all(grpc.StatusCode.INTERNAL, "the scheduler failed; retry")
+            finally:
+                call.cancel()
+            self.connected = False
+            self.reconnect.lost()
+            self.service.executor_changed()  # still live: the queue waits for the executor
+            self.telemetry.executor_lost(scheduler)
+            scheduler.reset_executor()
+            scheduler.reset_executor(await self._next_executor())
+
+    async def _drive(self, call, scheduler: Scheduler) -> None:
+        """Plan step N+1 while step N runs (--max-steps-in-flight 2), so the executor
+        never waits for the scheduler; read a result when two are out, or when there
+        is nothing more to plan."""
+        service, telemetry = self.service, self.telemetry
+        in_flight: deque[SchedulerOutput] = deque()
+        while True:
+            if not scheduler.has_unfinished_requests() and not in_flight:
+                await self._idle(call)
+                continue
+            if service.policy_client is not None:
+                service.policy_client.maybe_query(scheduler)
+            plan = scheduler.schedule()
+            if not plan.is_empty:
+                step = step_to_proto(plan)
+                telemetry.on_schedule(plan, step, scheduler)
+                await call.write(step)
+                in_flight.append(plan)
+            if in_flight and (
+                len(in_flight) >= self.settings.max_steps_in_flight or not plan.num_scheduled_tokens
+            ):
+                result = await self._read(call)
+                done = in_flight.popleft()
+                outputs = scheduler.update_from_output(done, result.sampled_token_ids)
+                telemetry.on_update(done, outputs, scheduler, service.num_queued_at_routers())
+                service.dispatch(done, result, outputs)
+            elif not in_flight:
+                # Nothing runnable (e.g. all waiting on blocks held by nobody yet).
+                self.wakeup.clear()
+                await self.wakeup.wait()
+
+    async def _idle(self, call) -> None:
+        """Nothing to do: wait for work, probing the executor now and then."""
+        self.wakeup.clear()
+        try:
+            await asyncio.wait_for(self.wakeup.wait(), HEARTBEAT_INTERVAL_S)
+            return
+        except TimeoutError:
+            pass
+        await call.write(executor_pb2.StepRequest(heartbeat=True))
+        if not (await self._read(call)).heartbeat:
+            raise ExecutorLost("a heartbeat got a step result")
+
+    async def _read(self, call) -> executor_pb2.StepResult:
+        """The next result; an executor silent past the heartbeat deadline (hung, or
+        its host gone without a reset) counts as lost."""
+        async with asyncio.timeout(self.settings.executor_heartbeat_timeout):
+            result = await call.read()
+        if result is grpc.aio.EOF:
+            raise ExecutorLost("the executor closed the stream")
+        return result
