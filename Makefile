@@ -29,7 +29,7 @@ COMPOSE := $(if $(strip $(PROFILES)),COMPOSE_PROFILES=$(subst $() ,$(comma),$(st
 	$(if $(filter-out 1,$(TP)),TP=$(TP)) $(if $(filter-out 1,$(ROUTERS)),ROUTERS=$(ROUTERS)) \
 	$(DOCKER_COMPOSE) -f compose/compose.yaml $(if $(GPU),-f compose/compose.gpu.yaml)
 
-.PHONY: venv test lint bench bench-executor bench-replicas bench-structured model proto serve up down logs ps clean
+.PHONY: venv test test-fast lint bench bench-executor bench-replicas bench-structured model proto serve up down logs ps clean
 
 venv: $(STAMP)
 
@@ -38,10 +38,15 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 	touch $@
 
+# Every test, in a random order (pytest-randomly; the seed is printed).
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q
+
+# The in-process tests only (no stack, service or rank started): a quick loop.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not processes"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -90,6 +95,7 @@ bench-replicas: $(STAMP)
 
 # The default set, under 10 minutes on a 2-core machine; bench/RESULTS.md gathers them.
 bench: $(STAMP)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
 	$(PY) bench/scheduler_bench.py
 	$(PY) bench/detokenizer_bench.py
 	$(PY) bench/peers.py

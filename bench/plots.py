@@ -1,11 +1,14 @@
-"""The README's charts, from the results of bench/peers.py and bench/serve_bench.py.
+"""The README's charts, from the results of bench/peers.py, bench/serve_bench.py and
+bench/overhead_bench.py, drawn with matplotlib (the bench extra).
 
     python bench/plots.py [--results bench/results]
 
 occupancy.png: batch slots over forward steps, static batching (transformers
 generate()) above continuous batching (ours), from the same workload's real runs;
 one colour per request, grey for an idle slot. serving.png: output throughput and
-p99 TTFT against the request rate.
+p99 TTFT against the request rate. overhead.png (and overhead_levers.png): delivered
+tokens/s and the router's CPU per token against the number of streams, a line per
+variant.
 """
 
 import argparse
@@ -16,11 +19,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import itertools
+import matplotlib
 
-from bench.png import BLACK, GREY, LIGHT, PALETTE, WHITE, Canvas
+matplotlib.use("Agg")  # files only, no display
 
-WIDTH, LANE, MARGIN = 1200, 12, 70
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.colors import ListedColormap
+
+IDLE = "#eeeeee"
+# tab20 without its two greys, which would read as idle slots.
+REQUEST_COLOURS = [c for i, c in enumerate(plt.get_cmap("tab20").colors) if i not in (14, 15)]
 
 
 def slot_rows(steps: list[list[str]], num_slots: int) -> list[list[str | None]]:
@@ -42,109 +51,95 @@ def slot_rows(steps: list[list[str]], num_slots: int) -> list[list[str | None]]:
     return rows
 
 
-def draw_occupancy(canvas: Canvas, top: int, title: str, steps, num_slots, x_scale) -> None:
-    canvas.text(MARGIN, top, title)
-    top += 22
+def slot_image(steps: list[list[str]], num_slots: int, width: int) -> np.ndarray:
+    """[slot, step] colour indices: 0 idle, else 1 + the request's number mod the
+    number of request colours."""
+    image = np.zeros((num_slots, width), np.int64)
     for step, row in enumerate(slot_rows(steps, num_slots)):
-        x = MARGIN + step * x_scale
         for slot, req in enumerate(row):
-            color = LIGHT if req is None else PALETTE[int(req[1:]) % len(PALETTE)]
-            y = top + slot * LANE
-            canvas.rect(x, y + 1, x + x_scale, y + LANE - 1, color)
-    canvas.text(MARGIN - 8, top + num_slots * LANE / 2 - 7, "SLOTS", GREY, 1, "right")
+            if req is not None:
+                image[slot, step] = 1 + int(req[1:]) % len(REQUEST_COLOURS)
+    return image
 
 
 def occupancy_chart(peers: dict, out: Path, num_slots: int = 16) -> None:
     static, continuous = peers["occupancy"]["static"], peers["occupancy"]["continuous"]
     longest = max(len(static), len(continuous))
-    x_scale = (WIDTH - 2 * MARGIN) / longest
-    panel = num_slots * LANE + 50
-    canvas = Canvas(WIDTH, 2 * panel + 70)
     idle = peers["idle"]
-    titles = [
-        f"static batching, transformers generate(): {len(static)} steps, "
-        f"{idle['static']:.0%} of slot-steps idle",
-        f"continuous batching, flagstop: {len(continuous)} steps, {idle['continuous']:.0%} idle",
-    ]
-    for i, (title, steps) in enumerate(zip(titles, (static, continuous), strict=True)):
-        draw_occupancy(canvas, 20 + i * panel, title, steps, num_slots, x_scale)
-    axis_y = 2 * panel + 20
-    canvas.line(MARGIN, axis_y, WIDTH - MARGIN, axis_y, BLACK)
-    for step in range(0, longest + 1, tick_step(longest)):
-        x = MARGIN + step * x_scale
-        canvas.line(x, axis_y, x, axis_y + 5, BLACK)
-        canvas.text(x, axis_y + 9, str(step), BLACK, 1, "center")
-    canvas.text(WIDTH / 2, axis_y + 25, "forward steps (one colour per request, grey: idle slot)",
-                GREY, 1, "center")  # fmt: skip
-    canvas.save(out)
+    colours = ListedColormap([IDLE, *REQUEST_COLOURS])
+    fig, axes = plt.subplots(2, 1, figsize=(12, 5.2), sharex=True, constrained_layout=True)
+    panels = [
+        (f"static batching, transformers generate(): {len(static)} steps, "
+         f"{idle['static']:.0%} of slot-steps idle", static),
+        (f"continuous batching, flagstop: {len(continuous)} steps, "
+         f"{idle['continuous']:.0%} of slot-steps idle", continuous),
+    ]  # fmt: skip
+    for ax, (title, steps) in zip(axes, panels, strict=True):
+        image = slot_image(steps, num_slots, longest)
+        ax.imshow(image, aspect="auto", interpolation="nearest", cmap=colours,
+                  vmin=0, vmax=len(REQUEST_COLOURS), extent=(0, longest, num_slots, 0))  # fmt: skip
+        ax.set_title(title, loc="left", fontsize=10)
+        ax.set_ylabel("batch slot")
+        ax.set_yticks(range(0, num_slots + 1, 4))
+    axes[-1].set_xlabel("forward step (one colour per request, light grey: idle slot)")
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
 
 
-def tick_step(span: float) -> float:
-    raw = span / 8
-    magnitude = 10 ** math.floor(math.log10(raw)) if raw > 0 else 1
-    return next(m * magnitude for m in (1, 2, 5, 10) if m * magnitude >= raw)
-
-
-def line_chart(canvas: Canvas, box: tuple[int, int, int, int], title: str, labels: list[str],
-               series: list[tuple[list[float], tuple]], x_label: str) -> None:  # fmt: skip
-    """One line per (values, color) over the same x labels."""
-    x0, y0, x1, y1 = box
-    canvas.text((x0 + x1) / 2, y0 - 30, title, BLACK, 2, "center")
-    canvas.line(x0, y1, x1, y1, BLACK)
-    canvas.line(x0, y0, x0, y1, BLACK)
-    top = max(max(values) for values, _ in series) * 1.15 or 1
-    step = tick_step(top)
-    tick = 0.0
-    while tick <= top:
-        y = y1 - (y1 - y0) * tick / top
-        canvas.line(x0 + 1, y, x1, y, LIGHT)
-        canvas.text(x0 - 6, y - 3, f"{tick:g}", BLACK, 1, "right")
-        tick += step
-    xs = [x0 + (x1 - x0) * (i + 0.5) / len(labels) for i in range(len(labels))]
-    for values, color in series:
-        points = [(x, y1 - (y1 - y0) * v / top) for x, v in zip(xs, values, strict=True)]
-        for (ax, ay), (bx, by) in itertools.pairwise(points):
-            canvas.line(ax, ay, bx, by, color, 3)
-        for x, y in points:
-            canvas.rect(x - 4, y - 4, x + 4, y + 4, color)
-    for x, label in zip(xs, labels, strict=True):
-        canvas.text(x, y1 + 8, label, BLACK, 1, "center")
-    canvas.text((x0 + x1) / 2, y1 + 24, x_label, GREY, 1, "center")
+def spans_decades(values: list[float]) -> bool:
+    positive = [v for v in values if v > 0]
+    return bool(positive) and max(positive) / min(positive) >= 10
 
 
 def serving_chart(serve: dict, out: Path) -> None:
+    """Throughput and p99 TTFT against the request rate (inf: all at once, drawn at
+    the right end)."""
     results = serve["results"]
     labels = ["inf" if math.isinf(r["request_rate"]) else f"{r['request_rate']:g}" for r in results]
-    canvas = Canvas(WIDTH, 420, WHITE)
-    half = WIDTH // 2
-    rate = "request rate (req/s)"
-    line_chart(canvas, (MARGIN + 10, 70, half - 40, 360), "output tokens/s", labels,
-               [([r["output_throughput"] for r in results], PALETTE[0])], rate)  # fmt: skip
-    line_chart(canvas, (half + MARGIN, 70, WIDTH - 40, 360), "p99 time to first token (ms)",
-               labels, [([r["p99_ttft_ms"] for r in results], PALETTE[3])], rate)  # fmt: skip
-    canvas.save(out)
+    x = np.arange(len(results))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2), constrained_layout=True)
+    for ax, key, title, colour in (
+        (left, "output_throughput", "output tokens/s", "tab:blue"),
+        (right, "p99_ttft_ms", "p99 time to first token (ms)", "tab:red"),
+    ):
+        values = [r[key] for r in results]
+        ax.plot(x, values, marker="o", color=colour, label=title)
+        ax.set_xticks(x, labels)
+        ax.set_xlabel("request rate (requests/s)")
+        ax.set_ylabel(title)
+        if spans_decades(values):
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best")
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
 
 
 def overhead_chart(overhead: dict, out: Path, step_ms: float = 8.0) -> None:
-    """Delivered tokens/s and router CPU per token vs streams, a line per variant."""
+    """Delivered tokens/s and router CPU per token against streams, a line per variant
+    (streams on a log axis: 64 to 1024)."""
     rows = [r for r in overhead["rows"] if r["step_ms"] == step_ms]
     variants = list(dict.fromkeys(r["variant"] for r in rows))
-    labels = [str(n) for n in dict.fromkeys(r["streams"] for r in rows)]
-
-    def series(key: str) -> list:
-        return [([r[key] for r in rows if r["variant"] == v], PALETTE[i % len(PALETTE)])
-                for i, v in enumerate(variants)]  # fmt: skip
-
-    canvas = Canvas(WIDTH, 460, WHITE)
-    half = WIDTH // 2
-    line_chart(canvas, (MARGIN + 10, 70, half - 40, 360), f"tokens/s at {step_ms:g} ms steps",
-               labels, series("tok_s"), "streams")  # fmt: skip
-    line_chart(canvas, (half + MARGIN, 70, WIDTH - 40, 360), "router CPU us / token",
-               labels, series("router_us_per_token"), "streams")  # fmt: skip
-    for i, variant in enumerate(variants):
-        canvas.text(MARGIN + 10 + 220 * (i % 4), 410 + 18 * (i // 4), variant or "this checkout",
-                    PALETTE[i % len(PALETTE)], 1, "left")  # fmt: skip
-    canvas.save(out)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.4), constrained_layout=True)
+    for ax, key, title in (
+        (left, "tok_s", f"delivered tokens/s at {step_ms:g} ms steps"),
+        (right, "router_us_per_token", "router CPU µs per delivered token"),
+    ):
+        for variant in variants:
+            mine = [r for r in rows if r["variant"] == variant]
+            ax.plot([r["streams"] for r in mine], [r[key] for r in mine], marker="o",
+                    label=variant or "this checkout")  # fmt: skip
+        ax.set_xscale("log", base=2)
+        streams = sorted({r["streams"] for r in rows})
+        ax.set_xticks(streams, [str(n) for n in streams])
+        ax.set_xlabel("concurrent streams")
+        ax.set_ylabel(title)
+        if spans_decades([r[key] for r in rows]):
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(loc="best", fontsize=8)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
 
 
 def main() -> None:

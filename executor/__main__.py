@@ -7,17 +7,19 @@ import logging
 import os
 from pathlib import Path
 
+from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.service import SERVICE_NAME, ExecutorService
 from flagstop.executor.settings import ExecutorSettings
 from flagstop.health import Health
 from flagstop.server import StartupError, TLSConfig, new_server, run_service, run_until_signalled
+from flagstop.settings import config_from
 from flagstop.telemetry import Telemetry, start_metrics_server
 from flagstop.v1 import executor_pb2_grpc
 
 log = logging.getLogger("flagstop.executor")
 
 
-def load_runner(settings: ExecutorSettings, membership):
+def load_runner(settings: ExecutorConfig, membership):
     """(runner, group or None); a model that cannot be split or loaded stops start-up."""
     import torch
 
@@ -46,7 +48,7 @@ def load_runner(settings: ExecutorSettings, membership):
         raise
 
 
-def simulated_runner(settings: ExecutorSettings):
+def simulated_runner(settings: ExecutorConfig):
     from flagstop.executor.simulator import SimulatedRunner
 
     if settings.tensor_parallel_size != 1:
@@ -55,20 +57,21 @@ def simulated_runner(settings: ExecutorSettings):
 
 
 async def serve(settings: ExecutorSettings) -> None:
+    config = config_from(settings, ExecutorConfig)  # what the runner and the ranks take
     membership = None
-    if not settings.simulate:
+    if not config.simulate:
         from flagstop.executor.distributed import Membership
         from flagstop.executor.worker import follow
 
-        membership = Membership.from_environment(settings)
+        membership = Membership.from_environment(config)
         if membership is not None and membership.rank != 0:
-            follow(settings, membership)  # torchrun's other ranks serve no gRPC
+            follow(config, membership)  # torchrun's other ranks serve no gRPC
             return
     try:
-        if settings.simulate:
-            runner, group = simulated_runner(settings)
+        if config.simulate:
+            runner, group = simulated_runner(config)
         else:
-            runner, group = load_runner(settings, membership)
+            runner, group = load_runner(config, membership)
     except StartupError:
         raise
     except (OSError, ValueError, RuntimeError) as e:

@@ -28,7 +28,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--priority", type=int, default=0)
     p.add_argument("--addr", default="127.0.0.1:50051", help="router address")
-    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="deadline in seconds, waiting for the router included",
+    )
+    p.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=30.0,
+        help="without --timeout: seconds to wait for the router to accept",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     return p.parse_args(argv)
 
@@ -46,12 +57,28 @@ def build_request(args: argparse.Namespace) -> generation_pb2.GenerateRequest:
     return request
 
 
+async def wait_for_router(ch: grpc.aio.Channel, args: argparse.Namespace) -> None:
+    """A router that is starting, restarting or busy accepting a burst of connections
+    is waited for (within the deadline) instead of failing the first attempt."""
+    wait_s = args.timeout if args.timeout is not None else args.connect_timeout
+    try:
+        await asyncio.wait_for(ch.channel_ready(), wait_s)
+    except TimeoutError:
+        raise ConnectionError(f"no router answered at {args.addr} within {wait_s:g} s") from None
+
+
 async def generate(args: argparse.Namespace) -> dict:
     async with channel(args.addr) as ch:
         stub = generation_pb2_grpc.GenerationStub(ch)
         start, ttft = time.perf_counter(), None
+        await wait_for_router(ch, args)
         result = {"text": "", "token_ids": [], "finish_reason": None}
-        async for chunk in stub.Generate(build_request(args), timeout=args.timeout):
+        # wait_for_ready: a connection lost between the wait and the call is retried
+        # within the deadline too, rather than failing at once (UNAVAILABLE).
+        request, remaining = build_request(args), None
+        if args.timeout is not None:
+            remaining = max(0.0, args.timeout - (time.perf_counter() - start))
+        async for chunk in stub.Generate(request, timeout=remaining, wait_for_ready=True):
             if ttft is None and chunk.token_ids:
                 ttft = time.perf_counter() - start
             result["text"] += chunk.text
@@ -72,6 +99,9 @@ def main() -> None:
         result = asyncio.run(generate(args))
     except grpc.aio.AioRpcError as e:
         print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        sys.exit(1)
+    except ConnectionError as e:
+        print(f"error: UNAVAILABLE: {e}", file=sys.stderr)
         sys.exit(1)
     print(json.dumps(result) if args.json else "")
 

@@ -22,10 +22,6 @@ from flagstop.telemetry import start_metrics_server
 
 log = logging.getLogger("flagstop.router")
 
-# A process that dies sooner than this after starting is not restarted: it would only
-# die again (a taken port, a model that does not load); the supervisor exits instead.
-MIN_UPTIME_S = 10.0
-
 
 def worker_command(settings: RouterSettings, index: int) -> list[str]:
     """The supervisor's own command line, as one sharing process."""
@@ -85,7 +81,7 @@ class Supervisor:
                     continue
                 if self.stopping:
                     codes[index] = code
-                elif (uptime := time.monotonic() - started) < MIN_UPTIME_S:
+                elif (uptime := time.monotonic() - started) < self.settings.min_uptime_s:
                     log.error("router process %d ended (exit %s) %.1f s after starting: "
                               "stopping", index, code, uptime)  # fmt: skip
                     return code or 1  # it said why on stderr

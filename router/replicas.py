@@ -20,7 +20,7 @@ from flagstop.router.output import Pending
 from flagstop.router.replica import Replica, ReplicaMismatch
 from flagstop.router.routing import PrefixIndex, ReplicaChooser, ReplicaView, RoutingConfig
 from flagstop.router.settings import RouterSettings
-from flagstop.router.telemetry import ROUTED
+from flagstop.router.telemetry import ROUTED, export_model
 from flagstop.router.validation import ModelLimits
 from flagstop.scheduler_svc.core.kv_cache_manager import chain_hashes
 from flagstop.server import TLSConfig
@@ -111,6 +111,7 @@ class ReplicaSet:
         self.model_info = generation_pb2.ModelInfo()
         self.model_info.CopyFrom(info)
         self.limits = ModelLimits.of(info)
+        export_model(info.model_name)
 
     def connected(self) -> None:
         self.changed()

@@ -83,6 +83,10 @@ class RouterSettings(ServiceSettings):
     """router processes serving --port and --http-port together (SO_REUSEPORT, Linux):
     the kernel spreads new connections over them, each has its own scheduler stream,
     /metrics sums them all. One process tops out near 20k tokens/s"""
+    min_uptime_s: NonNegativeFloat = 10.0
+    """--processes: a router process that ends sooner than this after starting is not
+    started again (it would only end again: a taken port, a model that does not
+    load); the router exits instead"""
     reuse_port: bool = False
     """share --port and --http-port with other router processes of this user (set by
     --processes on the processes it starts)"""

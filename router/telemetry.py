@@ -29,6 +29,15 @@ ROUTED = Counter(
 )
 
 
+def export_model(model: str) -> None:
+    """The model's series, at zero, from the moment it is served (as vLLM does): a
+    scrape before the first request, or a dashboard's rate(), sees them."""
+    for family in (TTFT, TPOT, E2E, PROMPT_TOKENS, GENERATION_TOKENS):
+        family.labels(model)
+    for reason in (FinishReason.STOP, FinishReason.LENGTH):
+        SUCCESS.labels(model, reason.label)
+
+
 class RequestTrace:
     """The span and clocks of one client request."""
 

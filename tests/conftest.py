@@ -1,4 +1,5 @@
 import os
+import subprocess
 
 import pytest
 
@@ -16,7 +17,7 @@ try:
 except ImportError:
     pass
 
-from tests.checkpoints import load_reference
+from tests.helpers.checkpoints import load_reference
 from tools.make_model import write_model
 
 
@@ -30,3 +31,26 @@ def model_dir(tmp_path_factory):
 def reference(model_dir):
     """transformers on the same weights: the oracle of greedy tokens."""
     return load_reference(model_dir)
+
+
+_EXECUTE_CHILD = subprocess.Popen._execute_child
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """The `processes` marker is what `make test-fast` leaves out (-m "not
+    processes"): a test without it that starts a process (its fixtures included)
+    fails, saying so, so that the in-process set stays in-process."""
+    if item.get_closest_marker("processes") is not None:
+        return (yield)
+
+    def refuse(self, args, *rest, **kwargs):
+        raise AssertionError(
+            f"{item.nodeid} starts a process ({args!r}): mark it @pytest.mark.processes"
+        )
+
+    subprocess.Popen._execute_child = refuse
+    try:
+        return (yield)
+    finally:
+        subprocess.Popen._execute_child = _EXECUTE_CHILD

@@ -1,16 +1,13 @@
-"""The benchmark tools' own arithmetic: arrivals, percentiles, slot charts, PNG files."""
+"""The benchmark tools' own arithmetic: arrivals, percentiles, slot charts, the charts."""
 
 import math
 import statistics
-import struct
-import zlib
 from types import SimpleNamespace
 
 import pytest
 
 from bench.peers import idle_fraction, workload
-from bench.plots import slot_rows
-from bench.png import Canvas
+from bench.plots import occupancy_chart, overhead_chart, serving_chart, slot_image, slot_rows
 from bench.serve_bench import RequestRecord, arrival_gaps, summarize
 
 
@@ -60,23 +57,25 @@ def test_slots_are_kept_by_their_request_and_refilled_lowest_first():
     assert idle_fraction(steps) == pytest.approx(1 - 9 / (16 * 4))
 
 
-def test_the_png_writer_writes_what_was_drawn(tmp_path):
-    canvas = Canvas(7, 5)
-    canvas.rect(2, 1, 4, 3, (10, 20, 30))
-    Canvas(200, 20).text(0, 0, "ABCXYZ 0189 .,:%/()-+=<>_'", scale=1)  # every glyph draws
-    path = tmp_path / "x.png"
-    canvas.save(path)
-    data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    width, height = struct.unpack(">II", data[16:24])
-    assert (width, height) == (7, 5)
-    idat = data.index(b"IDAT")
-    (length,) = struct.unpack(">I", data[idat - 4 : idat])
-    raw = zlib.decompress(data[idat + 4 : idat + 4 + length])
-    assert len(raw) == height * (1 + 3 * width)
-    row = raw[2 * (1 + 3 * width) : 3 * (1 + 3 * width)]
-    assert row[1 + 3 * 3 : 1 + 3 * 4] == bytes([10, 20, 30])
-    assert row[1 + 3 * 6 : 1 + 3 * 7] == bytes([255, 255, 255])
+def test_the_charts_are_drawn_from_results(tmp_path):
+    steps = [["r0", "r1"], ["r1"], ["r2", "r1"]]
+    peers = {"occupancy": {"static": steps, "continuous": steps[:2]},
+             "idle": {"static": 0.5, "continuous": 0.25}}  # fmt: skip
+    serve = {
+        "results": [
+            {"request_rate": r, "output_throughput": 10.0 * i + 1, "p99_ttft_ms": 5.0 * 10**i}
+            for i, r in enumerate([4, math.inf])
+        ]
+    }
+    rows = [{"step_ms": 8.0, "variant": v, "streams": n, "tok_s": n * 2.0,
+             "router_us_per_token": 30.0} for v in ("", "b") for n in (64, 256)]  # fmt: skip
+    occupancy_chart(peers, tmp_path / "o.png", num_slots=2)
+    serving_chart(serve, tmp_path / "s.png")
+    overhead_chart({"rows": rows}, tmp_path / "h.png")
+    for name in ("o", "s", "h"):
+        data = (tmp_path / f"{name}.png").read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    assert slot_image(steps, 2, 4).tolist() == [[1, 0, 3, 0], [2, 2, 2, 0]]
 
 
 def test_the_tail_starts_after_the_last_full_step_and_is_costed_in_full_steps():

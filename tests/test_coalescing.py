@@ -112,6 +112,7 @@ def test_the_mailbox_hands_over_everything_in_order():
     assert asyncio.run(run()) == list(range(100))
 
 
+@pytest.mark.processes
 def test_a_slow_client_gets_every_token_once_in_order(model_dir, tmp_path):
     """A client reading one message per 40 ms of a stream stepping every 5 ms, with
     --stream-interval-ms 20: the same tokens and text as a client that keeps up, and

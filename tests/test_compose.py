@@ -14,24 +14,15 @@ import grpc
 import pytest
 import yaml
 
-from examples import policy_server
-from flagstop.executor.settings import ExecutorSettings
-from flagstop.router.settings import RouterSettings
-from flagstop.scheduler_svc.settings import SchedulerSettings
 from flagstop.v1 import generation_pb2, generation_pb2_grpc
-from tools import make_model
+from tests.helpers.compose import PARSERS
 from tools.otlp_collector import start_collector
 from tools.stack import ROOT, free_port, spawn
 
+pytestmark = pytest.mark.processes  # every test here runs processes
+
 COMPOSE = ROOT / "compose" / "compose.yaml"
 GPU = ROOT / "compose" / "compose.gpu.yaml"
-PARSERS = {
-    "flagstop.executor": (ExecutorSettings.load, "FLAGSTOP_EXECUTOR_"),
-    "flagstop.scheduler_svc": (SchedulerSettings.load, "FLAGSTOP_SCHEDULER_"),
-    "flagstop.router": (RouterSettings.load, "FLAGSTOP_ROUTER_"),
-    "tools.make_model": (make_model.parse_args, None),
-    "examples.policy_server": (policy_server.PolicySettings.load, "FLAGSTOP_POLICY_"),
-}
 # Read by the OpenTelemetry SDK in flagstop.telemetry.
 OTEL_VARIABLES = {"OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_INSECURE", "OTEL_SERVICE_NAME"}
 

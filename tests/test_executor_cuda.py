@@ -6,7 +6,7 @@ import torch
 from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.model_runner import ModelRunner
 from flagstop.executor.sampling_params import SamplingParams
-from tests.executor_harness import Harness
+from tests.helpers.executor_harness import Harness
 from tools.make_model import write_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -25,8 +25,7 @@ def test_kv_capacity_is_measured_and_greedy_decoding_runs_in_bf16(tmp_path):
 
 
 def test_greedy_decoding_on_the_gpu_with_triton_kernels_equals_generate(tmp_path):
-    from tests.checkpoints import load_reference, reference_generate
-    from tests.test_executor_model import prompt
+    from tests.helpers.checkpoints import load_reference, prompt, reference_generate
 
     model_dir = write_model(tmp_path / "tiny", "tiny")
     config = ExecutorConfig(

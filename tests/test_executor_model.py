@@ -1,17 +1,19 @@
 """Our forward on the paged cache against transformers on the same weights."""
 
-import random
-
 import pytest
-import torch
 
 from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.model_runner import ModelRunner
-from tests.checkpoints import load_reference, reference_generate, write_checkpoint
-from tests.executor_harness import Harness
+from tests.helpers.checkpoints import (
+    assert_matches,
+    load_reference,
+    prompt,
+    reference_generate,
+    write_checkpoint,
+)
+from tests.helpers.executor_harness import Harness
 
 ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "llama3-rope-tied"]
-TOL = 1e-4
 
 
 @pytest.fixture(scope="module", params=ARCHITECTURES)
@@ -25,23 +27,6 @@ def make_harness(path, num_blocks: int = 64, block_size: int = 4) -> Harness:
         model=str(path), num_blocks=num_blocks, block_size=block_size, max_num_seqs=16
     )
     return Harness(ModelRunner(config))
-
-
-def prompt(seed: int, length: int) -> list[int]:
-    rng = random.Random(seed)
-    return [0] + [rng.randrange(2, 512) for _ in range(length - 1)]
-
-
-@torch.no_grad()
-def reference_logits(reference, token_ids: list[int]) -> torch.Tensor:
-    return reference(torch.tensor([token_ids])).logits[0, -1].float()
-
-
-def assert_matches(reference, harness: Harness, logits: dict[str, torch.Tensor]) -> None:
-    assert logits, "nothing sampled"
-    for req_id, got in logits.items():
-        tokens = harness.requests[req_id].token_ids[:-1]  # before the token just appended
-        torch.testing.assert_close(got, reference_logits(reference, tokens), atol=TOL, rtol=0)
 
 
 def test_one_prefill(checkpoint):

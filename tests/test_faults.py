@@ -2,21 +2,20 @@
 signals, and every stream checked token for token against transformers."""
 
 import asyncio
-import random
 import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import pytest
 
-from flagstop.server import channel
-from flagstop.v1 import generation_pb2, generation_pb2_grpc
-from tests.checkpoints import reference_generate
+from tests.helpers.streams import Streams, assert_token_exact
+from tests.helpers.streams import long_greedy_workload as workload
+from tools.load import many_streams, rss_kib
 from tools.stack import ROOT, start_stack
+
+pytestmark = pytest.mark.processes  # every test here runs processes
 
 
 @pytest.fixture
@@ -30,67 +29,6 @@ def stack(model_dir, tmp_path, request):
     )  # fmt: skip
     yield stack
     stack.stop(10)
-
-
-def workload(n: int = 8, seed: int = 1) -> list[tuple[list[int], int]]:
-    rng = random.Random(seed)
-    return [
-        ([0] + [rng.randrange(3, 512) for _ in range(rng.randrange(4, 40))],
-         rng.randrange(150, 250))
-        for _ in range(n)
-    ]  # fmt: skip
-
-
-class Streams:
-    """Greedy streams on threads, their tokens visible as they arrive."""
-
-    def __init__(self, stack, requests) -> None:
-        self.requests = requests
-        self.tokens: list[list[int]] = [[] for _ in requests]
-        self.pool = ThreadPoolExecutor(len(requests))
-        self.futures = [
-            self.pool.submit(self._one, stack.generation(), i) for i in range(len(requests))
-        ]
-
-    def _one(self, stub, i: int):
-        prompt, max_tokens = self.requests[i]
-        request = generation_pb2.GenerateRequest(
-            prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True
-        )
-        last = None
-        for chunk in stub.Generate(request, timeout=120):
-            self.tokens[i] += chunk.token_ids
-            last = chunk
-        return last
-
-    def wait_for_tokens(self, each: int, timeout: float = 30) -> None:
-        deadline = time.monotonic() + timeout
-        while min(map(len, self.tokens)) < each:
-            assert time.monotonic() < deadline, "the streams did not start"
-            time.sleep(0.005)
-
-    def results(self) -> list:
-        try:
-            return [f.result(timeout=120) for f in self.futures]
-        finally:
-            self.pool.shutdown()
-
-    def errors(self) -> list[grpc.StatusCode]:
-        codes = []
-        for future in self.futures:
-            with pytest.raises(grpc.RpcError) as error:
-                future.result(timeout=60)
-            codes.append(error.value.code())
-        self.pool.shutdown()
-        return codes
-
-
-def assert_token_exact(reference, streams: Streams) -> None:
-    lasts = streams.results()
-    for i, ((prompt, max_tokens), last) in enumerate(zip(streams.requests, lasts, strict=True)):
-        assert last.finish_reason == generation_pb2.FINISH_REASON_LENGTH
-        assert last.usage.completion_tokens == max_tokens
-        assert streams.tokens[i] == reference_generate(reference, prompt, max_tokens), i
 
 
 def wait_until(condition, timeout: float = 15.0) -> None:
@@ -172,25 +110,6 @@ def test_a_killed_client_frees_its_blocks_within_a_step(stack):
     step_at_kill = stack.stats().step_id
     idle = stack.wait_idle(timeout=5)
     assert idle.step_id - step_at_kill <= 5
-
-
-def rss_kib(pid: int) -> int:
-    status = Path(f"/proc/{pid}/status").read_text()
-    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS")))
-
-
-async def many_streams(router: str, n: int) -> list[int]:
-    """n concurrent streams of 4 tokens each; returns how many tokens each got."""
-    async with channel(router) as ch:
-        stub = generation_pb2_grpc.GenerationStub(ch)
-
-        async def one(i: int) -> int:
-            request = generation_pb2.GenerateRequest(
-                prompt_token_ids=[0, 3 + i % 500, 7], max_tokens=4, ignore_eos=True, seed=i
-            )
-            return sum([len(c.token_ids) async for c in stub.Generate(request, timeout=120)])
-
-        return await asyncio.gather(*(one(i) for i in range(n)))
 
 
 # ideep (oneDNN under torch's packed linears) caches a primitive per padded row count

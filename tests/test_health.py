@@ -13,6 +13,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from flagstop.health import LIVENESS, READINESS
 from tools.stack import ROOT, free_port, spawn
 
+pytestmark = pytest.mark.processes  # every test here runs processes
+
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 

@@ -9,8 +9,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.test_compose import PARSERS
+from tests.helpers.compose import PARSERS
 from tools.stack import ROOT
+
+pytestmark = pytest.mark.processes  # every test here runs processes
 
 K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = ["cpu", "gpu", "tp", "gateway"]

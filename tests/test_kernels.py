@@ -121,9 +121,8 @@ def test_paged_attention_prefill(
 def test_the_model_on_triton_kernels_matches_transformers(tmp_path):
     from flagstop.executor.config import ExecutorConfig
     from flagstop.executor.model_runner import ModelRunner
-    from tests.checkpoints import load_reference, write_checkpoint
-    from tests.executor_harness import Harness
-    from tests.test_executor_model import assert_matches, prompt
+    from tests.helpers.checkpoints import assert_matches, load_reference, prompt, write_checkpoint
+    from tests.helpers.executor_harness import Harness
 
     path = write_checkpoint("llama", tmp_path / "tiny")
     config = ExecutorConfig(

@@ -43,6 +43,7 @@ def test_no_core_module_imports_io_frameworks_or_the_runtime(path):
         assert not bad, f"{path.name} imports {name}: the core must stay pure"
 
 
+@pytest.mark.processes
 def test_importing_the_whole_core_loads_none_of_them():
     modules = [f"flagstop.scheduler_svc.core.{p.stem}" for p in CORE.glob("*.py")]
     code = (
@@ -86,6 +87,7 @@ def wheel(tmp_path_factory) -> zipfile.ZipFile:
     return zipfile.ZipFile(path)
 
 
+@pytest.mark.processes
 def test_the_wheel_installs_one_top_level_package(wheel):
     top = {name.split("/")[0] for name in wheel.namelist()}
     assert {t for t in top if not t.endswith(".dist-info")} == {"flagstop"}
@@ -97,6 +99,7 @@ def test_the_wheel_installs_one_top_level_package(wheel):
     assert not any(n.startswith(("flagstop/tools", "flagstop/tests")) for n in names)
 
 
+@pytest.mark.processes
 def test_console_scripts_point_at_importable_entry_points(wheel):
     [entry_points] = [n for n in wheel.namelist() if n.endswith("entry_points.txt")]
     scripts = dict(
@@ -114,6 +117,7 @@ def test_console_scripts_point_at_importable_entry_points(wheel):
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
+@pytest.mark.processes
 def test_a_console_script_runs():
     script = Path(sys.executable).parent / "flagstop-scheduler"
     done = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)

@@ -5,7 +5,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tools.stack import ROOT
+
+pytestmark = pytest.mark.processes  # every test here runs processes
 
 SCRIPT = """
 import logging

@@ -2,16 +2,17 @@
 
 import secrets
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from flagstop.v1 import generation_pb2
+from tests.helpers.metrics import scrape
 from tools.make_model import write_model
 from tools.otlp_collector import attributes, start_collector
 from tools.stack import start_stack
+
+pytestmark = pytest.mark.processes  # every test here runs processes
 
 MODEL = "flagstop-tiny"
 
@@ -118,14 +119,6 @@ def test_one_trace_per_request_across_the_three_processes(traced):
     wait_for(executor_spans_all_under_steps)
     assert sum(attributes(s)["flagstop.scheduled_tokens"] for s in served) >= 3 * 4 + 5 + 7 + 9 - 3
     assert collector.services() == {"flagstop-router", "flagstop-scheduler", "flagstop-executor"}
-
-
-def scrape(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return {
-        sample.name + str(sorted(sample.labels.items())): sample.value
-        for family in text_string_to_metric_families(text) for sample in family.samples
-    }  # fmt: skip
 
 
 def test_metrics_move_with_traffic(traced):

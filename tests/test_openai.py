@@ -12,8 +12,10 @@ import openai
 import pytest
 
 from flagstop.v1 import generation_pb2
-from tests.checkpoints import reference_generate
+from tests.helpers.checkpoints import reference_generate
 from tools.stack import free_port, generate, spawn, start_stack, wait_serving
+
+pytestmark = pytest.mark.processes  # every test here runs processes
 
 MODEL = "flagstop-tiny"
 PROMPT_IDS = [0, 17, 201, 33, 94, 150, 7, 300, 41, 12, 9]

@@ -13,6 +13,8 @@ from flagstop.v1 import generation_pb2
 from tools.make_model import write_model
 from tools.stack import free_port, spawn, start_stack, wait_serving
 
+pytestmark = pytest.mark.processes  # every test here runs processes
+
 
 class PolicyProcess:
     def __init__(self, log_dir) -> None:

@@ -4,6 +4,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.processes  # every test here runs processes
+
 ROOT = Path(__file__).resolve().parents[1]
 PROTOS = ROOT / "flagstop" / "v1"  # the committed stubs
 

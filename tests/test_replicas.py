@@ -9,9 +9,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from flagstop.v1 import generation_pb2
-from tests.test_faults import Streams, assert_token_exact, workload
-from tests.test_observability import scrape
+from tests.helpers.metrics import scrape
+from tests.helpers.streams import Streams, assert_token_exact
+from tests.helpers.streams import long_greedy_workload as workload
 from tools.stack import generate, start_replicas, start_stack
+
+pytestmark = pytest.mark.processes  # every test here runs processes
 
 SIMULATE = ["--simulate", "--simulate-base-ms", "2"]
 

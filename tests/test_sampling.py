@@ -5,8 +5,8 @@ from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.model_runner import ModelRunner
 from flagstop.executor.sampling import SamplingMetadata, apply_top_k_top_p, sample
 from flagstop.executor.sampling_params import SamplingParams as SP
-from tests.checkpoints import write_checkpoint
-from tests.executor_harness import Harness
+from tests.helpers.checkpoints import write_checkpoint
+from tests.helpers.executor_harness import Harness
 
 
 def metadata(n: int, temperature=1.0, top_k=None, top_p=1.0, **kw) -> SamplingMetadata:

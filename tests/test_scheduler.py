@@ -8,7 +8,7 @@ from flagstop.scheduler_svc.core.config import SchedulerConfig
 from flagstop.scheduler_svc.core.output import SchedulerOutput
 from flagstop.scheduler_svc.core.request import FinishReason, Request, RequestStatus, StopParams
 from flagstop.scheduler_svc.core.scheduler import RequestRejected, Scheduler
-from tests.scheduler_invariants import check_idle, check_invariants
+from tests.helpers.scheduler_invariants import check_idle, check_invariants
 
 EOS = 2
 

@@ -9,8 +9,8 @@ import pytest
 from flagstop.scheduler_svc.core.config import SchedulerConfig
 from flagstop.scheduler_svc.core.request import FinishReason, Request, StopParams
 from flagstop.scheduler_svc.core.scheduler import Scheduler
-from tests.hash_model import Driver, HashModelExecutor, reference_tokens
-from tests.scheduler_invariants import check_idle, check_invariants
+from tests.helpers.hash_model import Driver, HashModelExecutor, reference_tokens
+from tests.helpers.scheduler_invariants import check_idle, check_invariants
 
 VOCAB, EOS, BLOCK_SIZE, MAX_MODEL_LEN = 40, frozenset({0}), 4, 96
 

@@ -11,8 +11,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from flagstop.scheduler_svc.core.config import SchedulerConfig
 from flagstop.scheduler_svc.core.request import Request, StopParams
 from flagstop.scheduler_svc.core.scheduler import Scheduler
-from tests.hash_model import Driver, HashModelExecutor, reference_tokens
-from tests.scheduler_invariants import check_idle, check_invariants
+from tests.helpers.hash_model import Driver, HashModelExecutor, reference_tokens
+from tests.helpers.scheduler_invariants import check_idle, check_invariants
 
 VOCAB, EOS, BLOCK_SIZE, MAX_MODEL_LEN = 24, frozenset({0}), 4, 64
 PREFIXES = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21, 22, 23, 1, 2, 3, 4]]

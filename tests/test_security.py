@@ -10,8 +10,10 @@ from hypothesis import strategies as st
 from flagstop import health
 from flagstop.server import CHANNEL_OPTIONS, TLSConfig
 from flagstop.v1 import generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from tests.certs import have_openssl, make_ca, make_cert
+from tests.helpers.certs import have_openssl, make_ca, make_cert
 from tools.stack import generate, start_stack
+
+pytestmark = pytest.mark.processes  # every test here runs processes
 
 API_KEY = "s3cret-key"
 AUTH = (("authorization", f"Bearer {API_KEY}"),)

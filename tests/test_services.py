@@ -2,7 +2,6 @@
 
 import dataclasses
 import json
-import random
 import re
 import signal
 import subprocess
@@ -17,8 +16,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from flagstop.v1 import generation_pb2
-from tests.checkpoints import reference_generate
+from tests.helpers.streams import assert_matches_reference, run_concurrently
+from tests.helpers.streams import short_greedy_workload as workload
 from tools.stack import ROOT, free_port, generate, spawn, start_stack, wait_serving
+
+pytestmark = pytest.mark.processes  # every test here runs processes
 
 SERVICES = {
     "router": "flagstop.v1.Generation",
@@ -57,39 +59,6 @@ def idle_after(request):
     for name in ("stack", "tight_stack", "queue_stack"):
         if name in request.fixturenames:
             request.getfixturevalue(name).wait_idle()
-
-
-def workload(seed: int, n: int = 16, shared_prefix: bool = False):
-    rng = random.Random(seed)
-    prefix = [0] + [rng.randrange(3, 512) for _ in range(20)]
-    requests = []
-    for _ in range(n):
-        own = [rng.randrange(3, 512) for _ in range(rng.randrange(2, 40))]
-        prompt = prefix[: rng.randrange(8, 21)] + own if shared_prefix else [0, *own]
-        requests.append((prompt, rng.randrange(6, 40)))
-    return requests
-
-
-def run_concurrently(stack, requests):
-    def one(item):
-        prompt, max_tokens = item
-        tokens, _, last = generate(
-            stack, prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True
-        )
-        assert last.finish_reason == generation_pb2.FINISH_REASON_LENGTH
-        assert last.usage.completion_tokens == max_tokens == len(tokens)
-        return tokens
-
-    with ThreadPoolExecutor(len(requests)) as pool:
-        return list(pool.map(one, requests))
-
-
-def assert_matches_reference(reference, requests, outputs):
-    expected = [reference_generate(reference, p, n) for p, n in requests]
-    every = [t for tokens in expected for t in tokens]
-    assert len(set(every)) > 0.5 * len(every), "degenerate reference: the test could not fail"
-    for i, (got, want) in enumerate(zip(outputs, expected, strict=True)):
-        assert got == want, f"request {i}"
 
 
 def test_health_and_reflection_on_every_service(stack):

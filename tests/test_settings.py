@@ -120,6 +120,7 @@ def run_service(module: str, *args: str, env: dict[str, str] | None = None):
         ("flagstop.executor", [], {"FLAGSTOP_EXECUTOR_PORT": "x"}, "FLAGSTOP_EXECUTOR_PORT=x"),
     ],
 )  # fmt: skip
+@pytest.mark.processes
 def test_a_service_with_a_bad_setting_exits_with_one_line(module, args, env, named):
     done = run_service(module, *args, env=env)
     assert done.returncode == 2, done.stderr
@@ -127,6 +128,7 @@ def test_a_service_with_a_bad_setting_exits_with_one_line(module, args, env, nam
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.processes
 def test_a_scheduler_the_executor_cannot_honour_is_refused_at_start_up(model_dir, tmp_path):
     port = free_port()
     executor = spawn("executor", ["-m", "flagstop.executor", "--model", str(model_dir),
@@ -148,6 +150,7 @@ def test_a_scheduler_the_executor_cannot_honour_is_refused_at_start_up(model_dir
     assert last.startswith("flagstop-scheduler: --max-num-seqs 8 exceeds the executor's 4")
 
 
+@pytest.mark.processes
 def test_a_taken_port_is_one_line(tmp_path):
     import socket
 

@@ -8,12 +8,14 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.model_runner import ModelRunner
 from flagstop.executor.sampling_params import SamplingParams
 from flagstop.executor.simulator import CostModel, SimulatedRunner
-from tests.executor_harness import Harness
-from tests.tp_scenarios import prompt
+from tests.helpers.executor_harness import Harness
+from tests.helpers.tp_scenarios import prompt
 from tools.stack import ROOT
 
 
@@ -104,6 +106,7 @@ def test_the_simulator_ends_requests_with_their_stop_token_now_and_then(model_di
     assert all(outputs[r].index(1) >= 3 for r in ended)  # never before min_tokens
 
 
+@pytest.mark.processes
 def test_the_simulated_executor_imports_no_torch():
     code = ("import sys, flagstop.executor.__main__, flagstop.executor.simulator; "
             "print('torch' in sys.modules)")  # fmt: skip
@@ -112,10 +115,11 @@ def test_the_simulated_executor_imports_no_torch():
     assert done.stdout.strip() == "False"
 
 
+@pytest.mark.processes
 def test_two_thousand_streams_at_gpu_step_rates(model_dir, tmp_path):
     """One stack on the simulator (8 ms steps): 2,000 concurrent streams, twice; no
     errors, every block free after each, memory back, in bounded time."""
-    from tests.test_faults import many_streams, rss_kib
+    from tools.load import many_streams, rss_kib
     from tools.stack import start_stack
 
     stack = start_stack(

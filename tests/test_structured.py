@@ -22,7 +22,7 @@ from flagstop.executor.sampling_params import SamplingParams
 from flagstop.router.openai_protocol import ChatCompletionRequest, CompletionRequest
 from flagstop.structured import GrammarError, GrammarSpec, check, spec_from_proto
 from flagstop.v1 import generation_pb2
-from tests.executor_harness import Harness
+from tests.helpers.executor_harness import Harness
 from tools.stack import generate, start_stack
 
 MODEL = "flagstop-tiny"
@@ -228,6 +228,7 @@ def test_only_constrained_rows_are_masked_and_a_replay_that_breaks_fails_one_req
 # -- 50 sampled completions per case, through both APIs --------------------------------
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_sampled_grpc_completions_all_match_their_constraint(stack, case):
     structured, valid = CASES[case]
@@ -240,6 +241,7 @@ def test_sampled_grpc_completions_all_match_their_constraint(stack, case):
         assert len(set(texts)) > N // 2, "sampling was meant to differ between requests"
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("case", sorted(OPENAI_CASES))
 def test_sampled_openai_completions_all_match_their_constraint(client, case):
     _, valid = CASES[case]
@@ -270,6 +272,7 @@ def _top(i: int) -> dict:
     return {"top_k": 40} if i % 3 == 1 else {"top_p": 0.9} if i % 3 == 2 else {}
 
 
+@pytest.mark.processes
 def test_json_object_streams_a_json_object(client):
     stream = client.completions.create(
         model=MODEL, prompt=PROMPT, max_tokens=300, temperature=0, stream=True,
@@ -288,6 +291,7 @@ def test_json_object_streams_a_json_object(client):
 # -- with the rest of sampling -----------------------------------------------------
 
 
+@pytest.mark.processes
 def test_logprobs_are_those_of_the_masked_distribution(stack):
     stub = stack.generation()
     request = generation_pb2.GenerateRequest(
@@ -304,6 +308,7 @@ def test_logprobs_are_those_of_the_masked_distribution(stack):
     assert all(t.logprob > float("-inf") for e in entries for t in e.top)
 
 
+@pytest.mark.processes
 def test_stop_strings_and_max_tokens_end_a_constrained_output(stack):
     structured = generation_pb2.StructuredOutputs(regex=DATE)
     _, text, last = generate(stack, prompt=PROMPT, max_tokens=50, temperature=0, stop=["-"],
@@ -322,6 +327,7 @@ def test_stop_strings_and_max_tokens_end_a_constrained_output(stack):
 # -- refusals ----------------------------------------------------------------------
 
 
+@pytest.mark.processes
 def test_bad_constraints_are_refused_and_other_requests_go_on(stack, client):
     structured, valid = CASES["schema"]
     with ThreadPoolExecutor(1) as pool:
@@ -374,6 +380,7 @@ def greedy_outputs(stack, requests, max_tokens: int = 120) -> list[list[int]]:
         return list(pool.map(one, requests))
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_greedy_constrained_outputs_are_unchanged_by_preemption(stack, model_dir, tmp_path, ranks):
     """A 384-token pool forces preemption; on two ranks the mask is rank 0's, where
@@ -392,6 +399,7 @@ def test_greedy_constrained_outputs_are_unchanged_by_preemption(stack, model_dir
         tight.stop(10)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("killed", ["executor", "scheduler"])
 def test_greedy_constrained_outputs_survive_a_restart_mid_stream(
     stack, model_dir, tmp_path, killed

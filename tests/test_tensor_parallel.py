@@ -17,19 +17,29 @@ from flagstop.executor.model_runner import ModelRunner
 from flagstop.executor.models.config import ModelConfig
 from flagstop.executor.parallel import Shard, check_divisible
 from flagstop.v1 import executor_pb2, executor_pb2_grpc, generation_pb2, generation_pb2_grpc
-from tests.checkpoints import load_reference, reference_generate, write_checkpoint
-from tests.executor_harness import Harness
-from tests.test_executor_model import reference_logits
-from tests.test_faults import Streams, assert_token_exact
-from tests.test_faults import workload as fault_workload
-from tests.test_services import assert_matches_reference, run_concurrently, workload
-from tests.tp_scenarios import config, run_scenarios
+from tests.helpers.checkpoints import (
+    load_reference,
+    reference_generate,
+    reference_logits,
+    write_checkpoint,
+)
+from tests.helpers.executor_harness import Harness
+from tests.helpers.streams import (
+    Streams,
+    assert_matches_reference,
+    assert_token_exact,
+    run_concurrently,
+)
+from tests.helpers.streams import long_greedy_workload as fault_workload
+from tests.helpers.streams import short_greedy_workload as workload
+from tests.helpers.tp_scenarios import config, run_scenarios
 from tools.stack import ROOT, free_port, generate, spawn, start_stack, wait_serving
 
 TOL = 1e-4
 CHECKPOINTS = ["llama", "qwen2", "qwen2-tied-odd-vocab", "llama-1kv"]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("name", CHECKPOINTS)
 def test_two_ranks_give_the_logits_of_one_and_of_transformers(name, tmp_path):
     path = write_checkpoint(name, tmp_path / name)
@@ -49,7 +59,7 @@ def test_two_ranks_give_the_logits_of_one_and_of_transformers(name, tmp_path):
 
 def run_group(path: Path, out: Path, size: int) -> dict:
     done = subprocess.run(
-        [sys.executable, "-m", "tests.tp_scenarios", str(path), str(out),
+        [sys.executable, "-m", "tests.helpers.tp_scenarios", str(path), str(out),
          "--tensor-parallel-size", str(size)],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
@@ -57,6 +67,7 @@ def run_group(path: Path, out: Path, size: int) -> dict:
     return {tuple(context): logits for context, logits in torch.load(out)}
 
 
+@pytest.mark.processes
 def test_a_group_of_one_is_the_plain_runner(tmp_path):
     """The group machinery (process group, broadcast steps) with nothing split; on a
     GPU, bench/gpu_check.sh runs the same over NCCL."""
@@ -104,6 +115,7 @@ def tp_stack(model_dir, tmp_path_factory):
     assert stack.stop() == {"router": 0, "scheduler": 0, "executor": 0}, stack.logs()
 
 
+@pytest.mark.processes
 def test_the_stack_on_two_ranks_equals_transformers(tp_stack, reference):
     before = tp_stack.stats()
     requests = workload(3, n=12, shared_prefix=True)
@@ -114,9 +126,10 @@ def test_the_stack_on_two_ranks_equals_transformers(tp_stack, reference):
     assert after.prefix_cache_hits > before.prefix_cache_hits, "prefixes were meant to be shared"
     stub = executor_pb2_grpc.ExecutorStub(tp_stack.channel(tp_stack.executor))
     info = stub.Describe(executor_pb2.DescribeExecutorRequest(), timeout=5)
-    assert info.tensor_parallel_size == 2 and info.num_blocks == 24
+    assert info.tensor_parallel_size == 2 and info.model.num_blocks == 24
 
 
+@pytest.mark.processes
 def test_seeded_sampling_is_the_same_on_one_rank_and_on_two(tp_stack, model_dir, tmp_path):
     fields = dict(prompt_token_ids=[0, 9, 33, 71], max_tokens=24, temperature=0.9, top_p=0.95,
                   seed=11, ignore_eos=True)  # fmt: skip
@@ -129,6 +142,7 @@ def test_seeded_sampling_is_the_same_on_one_rank_and_on_two(tp_stack, model_dir,
     assert one == two and len(set(one)) > 5
 
 
+@pytest.mark.processes
 def test_a_killed_rank_takes_the_group_down_and_streams_end_token_exact(
     model_dir, tmp_path, reference
 ):
@@ -151,6 +165,7 @@ def test_a_killed_rank_takes_the_group_down_and_streams_end_token_exact(
         stack.stop(10)
 
 
+@pytest.mark.processes
 def test_two_processes_under_torchruns_contract_form_one_executor(model_dir, tmp_path, reference):
     """torchrun --nnodes=2 sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT
     for each node's process; both run the same flagstop-executor command."""
@@ -203,6 +218,7 @@ def last_line(process, tmp_path, name="executor") -> str:
     return (tmp_path / f"{name}.log").read_text().strip().splitlines()[-1]
 
 
+@pytest.mark.processes
 def test_heads_that_do_not_split_stop_start_up(model_dir, tmp_path):
     process = run_executor(model_dir, tmp_path, "--tensor-parallel-size", "3")
     assert last_line(process, tmp_path) == (
@@ -210,6 +226,7 @@ def test_heads_that_do_not_split_stop_start_up(model_dir, tmp_path):
     )
 
 
+@pytest.mark.processes
 def test_a_taken_rendezvous_port_stops_start_up(model_dir, tmp_path):
     import socket
 
@@ -223,6 +240,7 @@ def test_a_taken_rendezvous_port_stops_start_up(model_dir, tmp_path):
     assert line.startswith(f"flagstop-executor: cannot listen on 127.0.0.1:{port} (MASTER_ADDR/")
 
 
+@pytest.mark.processes
 def test_a_rank_that_cannot_load_its_shard_stops_the_group_with_its_reason(model_dir, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(model_dir, broken)
@@ -238,6 +256,7 @@ def test_a_rank_that_cannot_load_its_shard_stops_the_group_with_its_reason(model
     assert rank1.wait(30) == 1
 
 
+@pytest.mark.processes
 def test_a_hung_rank_takes_the_group_down_within_its_timeout(model_dir, tmp_path):
     process = run_executor(model_dir, tmp_path, "--tensor-parallel-size", "2", "--tp-timeout", "3")
     try:

@@ -3,7 +3,7 @@
 a tensor-parallel group (starting the other ranks as the executor does) and saves
 what it recorded:
 
-    python -m tests.tp_scenarios CHECKPOINT OUT.pt [--tensor-parallel-size 2]
+    python -m tests.helpers.tp_scenarios CHECKPOINT OUT.pt [--tensor-parallel-size 2]
 
 With --tensor-parallel-size 1 it is a group of one (NCCL on a GPU, gloo on the CPU):
 the group machinery with nothing split.
@@ -20,7 +20,7 @@ from flagstop.executor.distributed import join, start_group
 from flagstop.executor.model_runner import ModelRunner
 from flagstop.executor.models.config import ModelConfig
 from flagstop.executor.tp_messages import STOP
-from tests.executor_harness import Harness
+from tests.helpers.executor_harness import Harness
 
 Record = list[tuple[list[int], torch.Tensor]]
 

@@ -1,7 +1,9 @@
 """Small random checkpoints of each supported architecture, written with transformers
 itself so that its own model is the reference for ours."""
 
+import random
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import (
@@ -14,6 +16,9 @@ from transformers import (
 )
 
 from tools.make_model import WEIGHT_SCALE, write_model
+
+if TYPE_CHECKING:
+    from tests.helpers.executor_harness import Harness
 
 COMMON = dict(
     vocab_size=512,
@@ -92,3 +97,23 @@ def reference_generate(reference, token_ids: list[int], max_new_tokens: int) -> 
         generation_config=config,
     )
     return out[0, len(token_ids) :].tolist()
+
+
+TOL = 1e-4  # logits against transformers, fp32
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [0] + [rng.randrange(2, 512) for _ in range(length - 1)]
+
+
+@torch.no_grad()
+def reference_logits(reference, token_ids: list[int]) -> torch.Tensor:
+    return reference(torch.tensor([token_ids])).logits[0, -1].float()
+
+
+def assert_matches(reference, harness: "Harness", logits: dict[str, torch.Tensor]) -> None:
+    assert logits, "nothing sampled"
+    for req_id, got in logits.items():
+        tokens = harness.requests[req_id].token_ids[:-1]  # before the token just appended
+        torch.testing.assert_close(got, reference_logits(reference, tokens), atol=TOL, rtol=0)

@@ -1,0 +1,107 @@
+"""Client streams against a running stack (tools/stack.py) and what the tests check of
+them: token-exact against transformers, every stream finished, memory back."""
+
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from flagstop.v1 import generation_pb2
+from tests.helpers.checkpoints import reference_generate
+from tools.stack import generate
+
+
+def long_greedy_workload(n: int = 8, seed: int = 1) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [
+        ([0] + [rng.randrange(3, 512) for _ in range(rng.randrange(4, 40))],
+         rng.randrange(150, 250))
+        for _ in range(n)
+    ]  # fmt: skip
+
+
+class Streams:
+    """Greedy streams on threads, their tokens visible as they arrive."""
+
+    def __init__(self, stack, requests) -> None:
+        self.requests = requests
+        self.tokens: list[list[int]] = [[] for _ in requests]
+        self.pool = ThreadPoolExecutor(len(requests))
+        self.futures = [
+            self.pool.submit(self._one, stack.generation(), i) for i in range(len(requests))
+        ]
+
+    def _one(self, stub, i: int):
+        prompt, max_tokens = self.requests[i]
+        request = generation_pb2.GenerateRequest(
+            prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True
+        )
+        last = None
+        for chunk in stub.Generate(request, timeout=120):
+            self.tokens[i] += chunk.token_ids
+            last = chunk
+        return last
+
+    def wait_for_tokens(self, each: int, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while min(map(len, self.tokens)) < each:
+            assert time.monotonic() < deadline, "the streams did not start"
+            time.sleep(0.005)
+
+    def results(self) -> list:
+        try:
+            return [f.result(timeout=120) for f in self.futures]
+        finally:
+            self.pool.shutdown()
+
+    def errors(self) -> list[grpc.StatusCode]:
+        codes = []
+        for future in self.futures:
+            with pytest.raises(grpc.RpcError) as error:
+                future.result(timeout=60)
+            codes.append(error.value.code())
+        self.pool.shutdown()
+        return codes
+
+
+def assert_token_exact(reference, streams: Streams) -> None:
+    lasts = streams.results()
+    for i, ((prompt, max_tokens), last) in enumerate(zip(streams.requests, lasts, strict=True)):
+        assert last.finish_reason == generation_pb2.FINISH_REASON_LENGTH
+        assert last.usage.completion_tokens == max_tokens
+        assert streams.tokens[i] == reference_generate(reference, prompt, max_tokens), i
+
+
+def short_greedy_workload(seed: int, n: int = 16, shared_prefix: bool = False):
+    rng = random.Random(seed)
+    prefix = [0] + [rng.randrange(3, 512) for _ in range(20)]
+    requests = []
+    for _ in range(n):
+        own = [rng.randrange(3, 512) for _ in range(rng.randrange(2, 40))]
+        prompt = prefix[: rng.randrange(8, 21)] + own if shared_prefix else [0, *own]
+        requests.append((prompt, rng.randrange(6, 40)))
+    return requests
+
+
+def run_concurrently(stack, requests):
+    def one(item):
+        prompt, max_tokens = item
+        tokens, _, last = generate(
+            stack, prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True
+        )
+        assert last.finish_reason == generation_pb2.FINISH_REASON_LENGTH
+        assert last.usage.completion_tokens == max_tokens == len(tokens)
+        return tokens
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        return list(pool.map(one, requests))
+
+
+def assert_matches_reference(reference, requests, outputs):
+    expected = [reference_generate(reference, p, n) for p, n in requests]
+    every = [t for tokens in expected for t in tokens]
+    assert len(set(every)) > 0.5 * len(every), "degenerate reference: the test could not fail"
+    for i, (got, want) in enumerate(zip(outputs, expected, strict=True)):
+        assert got == want, f"request {i}"
