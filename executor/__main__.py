@@ -56,8 +56,18 @@ def simulated_runner(settings: ExecutorConfig):
     return SimulatedRunner(settings), None
 
 
+def bound_onednn_caches(config: ExecutorConfig) -> None:
+    """Both caches read their capacity from the environment when torch first builds a
+    primitive: set here, before torch is imported, and inherited by the ranks this
+    process starts."""
+    capacity = str(config.onednn_cache_capacity)
+    os.environ["LRU_CACHE_CAPACITY"] = capacity  # ideep's
+    os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = capacity  # oneDNN's own
+
+
 async def serve(settings: ExecutorSettings) -> None:
     config = config_from(settings, ExecutorConfig)  # what the runner and the ranks take
+    bound_onednn_caches(config)
     membership = None
     if not config.simulate:
         from flagstop.executor.distributed import Membership

@@ -38,6 +38,10 @@ class ExecutorConfig(BaseModel):
     """tokens in one step at most"""
     max_model_len: PositiveInt | None = None
     """default: the model's own limit"""
+    onednn_cache_capacity: PositiveInt = 256
+    """CPU: oneDNN primitives kept, in each of its two caches (ideep's and oneDNN's own):
+    one per weight shape and padded row count, 1-3 ms to build, some 0.1-0.2 MiB each;
+    docs/memory.md has the measurements behind the default"""
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     """auto: triton on CUDA, torch on the CPU"""
     seed: int = 0

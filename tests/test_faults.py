@@ -23,7 +23,8 @@ def stack(model_dir, tmp_path, request):
     """A fresh stack per test (each breaks its own); extra flags by indirect param."""
     flags = getattr(request, "param", {})
     stack = start_stack(
-        model_dir, tmp_path, executor_args=["--num-blocks", "512"],
+        model_dir, tmp_path,
+        executor_args=["--num-blocks", "512", *flags.get("executor", [])],
         scheduler_args=flags.get("scheduler", []), router_args=flags.get("router", []),
         env=flags.get("env"),
     )  # fmt: skip
@@ -112,27 +113,32 @@ def test_a_killed_client_frees_its_blocks_within_a_step(stack):
     assert idle.step_id - step_at_kill <= 5
 
 
-# ideep (oneDNN under torch's packed linears) caches a primitive per padded row count
-# and shape, up to 1024: the executor grew 10-27 MiB per load of 1000 streams while it
-# filled (bounded, not ours), and stays flat with 16 entries. The test is about leaks
-# of our own objects, so it pins the cache small.
-SMALL_PRIMITIVE_CACHE = {"env": {"LRU_CACHE_CAPACITY": "16"}}
+# The executor's two oneDNN primitive caches (ideep's and oneDNN's own) fill over many
+# loads, one primitive per weight shape and padded row count: +70 MiB over ten loads at
+# the default --onednn-cache-capacity (bounded; bench/soak.py, docs/memory.md). Pinned
+# small here, so that the test watches our own objects. Only one of the two caches was
+# pinned before, and the other's filling failed this test in CI (+16.4 MiB a load).
+SMALL_CACHES = {"executor": ["--onednn-cache-capacity", "16"]}
+NUM_LOADS, FILLED_AFTER = 6, 2
 
 
-@pytest.mark.parametrize("stack", [SMALL_PRIMITIVE_CACHE], indirect=True)
-def test_a_thousand_concurrent_streams_complete_and_memory_returns(stack):
+@pytest.mark.parametrize("stack", [SMALL_CACHES], indirect=True)
+def test_a_thousand_concurrent_streams_complete_and_memory_plateaus(stack):
+    """Loads of 1000 concurrent streams: all complete, every block comes back, and each
+    process's memory stays flat once the first loads have filled what they fill."""
     asyncio.run(many_streams(stack.router, 100))  # warm-up: the baseline is a used stack
     stack.wait_idle()
-    rss = [{name: rss_kib(p.pid) for name, p in stack.processes.items()}]
-    for _ in range(2):
+    rss: dict[str, list[int]] = {name: [] for name in stack.processes}
+    for _ in range(NUM_LOADS):
         assert asyncio.run(many_streams(stack.router, 1000)) == [4] * 1000
         stats = stack.wait_idle()
         assert stats.num_free_blocks == stats.num_total_blocks
-        rss.append({name: rss_kib(p.pid) for name, p in stack.processes.items()})
-    baseline, first, second = rss
-    for name in baseline:
-        # The allocators keep some of the first load's peak (seen: up to 16 MiB in the
-        # router); a second equal load must not grow it much further (seen: at most
-        # 3 MiB; a leak of 16 KiB per request would add 16 MiB).
-        assert second[name] - baseline[name] < 64 * 1024, (name, rss)
-        assert second[name] - first[name] < 16 * 1024, (name, rss)
+        for name, process in stack.processes.items():
+            rss[name].append(rss_kib(process.pid) // 1024)
+    for name, series in rss.items():
+        flat = series[FILLED_AFTER:]
+        # Seen over ten loads: the router swings 440-460 MiB (its allocators' arenas),
+        # the scheduler and the executor stay within 5 MiB. A leak of 16 KiB a request
+        # adds 16 MiB a load: 48 MiB between the ends of the window.
+        trend = (flat[-1] + flat[-2]) / 2 - (flat[0] + flat[1]) / 2
+        assert trend < 16 and max(flat) - min(flat) < 32, (name, rss)
