@@ -294,3 +294,32 @@ def test_the_client_cli_streams_and_reports(stack):
     assert len(result["token_ids"]) == 7 and 0 < result["ttft_s"] <= result["e2e_s"]
     failed = run_client(stack, "hello", "--max-tokens", "0")
     assert failed.returncode == 1 and "INVALID_ARGUMENT: max_tokens must be >= 1" in failed.stderr
+
+
+def test_the_client_waits_for_a_router_that_is_not_up_yet(stack, model_dir, tmp_path):
+    """Clients started together with (or just before) the router, or while it restarts,
+    are served once it answers, within their --timeout, instead of failing their
+    first connection attempt with UNAVAILABLE."""
+    port = free_port()
+    client = [sys.executable, "-m", "flagstop.router.client", "--addr", f"127.0.0.1:{port}",
+              "--prompt-ids", "0,5,6", "--max-tokens", "3", "--ignore-eos", "--json"]  # fmt: skip
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "cwd": ROOT}
+    waiting = [subprocess.Popen([*client, "--timeout", "90"], **pipes) for _ in range(4)]
+    time.sleep(2)  # the clients are trying; nothing listens on the port yet
+    args = ["-m", "flagstop.router", "--model", str(model_dir), "--scheduler", stack.scheduler,
+            "--port", str(port), "--metrics-port", "0", "--http-port", "0"]  # fmt: skip
+    router = spawn("late-router", args, tmp_path)
+    try:
+        for process in waiting:
+            out, err = process.communicate(timeout=90)
+            assert process.returncode == 0, err
+            assert json.loads(out)["completion_tokens"] == 3
+        served = subprocess.run([*client, "--connect-timeout", "1"], capture_output=True,
+                                text=True, timeout=30, cwd=ROOT)  # fmt: skip
+        assert served.returncode == 0, served.stderr  # the router is up by now
+    finally:
+        router.send_signal(signal.SIGTERM)
+        router.wait(30)
+    gone = subprocess.run([*client, "--connect-timeout", "1"], capture_output=True, text=True,
+                          timeout=30, cwd=ROOT)  # fmt: skip
+    assert gone.returncode == 1 and "no router answered" in gone.stderr
