@@ -30,6 +30,12 @@ class PolicyProcess:
         self.process.send_signal(signal.SIGKILL)
         self.process.wait()
 
+    def restart(self, strategy: str, sleep_ms: int = 0) -> None:
+        """The policy a test needs, whatever an earlier test (in any order) left."""
+        if self.process.poll() is None:
+            self.kill()
+        self.start(strategy, sleep_ms)
+
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
@@ -80,7 +86,8 @@ def run_behind_a_blocker(stack, requests: list[tuple[int, dict]]) -> list[int]:
 
 
 def test_shortest_prompt_first_reorders_admission(setup):
-    stack, _ = setup
+    stack, policy = setup
+    policy.restart("shortest-prompt-first")
     lengths = [40, 10, 30, 20, 5]
     order = run_behind_a_blocker(stack, [(n, {}) for n in lengths])
     assert [lengths[i] for i in order] == sorted(lengths)  # FCFS would be [40, 10, 30, 20, 5]
@@ -119,6 +126,7 @@ def steps_per_second(stack, lengths) -> float:
 
 def test_a_policy_slower_than_its_deadline_does_not_slow_the_steps(setup):
     stack, policy = setup
+    policy.restart("shortest-prompt-first")
     lengths = [12, 9, 6, 3] * 3
     fast = steps_per_second(stack, lengths)
     policy.kill()
