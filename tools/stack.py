@@ -2,11 +2,13 @@
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,8 +21,36 @@ from flagstop.v1 import generation_pb2, generation_pb2_grpc, scheduler_pb2, sche
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+# Ports handed to services come from below the kernel's ephemeral range: a port taken
+# with bind(0) and released is also what the kernel gives the next outgoing connection
+# of any process, and a test's service lost its port to one that way in CI ("Address
+# already in use"). Below the range only another free_port() competes: this process
+# never hands a port out twice, and the bind checks for other processes.
+PORT_RANGE = (max(1024, _ephemeral_low() - 12000), _ephemeral_low())
+_handed_out: set[int] = set()
+_ports = random.Random(os.urandom(8))  # not the global random, which tests reseed
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    for _ in range(1000):
+        port = _ports.randrange(*PORT_RANGE)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket() as s:  # the range is used up: any free port
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
@@ -144,10 +174,31 @@ def start_stack(
     env: dict[str, str] | None = None,
     channel_credentials: grpc.ChannelCredentials | None = None,
     checkout: Path = ROOT,
-    _retried: bool = False,
 ) -> Stack:
     """channel_credentials: how the test talks to the three (with TLS on); checkout:
     run another checkout of flagstop, with its own .venv (two versions side by side)."""
+    return _once_more_if_a_port_was_taken(lambda: _start_stack(
+        model_dir, log_dir, executor_args, scheduler_args, router_args, env,
+        channel_credentials, checkout,
+    ))  # fmt: skip
+
+
+def _once_more_if_a_port_was_taken(start: Callable[[], "Stack"]) -> "Stack":
+    """Another process can still bind a port between free_port() and the service (one
+    outside this process's test run): a stack that did not come up for that starts
+    once more, on new ports."""
+    try:
+        return start()
+    except RuntimeError as e:
+        if "Address already in use" not in str(e):
+            raise
+    return start()
+
+
+def _start_stack(
+    model_dir, log_dir, executor_args, scheduler_args, router_args, env, channel_credentials,
+    checkout,
+) -> Stack:  # fmt: skip
     ports = {name: free_port() for name in ("router", "scheduler", "executor")}
     metrics_ports = {name: free_port() for name in ports}
     address = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
@@ -167,18 +218,7 @@ def start_stack(
                  for name, args in commands.items()}  # fmt: skip
     stack = Stack(address, processes, log_dir, metrics_ports, commands, env,
                   channel_credentials, http)  # fmt: skip
-    try:
-        return _wait_up(stack)
-    except RuntimeError as e:
-        # free_port() releases the port before the service binds it: another test's
-        # process can take it in between (seen once in a CI run). New ports, once.
-        if "Address already in use" not in str(e) or _retried:
-            raise
-    return start_stack(
-        model_dir, log_dir, executor_args=executor_args, scheduler_args=scheduler_args,
-        router_args=router_args, env=env, channel_credentials=channel_credentials,
-        checkout=checkout, _retried=True,
-    )  # fmt: skip
+    return _wait_up(stack)
 
 
 def _wait_up(stack: Stack) -> Stack:
@@ -205,6 +245,16 @@ def start_replicas(
     """A router in front of num_replicas replicas (scheduler-i + executor-i each); it
     knows the first num_routed of them (default all) from its --config file, which
     set_routed() rewrites (then SIGHUP the router)."""
+    return _once_more_if_a_port_was_taken(lambda: _start_replicas(
+        model_dir, log_dir, num_replicas, executor_args, scheduler_args, router_args, env,
+        num_routed,
+    ))  # fmt: skip
+
+
+def _start_replicas(
+    model_dir, log_dir, num_replicas, executor_args, scheduler_args, router_args, env,
+    num_routed,
+) -> Stack:  # fmt: skip
     names = ["router"] + [f"{kind}-{i}" for i in range(num_replicas)
                           for kind in ("scheduler", "executor")]  # fmt: skip
     address = {name: f"127.0.0.1:{free_port()}" for name in names}
