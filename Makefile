@@ -38,11 +38,15 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 	touch $@
 
-# Every test, in a random order (pytest-randomly; the seed is printed).
+# Every test, in a random order (pytest-randomly); `make test SEED=N` repeats one.
+ifndef SEED
+SEED := $(shell od -An -N2 -tu2 /dev/urandom | tr -d ' ')
+endif
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q
+	@echo "test order: --randomly-seed=$(SEED) (make test SEED=$(SEED) repeats it)"
+	$(PY) -m pytest -q -p randomly --randomly-seed=$(SEED)
 
 # The in-process tests only (no stack, service or rank started): a quick loop.
 test-fast: $(STAMP)
