@@ -12,6 +12,9 @@ MODEL_DIR := models/flagstop-$(SIZE)
 MODEL ?= $(MODEL_DIR)
 TP ?= 1
 ROUTERS ?= 1
+# tool_choice "auto": the embedded model's template writes Hermes tool calls; for
+# another model, TOOL_CALL_PARSER=hermes where its template does too.
+TOOL_CALL_PARSER ?= $(if $(filter $(MODEL_DIR),$(MODEL)),hermes)
 # Nothing is ever fetched from a model hub.
 export HF_HUB_OFFLINE := 1
 
@@ -74,7 +77,8 @@ serve: $(STAMP) $(if $(filter $(MODEL_DIR),$(MODEL)),$(MODEL_DIR)/config.json)
 	$(VENV)/bin/flagstop-executor --model $(MODEL) --port 50053 --tensor-parallel-size $(TP) & e=$$!; \
 	$(VENV)/bin/flagstop-scheduler --executor 127.0.0.1:50053 --port 50052 & s=$$!; \
 	$(VENV)/bin/flagstop-router --model $(MODEL) --scheduler 127.0.0.1:50052 --port 50051 \
-		--processes $(ROUTERS) & r=$$!; \
+		--processes $(ROUTERS) $(if $(TOOL_CALL_PARSER),--tool-call-parser $(TOOL_CALL_PARSER)) \
+		& r=$$!; \
 	wait
 
 up:

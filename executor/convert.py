@@ -2,7 +2,7 @@
 the step plan (the scheduler core's SchedulerOutput) in, sampled tokens out. The plan's
 one encoder is the scheduler's (scheduler_svc/convert.py: step_to_proto)."""
 
-from flagstop.executor.sampling_params import SampleOutput, SamplingParams
+from flagstop.executor.sampling_params import SampleOutput, SamplingParams, TokenLogprobs
 from flagstop.scheduler_svc.core.output import (
     CachedRequestData,
     NewRequestData,
@@ -26,6 +26,10 @@ def sampling_from_proto(p: executor_pb2.SamplingParams) -> SamplingParams:
         grammar=None if structured is None else spec_from_proto(structured),
         num_prompt_tokens_constrained=0 if structured is None
         else structured.num_prompt_tokens_constrained,
+        repetition_penalty=p.repetition_penalty or 1.0,
+        frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
+        min_p=p.min_p, logit_bias=tuple(sorted(p.logit_bias.items())),
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
     )  # fmt: skip
 
 
@@ -35,6 +39,9 @@ def sampling_to_proto(p: SamplingParams) -> executor_pb2.SamplingParams:
     out = executor_pb2.SamplingParams(
         temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_tokens=p.min_tokens,
         stop_token_ids=p.stop_token_ids, seed=p.seed, logprobs=p.logprobs,
+        repetition_penalty=p.repetition_penalty, frequency_penalty=p.frequency_penalty,
+        presence_penalty=p.presence_penalty, min_p=p.min_p, logit_bias=dict(p.logit_bias),
+        prompt_logprobs=p.prompt_logprobs,
     )  # fmt: skip
     if p.grammar is not None:
         out.structured_outputs.CopyFrom(spec_to_proto(p.grammar))
@@ -72,11 +79,18 @@ def plan_from_proto(step: executor_pb2.StepRequest) -> SchedulerOutput:
 def result_to_proto(step_id: int, output: SampleOutput) -> executor_pb2.StepResult:
     result = executor_pb2.StepResult(step_id=step_id, sampled_token_ids=output.token_ids)
     for token_id, row in zip(output.token_ids, output.logprobs or (), strict=False):
-        entry = result.logprobs.add(token_id=token_id)
-        if row is not None:
-            entry.logprob = row[0]
-            entry.top.extend(
-                generation_pb2.TopLogprob(token_id=t, logprob=lp)
-                for t, lp in zip(row[1], row[2], strict=True)
-            )
+        _fill(result.logprobs.add(token_id=token_id), row)
+    for chunk in output.prompt_logprobs or ():
+        out = result.prompt_logprobs.add(req_id=chunk.req_id, first_token=chunk.first_token)
+        for token_id, row in zip(chunk.token_ids, chunk.entries, strict=True):
+            _fill(out.logprobs.add(token_id=token_id), row)
     return result
+
+
+def _fill(entry: generation_pb2.TokenLogprob, row: TokenLogprobs | None) -> None:
+    if row is not None:
+        entry.logprob = row[0]
+        entry.top.extend(
+            generation_pb2.TopLogprob(token_id=t, logprob=lp)
+            for t, lp in zip(row[1], row[2], strict=True)
+        )

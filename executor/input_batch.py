@@ -40,6 +40,10 @@ class InputBatch:
         self.min_tokens = np.zeros(max_num_reqs, np.int64)
         self.seeded = np.zeros(max_num_reqs, np.bool_)
         self.num_logprobs = np.full(max_num_reqs, -1, np.int64)  # -1: none asked
+        self.num_prompt_logprobs = np.full(max_num_reqs, -1, np.int64)
+        self.penalized = np.zeros(max_num_reqs, np.bool_)  # any of the three penalties
+        self.biased = np.zeros(max_num_reqs, np.bool_)
+        self.min_p = np.zeros(max_num_reqs, np.float32)
         self.req_rows: dict[str, int] = {}
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
 
@@ -92,6 +96,9 @@ class InputBatch:
         self.min_tokens[row] = p.min_tokens if p.stop_token_ids else 0
         self.seeded[row] = p.seed is not None and p.temperature > 0
         self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        self.num_prompt_logprobs[row] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
+        self.penalized[row], self.biased[row] = p.has_penalties, bool(p.logit_bias)
+        self.min_p[row] = p.min_p
 
     def _append_blocks(self, row: int, block_ids: Sequence[int]) -> None:
         start = self.num_blocks[row]

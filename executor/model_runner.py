@@ -6,6 +6,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from flagstop.executor.attention import attention_backend
@@ -15,7 +16,7 @@ from flagstop.executor.models.llama import KVCache
 from flagstop.executor.models.loader import load_model
 from flagstop.executor.parallel import SINGLE, TensorParallel
 from flagstop.executor.sampling import sample
-from flagstop.executor.sampling_params import SampleOutput, SamplingParams
+from flagstop.executor.sampling_params import PromptLogprobs, SampleOutput, SamplingParams
 from flagstop.executor.step_inputs import StepInputs, prepare_inputs
 from flagstop.scheduler_svc.core.output import NewRequestData, SchedulerOutput
 from flagstop.structured import GrammarError, GrammarSpec
@@ -181,7 +182,7 @@ class ModelRunner:
             return None
         inputs = prepare_inputs(self.batch, plan, self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attention)
-        return self.model.compute_logits(hidden[inputs.logits_indices]), inputs
+        return self.model.compute_logits(hidden[inputs.all_logits_indices]), inputs
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> SampleOutput:
@@ -191,6 +192,10 @@ class ModelRunner:
             return SampleOutput([])
         logits, inputs = result
         assert logits is not None, "only rank 0 samples"
+        prompt_logits = None
+        if inputs.prompt_chunks:
+            num_sampling = len(inputs.sampling_rows)
+            logits, prompt_logits = logits[:num_sampling], logits[num_sampling:]
         grammars = self._grammars
         if grammars is None or not grammars.matchers:
             output = sample(logits, inputs.sampling)
@@ -198,6 +203,8 @@ class ModelRunner:
             constrained = grammars.mask(logits, inputs.sampling_rows)
             output = sample(logits, inputs.sampling)
             grammars.accept(constrained, output.token_ids)
+        if prompt_logits is not None:
+            output.prompt_logprobs = self._prompt_logprobs(prompt_logits, inputs, plan)
         self.advance(inputs, output.token_ids)
         if self._failed_rows:  # after advance: a step in flight may still decode them
             output.token_ids = [
@@ -205,6 +212,32 @@ class ModelRunner:
                 for row, token in zip(inputs.sampling_rows.tolist(), output.token_ids, strict=True)
             ]
         return output
+
+    def _prompt_logprobs(
+        self, logits: torch.Tensor, inputs: StepInputs, plan: SchedulerOutput
+    ) -> list[PromptLogprobs]:
+        """The model's own logprobs of the prompt tokens this step's chunks score (no
+        penalties, no temperature: what transformers' log-softmax gives)."""
+        batch, req_ids = self.batch, list(plan.num_scheduled_tokens)
+        chunks = [(req_ids[i], int(inputs.rows[i]), first, n)
+                  for i, first, n in inputs.prompt_chunks or ()]  # fmt: skip
+        targets = np.concatenate([batch.token_ids[row, first : first + n]
+                                  for _, row, first, n in chunks])  # fmt: skip
+        logprobs = logits.float().log_softmax(dim=-1)
+        target_ids = torch.from_numpy(targets.astype(np.int64)).to(logprobs.device)
+        chosen = logprobs.gather(1, target_ids.unsqueeze(1)).squeeze(1).tolist()
+        num_top = int(max(batch.num_prompt_logprobs[row] for _, row, _, _ in chunks))
+        top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (None, None)
+        top_v = top_values.tolist() if top_values is not None else None
+        top_i = top_ids.tolist() if top_ids is not None else None
+        out, start = [], 0
+        for req_id, row, first, n in chunks:
+            k = int(batch.num_prompt_logprobs[row])
+            entries = [(chosen[j], top_i[j][:k] if k else [], top_v[j][:k] if k else [])
+                       for j in range(start, start + n)]  # fmt: skip
+            out.append(PromptLogprobs(req_id, first, targets[start : start + n].tolist(), entries))
+            start += n
+        return out
 
     def _drop_matchers(self, plan: SchedulerOutput) -> None:
         rows = self.batch.req_rows

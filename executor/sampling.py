@@ -1,5 +1,12 @@
-"""Sampling on the device, vectorised over the batch: greedy at temperature 0,
-temperature, top-k, top-p, per-request seeds and optional top-n logprobs."""
+"""Sampling on the device, vectorised over the batch: the logits processing
+(min_tokens bans, logit_bias, repetition/frequency/presence penalties), then greedy at
+temperature 0, temperature, min_p, top-k, top-p, per-request seeds and optional top-n
+logprobs.
+
+process_logits() is its own step on purpose: it makes the distribution a request is
+sampled from, which speculative decoding's rejection sampler needs for the target's
+probabilities of each draft position as well. Logprobs are those of the processed
+logits (after bans, biases, penalties and a grammar's mask; before temperature)."""
 
 from dataclasses import dataclass
 
@@ -26,18 +33,61 @@ class SamplingMetadata:
     banned: list[tuple[int, tuple[int, ...]]]
     # Per row: None, or how many top logprobs to return; None for all when nobody asked.
     num_logprobs: list[int | None] | None
+    # [S] float32; None when no row sets min_p.
+    min_p: torch.Tensor | None = None
+    penalties: "Penalties | None" = None
+    # (rows, token ids, biases), flattened over the rows that set logit_bias.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclass(slots=True)
+class Penalties:
+    """The rows that set a penalty, and what they count: output_counts[i, t] is how
+    often token t occurs in row i's output so far, prompt_mask[i, t] whether in its
+    prompt (the repetition penalty covers both, as vLLM's does)."""
+
+    rows: torch.Tensor  # [P] int64, into the step's sampling rows
+    repetition: torch.Tensor  # [P] float32, 1.0: off
+    frequency: torch.Tensor  # [P]
+    presence: torch.Tensor  # [P]
+    output_counts: torch.Tensor  # [P, V] float32
+    prompt_mask: torch.Tensor  # [P, V] bool
+
+
+def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """The logits each row is sampled from, in place: min_tokens bans, logit_bias,
+    then the penalties (vLLM's order)."""
+    for row, token_ids in meta.banned:
+        logits[row, list(token_ids)] = float("-inf")
+    if meta.logit_bias is not None:
+        rows, token_ids, biases = meta.logit_bias
+        logits.index_put_((rows, token_ids), biases, accumulate=True)
+    if meta.penalties is not None:
+        apply_penalties(logits, meta.penalties)
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, p: Penalties) -> None:
+    rows = logits[p.rows]
+    counts = p.output_counts
+    in_output = counts > 0
+    repetition = p.repetition.unsqueeze(1)
+    penalized = torch.where(rows > 0, rows / repetition, rows * repetition)
+    rows = torch.where(in_output | p.prompt_mask, penalized, rows)
+    rows -= p.frequency.unsqueeze(1) * counts + p.presence.unsqueeze(1) * in_output
+    logits[p.rows] = rows
 
 
 def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SampleOutput:
     """logits [S, V] float32 -> one token per row."""
-    for row, token_ids in meta.banned:
-        logits[row, list(token_ids)] = float("-inf")
-    raw = logits
+    raw = process_logits(logits, meta)
     greedy = logits.argmax(dim=-1)
     if meta.all_greedy:
         tokens = greedy
     else:
         scaled = logits / meta.temperature.clamp(min=1e-6).unsqueeze(1)
+        if meta.min_p is not None:
+            scaled = apply_min_p(scaled, meta.min_p)
         if meta.needs_top_k_top_p:
             scaled = apply_top_k_top_p(scaled, meta.top_k, meta.top_p)
         probs = scaled.softmax(dim=-1)
@@ -51,6 +101,13 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SampleOutput:
     if meta.num_logprobs is None:
         return SampleOutput(token_list)
     return SampleOutput(token_list, _logprobs(raw, tokens, meta.num_logprobs))
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask to -inf the tokens less likely than min_p times the row's likeliest."""
+    probs = logits.softmax(dim=-1)
+    floor = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < floor, float("-inf"))
 
 
 def apply_top_k_top_p(

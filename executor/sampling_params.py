@@ -21,10 +21,39 @@ class SamplingParams:
     # The prompt's last tokens that are output the grammar already covers (a request
     # resubmitted with its outputs so far in its prompt).
     num_prompt_tokens_constrained: int = 0
+    # Logits processing (executor/sampling.py), neutral by default.
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    prompt_logprobs: int | None = None  # None: off; n: each prompt token's and the top n
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )  # fmt: skip
+
+
+# A token's logprob entry: (its logprob, the top ids, their logprobs).
+TokenLogprobs = tuple[float, list[int], list[float]]
+
+
+@dataclass(slots=True)
+class PromptLogprobs:
+    """One request's prompt tokens first_token.. of one step (a prefill chunk)."""
+
+    req_id: str
+    first_token: int
+    token_ids: list[int]  # the prompt's tokens first_token..
+    entries: list[TokenLogprobs]
 
 
 @dataclass(slots=True)
 class SampleOutput:
     token_ids: list[int]
-    # Per row, when logprobs were asked for: (sampled token's logprob, top ids, top logprobs).
-    logprobs: list[tuple[float, list[int], list[float]] | None] | None = None
+    # Per row, when logprobs were asked for.
+    logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs: list[PromptLogprobs] | None = None

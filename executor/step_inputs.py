@@ -9,7 +9,7 @@ import torch
 
 from flagstop.executor.attention import AttentionMetadata
 from flagstop.executor.input_batch import InputBatch
-from flagstop.executor.sampling import SamplingMetadata
+from flagstop.executor.sampling import Penalties, SamplingMetadata
 from flagstop.scheduler_svc.core.output import SchedulerOutput
 from flagstop.utils import cdiv
 
@@ -24,6 +24,17 @@ class StepInputs:
     rows: np.ndarray  # batch row of each scheduled request, plan order
     num_scheduled: np.ndarray
     sampling_rows: np.ndarray
+    # Prompt logprobs: the rows of the hidden states to score after logits_indices,
+    # and per request (plan index, first prompt token scored, how many).
+    prompt_indices: np.ndarray | None = None
+    prompt_chunks: list[tuple[int, int, int]] | None = None
+
+    @property
+    def all_logits_indices(self) -> torch.Tensor:
+        if self.prompt_indices is None:
+            return self.logits_indices
+        extra = torch.from_numpy(self.prompt_indices).to(self.logits_indices.device)
+        return torch.cat((self.logits_indices, extra))
 
 
 def prepare_inputs(batch: InputBatch, plan: SchedulerOutput, device: torch.device) -> StepInputs:
@@ -51,6 +62,10 @@ def prepare_inputs(batch: InputBatch, plan: SchedulerOutput, device: torch.devic
     def t(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(device, non_blocking=True)
 
+    prompt_indices, prompt_chunks = None, None
+    if (batch.num_prompt_logprobs[rows] >= 0).any():
+        flat_starts = (cu_tokens - o_num)[position_in_order]
+        prompt_indices, prompt_chunks = prompt_positions(batch, rows, num_scheduled, flat_starts)
     return StepInputs(
         input_ids=t(batch.token_ids[token_rows, positions]),
         positions=t(positions),
@@ -66,7 +81,24 @@ def prepare_inputs(batch: InputBatch, plan: SchedulerOutput, device: torch.devic
         rows=rows,
         num_scheduled=num_scheduled,
         sampling_rows=rows[samples],
+        prompt_indices=prompt_indices,
+        prompt_chunks=prompt_chunks,
     )
+
+
+def prompt_positions(batch: InputBatch, rows, num_scheduled, flat_starts):
+    """The flattened positions whose logits score a prompt token: position p scores
+    prompt token p + 1, for p below the prompt's last token (whose logits sample
+    the first output token). Per request in plan order (plan index, first token,
+    count)."""
+    starts = batch.num_computed_tokens[rows]
+    ends = np.minimum(starts + num_scheduled, batch.num_prompt_tokens[rows] - 1)
+    counts = np.where(batch.num_prompt_logprobs[rows] >= 0, np.maximum(ends - starts, 0), 0)
+    chunks = [(int(i), int(starts[i]) + 1, int(counts[i])) for i in np.flatnonzero(counts)]
+    if not chunks:
+        return None, None
+    indices = np.concatenate([flat_starts[i] + np.arange(n) for i, _, n in chunks])
+    return indices.astype(np.int64), chunks
 
 
 def sampling_metadata(batch: InputBatch, rows: np.ndarray, t) -> SamplingMetadata:
@@ -78,6 +110,7 @@ def sampling_metadata(batch: InputBatch, rows: np.ndarray, t) -> SamplingMetadat
     below_min = num_tokens - batch.num_prompt_tokens[rows] < batch.min_tokens[rows]
     banned = [(i, params[rows[i]].stop_token_ids) for i in np.flatnonzero(below_min)]
     num_logprobs = batch.num_logprobs[rows]
+    min_p = batch.min_p[rows]
     return SamplingMetadata(
         temperature=t(temperature),
         top_p=t(top_p),
@@ -89,4 +122,47 @@ def sampling_metadata(batch: InputBatch, rows: np.ndarray, t) -> SamplingMetadat
         num_logprobs=[None if n < 0 else int(n) for n in num_logprobs]
         if (num_logprobs >= 0).any()
         else None,
+        min_p=t(min_p) if min_p.any() else None,
+        penalties=penalties(batch, rows, t) if batch.penalized[rows].any() else None,
+        logit_bias=logit_bias(batch, rows, t) if batch.biased[rows].any() else None,
     )
+
+
+def penalties(batch: InputBatch, rows: np.ndarray, t) -> Penalties:
+    """Token counts of the penalized rows, scattered on the device from their token
+    ids (padded with an id one past the vocabulary, whose column is dropped)."""
+    which = np.flatnonzero(batch.penalized[rows])
+    p_rows, params = rows[which], [batch.sampling_params[r] for r in rows[which]]
+    num_prompt, num_tokens = batch.num_prompt_tokens[p_rows], batch.num_tokens[p_rows]
+    vocab = batch.vocab_size
+    outputs = _padded(batch.token_ids, p_rows, num_prompt, num_tokens, vocab)
+    prompts = _padded(batch.token_ids, p_rows, np.zeros_like(num_prompt), num_prompt, vocab)
+    out_ids, prompt_ids = t(outputs), t(prompts)
+    counts = torch.zeros(len(which), vocab + 1, device=out_ids.device)
+    counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=torch.float32))
+    mask = torch.zeros(len(which), vocab + 1, dtype=torch.bool, device=out_ids.device)
+    mask.scatter_(1, prompt_ids, True)
+    return Penalties(
+        rows=t(which.astype(np.int64)),
+        repetition=t(np.array([p.repetition_penalty for p in params], np.float32)),
+        frequency=t(np.array([p.frequency_penalty for p in params], np.float32)),
+        presence=t(np.array([p.presence_penalty for p in params], np.float32)),
+        output_counts=counts[:, :vocab], prompt_mask=mask[:, :vocab],
+    )  # fmt: skip
+
+
+def _padded(token_ids: np.ndarray, rows, starts, ends, pad: int) -> np.ndarray:
+    """token_ids[row, start:end] of each row, right-padded with pad ([R, max len])."""
+    width = max(1, int((ends - starts).max()))
+    columns = starts[:, None] + np.arange(width)
+    inside = columns < ends[:, None]
+    picked = token_ids[rows[:, None], np.minimum(columns, token_ids.shape[1] - 1)]
+    return np.where(inside, picked, pad).astype(np.int64)
+
+
+def logit_bias(batch: InputBatch, rows: np.ndarray, t):
+    entries = [(i, token, bias) for i, row in enumerate(rows.tolist())
+               for token, bias in batch.sampling_params[row].logit_bias]  # fmt: skip
+    i, tokens, biases = zip(*entries, strict=True)
+    return (t(np.array(i, np.int64)), t(np.array(tokens, np.int64)),
+            t(np.array(biases, np.float32)))  # fmt: skip

@@ -103,20 +103,20 @@ def to_grammar(spec: GrammarSpec) -> str:
     from llguidance import LLMatcher
     from llguidance.gbnf_to_lark import gbnf_to_lark
 
-    if spec.kind == JSON_SCHEMA:
-        schema = json.loads(spec.text)
-        if spec.strict:
-            schema = _closed_objects(schema)
-        return LLMatcher.grammar_from_json_schema(schema, defaults=_COMPACT)
-    if spec.kind == REGEX:
-        return LLMatcher.grammar_from_regex(spec.text)
-    text = spec.text
-    if spec.kind == EBNF:
-        try:
-            text = gbnf_to_lark(text)
-        except Exception as e:  # its parser raises plain exceptions
-            raise GrammarError(f"grammar (EBNF) does not compile: {e}") from None
-    return LLMatcher.grammar_from_lark(text)
+    # The engine's converters raise what their parsers raise (ValueError, a number
+    # past 64 bits in a schema: OverflowError, ...): each is a refusal of the spec.
+    try:
+        if spec.kind == JSON_SCHEMA:
+            schema = json.loads(spec.text)
+            if spec.strict:
+                schema = _closed_objects(schema)
+            return LLMatcher.grammar_from_json_schema(schema, defaults=_COMPACT)
+        if spec.kind == REGEX:
+            return LLMatcher.grammar_from_regex(spec.text)
+        text = gbnf_to_lark(spec.text) if spec.kind == EBNF else spec.text
+        return LLMatcher.grammar_from_lark(text)
+    except Exception as e:
+        raise GrammarError(refusal_of(spec, str(e) or type(e).__name__)) from None
 
 
 _COMPACT = {"whitespace_flexible": False}
@@ -160,4 +160,6 @@ def check(spec: GrammarSpec) -> str | None:
         error = LLMatcher.validate_grammar(to_grammar(spec))
     except GrammarError as e:
         return str(e)
+    except Exception as e:  # the engine's own parser, on input it chokes on
+        return refusal_of(spec, str(e) or type(e).__name__)
     return refusal_of(spec, error) if error else None

@@ -15,7 +15,7 @@ from flagstop.router.chat import ChatTemplate
 from flagstop.router.engine import RouterEngine
 from flagstop.router.http import HttpServer, create_app
 from flagstop.router.processes import supervise
-from flagstop.router.service import SERVICE_NAME, GenerationService
+from flagstop.router.service import SERVICE_NAME, GenerationService, add_to_server
 from flagstop.router.settings import RouterSettings
 from flagstop.server import (
     StartupError,
@@ -27,7 +27,6 @@ from flagstop.server import (
 )  # fmt: skip
 from flagstop.settings import SettingsInvalid
 from flagstop.telemetry import Telemetry, start_metrics_server
-from flagstop.v1 import generation_pb2_grpc
 
 log = logging.getLogger("flagstop.router")
 
@@ -47,7 +46,7 @@ async def serve(settings: RouterSettings) -> None:
     )  # fmt: skip
     health = Health(server, [SERVICE_NAME])
     engine = RouterEngine(tokenizer, settings, health, Telemetry("flagstop-router"))
-    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(engine), server)
+    add_to_server(GenerationService(engine), server)
     http = HttpServer(create_app(engine, settings, chat), settings) if settings.http_port else None
     start_metrics_server(settings.metrics_port, settings.host)
     await server.start()  # live, not ready until the scheduler has described itself

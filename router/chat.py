@@ -14,7 +14,9 @@ class ChatTemplate:
         self.tokenizer = tokenizer
         self.template: str | None = override.read_text() if override else tokenizer.chat_template
 
-    def render(self, messages: list[dict[str, str]]) -> list[int]:
+    def render(
+        self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt=True
+    ) -> list[int]:
         """The prompt's token ids, the assistant's turn opened. Raises RequestRejected
         for a model without a template, or messages its template refuses."""
         if not self.template:
@@ -25,9 +27,11 @@ class ChatTemplate:
             )
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, chat_template=self.template, tokenize=False, add_generation_prompt=True
-            )
-        except TemplateError as e:
+                messages, tools=tools, chat_template=self.template, tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+            )  # fmt: skip
+        except (TemplateError, TypeError, ValueError, KeyError) as e:  # a template's own
+            # raise_exception() is a TemplateError; its filters raise the others
             message = f"the chat template refused the messages: {e}"
             raise RequestRejected(message, "messages") from None
         # Templates write their own BOS and other special tokens.

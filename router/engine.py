@@ -135,6 +135,8 @@ class RouterEngine:
         requests that ended without a token, then the failed ones."""
         requests = self.requests
         finished = dict(zip(msg.finished_ids, msg.finish_reasons, strict=True))
+        if msg.num_cached_tokens or msg.prompt_logprobs:
+            self._prefill_facts(msg)
         logprobs = msg.logprobs
         for i, (request_id, token_id) in enumerate(
             zip(msg.request_ids, msg.token_ids, strict=True)
@@ -154,6 +156,17 @@ class RouterEngine:
             if (pending := requests.get(error.request_id)) is not None:
                 pending.finished = True
                 pending.mailbox.put(error)
+
+    def _prefill_facts(self, msg: scheduler_pb2.SchedulerMessage) -> None:
+        """What a message tells of prefills: prompt logprobs (before the tokens they
+        precede) and the prefix-cache hits of finished requests."""
+        requests = self.requests
+        for chunk in msg.prompt_logprobs:
+            if (pending := requests.get(chunk.req_id)) is not None:
+                pending.add_prompt_logprobs(chunk.first_token, chunk.logprobs)
+        for request_id, num_cached in zip(msg.finished_ids, msg.num_cached_tokens, strict=False):
+            if (pending := requests.get(request_id)) is not None:
+                pending.num_cached_tokens = num_cached
 
     async def stream(self, pending: Pending) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """The request's chunks, the last with its finish reason and usage; released

@@ -5,12 +5,12 @@ this one refuses with the same words).
 Unknown fields are ignored, as vLLM does and unlike OpenAI's own API (which answers
 400): the field's clients send extras of other providers, and refusing them would
 break LiteLLM, gateways and benchmark tools for nothing. But a field we know and do
-not implement (penalties, logit_bias, tools, echo, suffix, best_of)
-is refused when set to anything but its neutral value, rather than silently dropped:
-its caller expects an output we would not produce."""
+not implement (suffix, best_of, the legacy functions) is refused when set to
+anything but its neutral value, rather than silently dropped: its caller expects an
+output we would not produce."""
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
@@ -19,10 +19,66 @@ from flagstop.v1 import generation_pb2
 MAX_N = 16  # choices per request: each one is a request of its own in the batch
 # /v1/completions without max_tokens: OpenAI's default, and vLLM's.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+MAX_LOGPROBS = 20  # as OpenAI's top_logprobs
+
+# Integers as the wire takes them: a number past a protobuf field's range is the
+# field's 400, not the conversion's 500.
+INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1
+Int32 = Annotated[int, Field(ge=-INT32_MAX - 1, le=INT32_MAX)]
+Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Int64 = Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]
+NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+
+
+def first_unencodable(value: Any, path: str = "") -> str | None:
+    """The path of the first string the body holds that UTF-8 cannot encode (JSON's
+    "\\ud800" escapes decode to lone surrogates), or None. Keys count too."""
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        where = f"{path}.{key}" if path else str(key)
+        if isinstance(key, str) and first_unencodable(key) is not None:
+            return where
+        if (found := first_unencodable(item, where)) is not None:
+            return found
+    return None
+
+
+class EncodableText(BaseModel):
+    """A request body whose every string UTF-8 can encode: the tokenizer, the grammar
+    engine and protobuf refuse the rest, each with an exception of its own."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _utf8_only(cls, data: Any) -> Any:
+        if (where := first_unencodable(data)) is not None:
+            raise ValueError(
+                f"{where} holds text that is not valid Unicode (a lone UTF-16 surrogate); "
+                "send UTF-8 text"
+            )
+        return data
+
+
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+Bias = Annotated[float, Field(ge=-100, le=100)]
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far on every chunk
 
 
 class JsonSchemaFormat(BaseModel):
@@ -54,27 +110,27 @@ class StructuredOutputsParams(BaseModel):
     grammar: str | None = None
 
 
-class OpenAIRequest(BaseModel):
+class OpenAIRequest(EncodableText):
     """What completions and chat share."""
 
     model_config = ConfigDict(extra="allow")
 
     model: str
-    max_tokens: int | None = None
+    max_tokens: Count | None = None
     temperature: float | None = None
     top_p: float | None = None
     n: int = Field(1, ge=1, le=MAX_N)
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM's extensions, where flagstop has the feature.
-    top_k: int | None = None
-    min_tokens: int = 0
+    top_k: Int32 | None = None
+    min_tokens: Count = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] = Field(default_factory=list)
-    priority: int = 0
+    stop_token_ids: list[TokenId] = Field(default_factory=list)
+    priority: Int32 = 0
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its
     # older guided_* fields; at most one constraint.
@@ -85,10 +141,15 @@ class OpenAIRequest(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     _constraint: generation_pb2.StructuredOutputs | None = PrivateAttr(None)
+    # Logits processing (OpenAI's penalties and logit_bias, vLLM's repetition_penalty
+    # and min_p), and vLLM's prompt logprobs.
+    frequency_penalty: Penalty = 0.0
+    presence_penalty: Penalty = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
+    logit_bias: dict[str, Bias] | None = None
+    prompt_logprobs: NumLogprobs | None = None
     # Known, not implemented: refused unless neutral.
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
     best_of: int | None = None
 
     @model_validator(mode="after")
@@ -98,11 +159,21 @@ class OpenAIRequest(BaseModel):
                 raise ValueError(f"{name} is not supported by flagstop; leave it unset")
         if self.best_of not in (None, self.n):
             raise ValueError("best_of is not supported by flagstop; leave it unset")
+        self._bias = _token_biases(self.logit_bias or {})
         self._constraint = self._structured_outputs()
         return self
 
+    _bias: dict[int, float] = PrivateAttr(default_factory=dict)
+
     def _structured_outputs(self) -> generation_pb2.StructuredOutputs | None:
         """The one constraint the request sets, on the gRPC API's terms."""
+        found = self._constraints()
+        if len(found) > 1:
+            names = ", ".join(name for name, _ in found)
+            raise ValueError(f"set at most one output constraint, got {names}")
+        return found[0][1] if found else None
+
+    def _constraints(self) -> list[tuple[str, generation_pb2.StructuredOutputs]]:
         found: list[tuple[str, generation_pb2.StructuredOutputs]] = []
         rf, so = self.response_format, self.structured_outputs or StructuredOutputsParams()
         if rf is not None and rf.type == "json_object":
@@ -125,21 +196,19 @@ class OpenAIRequest(BaseModel):
                     if kind == "choice":
                         value = generation_pb2.Choices(choices=value)
                     found.append((name, _so(**{kind: value})))
-        if len(found) > 1:
-            names = ", ".join(name for name, _ in found)
-            raise ValueError(f"set at most one output constraint, got {names}")
-        return found[0][1] if found else None
+        return found
 
     def unsupported(self) -> dict[str, Any]:
-        return {
-            "frequency_penalty": self.frequency_penalty,
-            "presence_penalty": self.presence_penalty,
-            "logit_bias": self.logit_bias,
-        }
+        return {}
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        options = self.stream_options
+        return options is not None and options.continuous_usage_stats
 
     def generate_request(
         self, choice: int, max_tokens: int | None
@@ -163,7 +232,29 @@ class OpenAIRequest(BaseModel):
             request.seed = self.seed + choice
         if self._constraint is not None:
             request.structured_outputs.CopyFrom(self._constraint)
+        request.frequency_penalty = self.frequency_penalty
+        request.presence_penalty = self.presence_penalty
+        request.min_p = self.min_p
+        if self.repetition_penalty is not None:
+            request.repetition_penalty = self.repetition_penalty
+        request.logit_bias.update(self._bias)
+        if self.prompt_logprobs is not None:
+            request.prompt_logprobs = self.prompt_logprobs
         return request
+
+
+def _token_biases(logit_bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's logit_bias keys are token ids written as strings."""
+    biases = {}
+    for key, value in logit_bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise ValueError(f"logit_bias keys are token ids, got {key!r}") from None
+        if not 0 <= token_id <= INT32_MAX:
+            raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+        biases[token_id] = value
+    return biases
 
 
 def _so(**fields) -> generation_pb2.StructuredOutputs:
@@ -175,17 +266,30 @@ def _schema_text(schema: dict[str, Any] | bool | str) -> str:
 
 
 class CompletionRequest(OpenAIRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    logprobs: NumLogprobs | None = None
     echo: bool = False
     suffix: str | None = None
 
     def unsupported(self) -> dict[str, Any]:
-        return {**super().unsupported(), "echo": self.echo, "suffix": self.suffix}
+        return {**super().unsupported(), "suffix": self.suffix}
+
+    @model_validator(mode="after")
+    def _zero_tokens_only_echoed(self) -> "CompletionRequest":
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 needs echo (the prompt, scored, with no output)")
+        return self
 
     @property
     def wants_logprobs(self) -> bool:
         return self.logprobs is not None
+
+    @property
+    def prompt_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs), nothing generated.
+        The engine still runs one step (the prefill gives the logprobs): its token
+        is dropped."""
+        return self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         """One prompt, or several: a choice each (times n)."""
@@ -198,13 +302,15 @@ class CompletionRequest(OpenAIRequest):
         self, prompt: str | list[int], choice: int
     ) -> generation_pb2.GenerateRequest:
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
-        request = self.generate_request(choice, max_tokens)
+        request = self.generate_request(choice, max(1, max_tokens))
         if isinstance(prompt, str):
             request.prompt = prompt
         else:
             request.prompt_token_ids.extend(prompt)
         if self.logprobs is not None:
             request.logprobs = self.logprobs
+            if self.echo:  # the echoed prompt's tokens carry logprobs too
+                request.prompt_logprobs = max(self.logprobs, request.prompt_logprobs)
         return request
 
 
@@ -213,34 +319,135 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionSpec(BaseModel):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: any object
+    strict: bool | None = None
+
+
+class ToolSpec(BaseModel):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str  # JSON text, as the API carries it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     # "developer" is OpenAI's newer name for "system".
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's reply to one
 
-    def as_template_input(self) -> dict[str, str]:
+    def as_template_input(self) -> dict[str, Any]:
+        """The message as chat templates read it (Hugging Face's convention: a call's
+        arguments as an object, where the API sends JSON text)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        message: dict[str, Any] = {"role": role, "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": _arguments(c)}}
+                for c in self.tool_calls
+            ]  # fmt: skip
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def _arguments(call: ToolCall) -> Any:
+    try:
+        return json.loads(call.function.arguments)
+    except ValueError:
+        return call.function.arguments
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    top_logprobs: NumLogprobs | None = None
+    tools: list[ToolSpec] | None = Field(None, max_length=1024)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    # The legacy function calling: refused, with what to send instead.
+    functions: list[Any] | None = None
+    function_call: Any = None
 
-    def unsupported(self) -> dict[str, Any]:
-        return {
-            **super().unsupported(), "tools": self.tools,
-            "tool_choice": self.tool_choice not in (None, "none") and self.tool_choice,
-        }  # fmt: skip
+    @model_validator(mode="after")
+    def _tools_known(self) -> "ChatCompletionRequest":
+        if self.functions is not None or self.function_call is not None:
+            raise ValueError("functions and function_call are the deprecated form of tools "
+                             "and are not supported: send tools and tool_choice")  # fmt: skip
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and self.named_tool is None:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not in tools")
+        return self
+
+    @property
+    def tool_mode(self) -> str:
+        """none, auto (the model may call; a parser reads its calls), required or
+        named (the output is constrained to calls)."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    @property
+    def named_tool(self) -> ToolSpec | None:
+        choice = self.tool_choice
+        if not isinstance(choice, NamedToolChoice):
+            return None
+        return next((t for t in self.tools or () if t.function.name == choice.function.name),
+                    None)  # fmt: skip
+
+    def _constraints(self) -> list[tuple[str, generation_pb2.StructuredOutputs]]:
+        from flagstop.router.tool_calls import arguments_schema, required_schema
+
+        found = super()._constraints()
+        if (tool := self.named_tool) is not None:
+            schema = arguments_schema(tool)
+        elif self.tool_choice == "required" and self.tools:
+            schema = required_schema(self.tools, self.parallel_tool_calls)
+        else:
+            return found
+        return [*found, ("tool_choice", _so(json_schema=json.dumps(schema), strict=True))]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates take them; none when tool_choice is none."""
+        if self.tool_mode == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools or ()]
 
     @property
     def wants_logprobs(self) -> bool:

@@ -1,5 +1,6 @@
-"""The OpenAI API's response objects and stream chunks, built from the router's
-GenerateResponse chunks of each choice."""
+"""The OpenAI API's response objects and stream chunks (completions and chat), built
+from the router's GenerateResponse chunks of each choice: text or content and tool
+calls, logprobs, echo, vLLM's prompt_logprobs, usage with cached tokens."""
 
 import time
 import uuid
@@ -7,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from flagstop.router.tool_calls import ToolParser
 from flagstop.scheduler_svc.core.request import FinishReason
 from flagstop.v1 import generation_pb2
 
@@ -27,25 +29,33 @@ class TokenTexts:
 
 @dataclass(slots=True)
 class Choice:
-    """What one choice has streamed so far."""
+    """What one choice has streamed so far, and how its chunks are read."""
 
     index: int
+    prompt_token_ids: list[int] = field(default_factory=list)
+    counts_prompt: bool = True  # the first choice of its prompt: usage counts it
+    echo: str | None = None  # completions' echo: the prompt text, until sent
+    prompt_only: bool = False  # echo with max_tokens 0: the generated token is dropped
+    tools: ToolParser | None = None  # chat with tools: reads calls out of the text
     text: str = ""
     num_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: Any = None  # the API's shape, grown chunk by chunk
+    prompt_logprobs: list | None = None  # vLLM's shape: None, then {id: entry} per token
 
 
 @dataclass(slots=True)
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, Any]:
         return {
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }  # fmt: skip
 
 
@@ -57,6 +67,7 @@ class ResponseBuilder:
     model: str
     texts: Callable[[int], str]  # a token id's text in logprobs
     with_logprobs: bool
+    continuous_usage: bool = False  # usage so far on every stream chunk
     id: str = field(init=False)
     created: int = field(default_factory=lambda: int(time.time()))
     usage: Usage = field(default_factory=Usage)
@@ -67,54 +78,115 @@ class ResponseBuilder:
     def _head(self, object_name: str) -> dict[str, Any]:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
 
-    def apply(self, choice: Choice, chunk: generation_pb2.GenerateResponse) -> dict[str, Any]:
-        """Fold a chunk into its choice; returns the chunk's own part of the choice (for
-        a stream): text or delta, logprobs, finish reason."""
+    def apply(
+        self, choice: Choice, chunk: generation_pb2.GenerateResponse
+    ) -> dict[str, Any] | None:
+        """Fold a chunk into its choice; returns the chunk's own part of the choice for
+        a stream (text or delta, logprobs, finish reason), None when it adds nothing."""
+        final = bool(chunk.finish_reason)
+        if chunk.prompt_logprobs:
+            choice.prompt_logprobs = self._prompt_logprobs(choice, chunk.prompt_logprobs)
+        token_ids, text, logprob_entries = chunk.token_ids, chunk.text, chunk.logprobs
+        if choice.prompt_only:
+            token_ids, text, logprob_entries = (), "", ()
+        choice.num_tokens += len(token_ids)
+        self.usage.completion_tokens += len(token_ids)
+        logprobs = None
+        if self.with_logprobs:
+            logprobs = self._logprobs(logprob_entries, len(choice.text) + len(choice.echo or ""))
+        if choice.echo is not None:
+            text, logprobs = choice.echo + text, self._echoed(choice, chunk, logprobs)
+            choice.echo = None
         piece: dict[str, Any] = {"index": choice.index}
-        start = len(choice.text)
-        choice.text += chunk.text
-        choice.num_tokens += len(chunk.token_ids)
-        self.usage.completion_tokens += len(chunk.token_ids)
         if self.kind == "chat":
-            piece["delta"] = {"content": chunk.text} if chunk.text else {}
+            content, calls = choice.tools.feed(text, final) if choice.tools else (text, [])
+            piece["delta"] = {"content": content} if content else {}
+            if calls:
+                piece["delta"]["tool_calls"] = calls
+            choice.text += content
         else:
-            piece["text"] = chunk.text
-        logprobs = self._logprobs(chunk, start) if self.with_logprobs else None
+            piece["text"] = text
+            choice.text += text
         if logprobs is not None:
             choice.logprobs = _extend(choice.logprobs, logprobs)
         piece["logprobs"] = logprobs
-        if chunk.finish_reason:
-            choice.finish_reason = FinishReason(chunk.finish_reason).label
-            choice.stop_reason = chunk.stop_reason or None
-        piece["finish_reason"] = choice.finish_reason
-        if chunk.finish_reason:
+        if final:
+            self._finish(choice, chunk)
             piece["stop_reason"] = choice.stop_reason
+        piece["finish_reason"] = choice.finish_reason
+        if not (final or logprobs or piece.get("text") or piece.get("delta")):
+            return None
         return piece
 
-    def _logprobs(self, chunk: generation_pb2.GenerateResponse, start: int) -> dict | None:
-        if not chunk.logprobs:
+    def _finish(self, choice: Choice, chunk: generation_pb2.GenerateResponse) -> None:
+        reason = FinishReason(chunk.finish_reason).label
+        if choice.tools is not None and choice.tools.calls and reason == "stop":
+            reason = "tool_calls"
+        choice.finish_reason = reason
+        choice.stop_reason = chunk.stop_reason or None
+        if choice.counts_prompt:
+            self.usage.cached_tokens += chunk.usage.cached_tokens
+
+    def _logprobs(self, entries, start: int) -> dict | None:
+        if not entries:
             return None
         text = self.texts
         if self.kind == "chat":
             return {"content": [
                 {**_token(text(lp.token_id), lp.logprob),
                  "top_logprobs": [_token(text(t.token_id), t.logprob) for t in lp.top]}
-                for lp in chunk.logprobs
+                for lp in entries
             ]}  # fmt: skip
+        tokens = [text(lp.token_id) for lp in entries]
         return {
-            "tokens": [text(lp.token_id) for lp in chunk.logprobs],
-            "token_logprobs": [lp.logprob for lp in chunk.logprobs],
-            "top_logprobs": [
-                {text(t.token_id): t.logprob for t in lp.top} for lp in chunk.logprobs
-            ],
-            "text_offset": [start] * len(chunk.logprobs),
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in entries],
+            "top_logprobs": [{text(t.token_id): t.logprob for t in lp.top} for lp in entries],
+            "text_offset": _offsets(tokens, start),
         }
+
+    def _echoed(self, choice: Choice, chunk, logprobs: dict | None) -> dict | None:
+        """Completions' echo with logprobs: the prompt's tokens lead, the first one
+        with none (nothing precedes it)."""
+        if not self.with_logprobs:
+            return logprobs
+        text, ids = self.texts, choice.prompt_token_ids
+        tokens = [text(t) for t in ids]
+        scored = list(chunk.prompt_logprobs)
+        prompt = {
+            "tokens": tokens,
+            "token_logprobs": [None] + [lp.logprob for lp in scored],
+            "top_logprobs": [
+                None,
+                *({text(t.token_id): t.logprob for t in lp.top} for lp in scored),
+            ],
+            "text_offset": _offsets(tokens, 0),
+        }
+        return prompt if logprobs is None else _extend(prompt, logprobs)
+
+    def _prompt_logprobs(self, choice: Choice, entries) -> list:
+        """vLLM's prompt_logprobs: None for the first token, then per prompt token
+        {token id: {logprob, rank, decoded_token}} of it and the top n (rank: the
+        place among the top n; None for the prompt token outside them)."""
+        text, out = self.texts, [None]
+        for token_id, lp in zip(choice.prompt_token_ids[1:], entries, strict=False):
+            position = {
+                t.token_id: {"logprob": t.logprob, "rank": rank, "decoded_token": text(t.token_id)}
+                for rank, t in enumerate(lp.top, 1)
+            }
+            position.setdefault(token_id, {"logprob": lp.logprob, "rank": None,
+                                           "decoded_token": text(token_id)})  # fmt: skip
+            out.append({str(k): v for k, v in position.items()})
+        return out
 
     # -- streams -------------------------------------------------------------
 
     def chunk(self, pieces: list[dict[str, Any]]) -> dict[str, Any]:
         name = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return {**self._head(name), "choices": pieces}
+        body = {**self._head(name), "choices": pieces}
+        if self.continuous_usage:
+            body["usage"] = self.usage.as_dict()
+        return body
 
     def role_chunk(self, indexes: range) -> dict[str, Any]:
         """A chat stream opens each choice with the assistant's role."""
@@ -129,20 +201,40 @@ class ResponseBuilder:
 
     def response(self, choices: list[Choice]) -> dict[str, Any]:
         if self.kind == "chat":
-            body = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                     "logprobs": c.logprobs, "finish_reason": c.finish_reason,
-                     "stop_reason": c.stop_reason} for c in choices]  # fmt: skip
-            head = self._head("chat.completion")
-        else:
-            body = [{"index": c.index, "text": c.text, "logprobs": c.logprobs,
+            body = [{"index": c.index, "message": _message(c), "logprobs": c.logprobs,
                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                     for c in choices]  # fmt: skip
+            head = self._head("chat.completion")
+            if choices and choices[0].prompt_logprobs is not None:
+                head["prompt_logprobs"] = choices[0].prompt_logprobs
+        else:
+            body = [{"index": c.index, "text": c.text, "logprobs": c.logprobs,
+                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                     "prompt_logprobs": c.prompt_logprobs} for c in choices]  # fmt: skip
             head = self._head("text_completion")
         return {**head, "choices": body, "usage": self.usage.as_dict()}
 
 
+def _message(choice: Choice) -> dict[str, Any]:
+    calls = choice.tools.calls if choice.tools is not None else []
+    message: dict[str, Any] = {"role": "assistant", "content": choice.text or None}
+    if calls:
+        message["tool_calls"] = calls
+    elif message["content"] is None:
+        message["content"] = ""
+    return message
+
+
 def _token(text: str, logprob: float) -> dict[str, Any]:
     return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+def _offsets(tokens: list[str], start: int) -> list[int]:
+    offsets = []
+    for token in tokens:
+        offsets.append(start)
+        start += len(token)
+    return offsets
 
 
 def _extend(total: dict | None, more: dict) -> dict:

@@ -5,7 +5,8 @@ same RouterEngine as a gRPC one; errors come back in OpenAI's shape."""
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -27,8 +28,10 @@ HTTP_STATUS = {
     grpc.StatusCode.UNAVAILABLE: 503,
 }
 ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-              413: "invalid_request_error", 429: "rate_limit_error"}  # fmt: skip
+              413: "invalid_request_error", 429: "rate_limit_error",
+              500: "internal_error"}  # fmt: skip
 DONE = b"data: [DONE]\n\n"
+log = logging.getLogger("flagstop.router.http")
 
 
 class OpenAIError(Exception):
@@ -45,6 +48,20 @@ def error_response(status: int, message: str, param: str | None = None, code=Non
 
 def from_failure(e: RequestFailed) -> OpenAIError:
     return OpenAIError(HTTP_STATUS.get(e.code, 500), e.message, e.param)
+
+
+def internal_error(e: Exception, request_id: str) -> OpenAIError:
+    """An unexpected failure of one request: logged once, on one line (the traceback
+    at debug level), answered with the request id to quote."""
+    log.error("request %s failed: %s: %s", request_id, type(e).__name__, e)
+    log.debug("request %s", request_id, exc_info=e)
+    return OpenAIError(500, f"internal error; quote request id {request_id} when reporting it")
+
+
+def stream_error(failure: OpenAIError) -> dict[str, Any]:
+    error_type = ERROR_TYPE.get(failure.status, "server_error")
+    return {"error": {"message": failure.message, "type": error_type, "param": failure.param,
+                      "code": failure.status}}  # fmt: skip
 
 
 def token_id_texts(token_id: int) -> str:
@@ -83,25 +100,43 @@ class OpenAIFront:
             raise from_failure(e) from None
         return pendings
 
-    async def respond(self, http: Request, body, kind: str, requests) -> Response:
+    def builder(self, body, kind: str) -> ResponseBuilder:
         texts = token_id_texts if body.return_tokens_as_token_ids else self.texts
-        builder = ResponseBuilder(kind, self.check_model(body.model), texts,
-                                  with_logprobs=body.wants_logprobs)  # fmt: skip
+        return ResponseBuilder(kind, self.check_model(body.model), texts,
+                               with_logprobs=body.wants_logprobs,
+                               continuous_usage=body.continuous_usage)  # fmt: skip
+
+    def choices(self, body, pendings: list[Pending], make: Callable[[int, Pending], Choice]):
+        """A Choice per pending; the first of each prompt counts in usage."""
+        n = max(1, body.n)
+        choices = []
+        for i, pending in enumerate(pendings):
+            choice = make(i, pending)
+            choice.prompt_token_ids, choice.counts_prompt = pending.prompt_token_ids, i % n == 0
+            choices.append(choice)
+        return choices
+
+    async def respond(
+        self, http: Request, body, kind: str, requests, make: Callable[[int, Pending], Choice]
+    ) -> Response:
+        """Submit a response's requests and answer: whole, or as Server-Sent Events.
+        make: each choice's Choice (echo, tools), given its index and request."""
+        builder = self.builder(body, kind)
         operation = "chat" if kind == "chat" else "text_completion"
         pendings = self.submit(requests, list(http.headers.items()), operation)
-        builder.usage.prompt_tokens = sum(
-            len(p.prompt_token_ids) for p in pendings[:: max(1, body.n)]
-        )
+        choices = self.choices(body, pendings, make)
+        builder.usage.prompt_tokens = sum(len(c.prompt_token_ids) for c in choices
+                                          if c.counts_prompt)  # fmt: skip
         if body.stream:
-            stream = self.stream(builder, pendings, body.include_usage)
+            stream = self.stream(builder, choices, pendings, body.include_usage)
             return StreamingResponse(stream, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})  # fmt: skip
-        choices = await until_disconnected(http, self.collect(builder, pendings))
+        await until_disconnected(http, self.collect(builder, choices, pendings))
         return Response(orjson.dumps(builder.response(choices)), media_type="application/json")
 
-    async def collect(self, builder: ResponseBuilder, pendings: list[Pending]) -> list[Choice]:
-        choices = [Choice(i) for i in range(len(pendings))]
-
+    async def collect(
+        self, builder: ResponseBuilder, choices: list[Choice], pendings: list[Pending]
+    ) -> list[Choice]:
         async def one(choice: Choice, pending: Pending) -> None:
             async for chunk in self.engine.stream(pending):
                 builder.apply(choice, chunk)
@@ -118,24 +153,24 @@ class OpenAIFront:
         return choices
 
     async def stream(
-        self, builder: ResponseBuilder, pendings: list[Pending], include_usage: bool
-    ) -> AsyncIterator[bytes]:
+        self, builder: ResponseBuilder, choices: list[Choice], pendings: list[Pending],
+        include_usage: bool,
+    ) -> AsyncIterator[bytes]:  # fmt: skip
         """SSE: a chunk per new piece of each choice, a usage chunk when asked, [DONE].
         A failure after the first bytes becomes an error event."""
-        choices = [Choice(i) for i in range(len(pendings))]
         try:
             if builder.kind == "chat":
                 yield sse(builder.role_chunk(range(len(pendings))))
             async for index, chunk in merged(self.engine, pendings):
                 piece = builder.apply(choices[index], chunk)
-                if chunk.text or piece["logprobs"] or chunk.finish_reason:
+                if piece is not None:
                     yield sse(builder.chunk([piece]))
             if include_usage:
                 yield sse(builder.usage_chunk())
         except RequestFailed as e:
-            failure = from_failure(e)
-            yield sse({"error": {"message": failure.message, "type": "server_error",
-                                 "param": failure.param, "code": failure.status}})  # fmt: skip
+            yield sse(stream_error(from_failure(e)))
+        except Exception as e:  # one request's bug: its stream ends, the process goes on
+            yield sse(stream_error(internal_error(e, pendings[0].request_id)))
         finally:
             for pending in pendings:
                 self.engine.release(pending)

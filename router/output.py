@@ -88,6 +88,20 @@ class Pending:
     generated: list[int] = field(default_factory=list)
     sent: bool = False  # released to the scheduler
     finished: bool = False  # the scheduler holds nothing of it any more
+    num_cached_tokens: int = 0  # prefix-cache hits, told when it finishes
+    # With prompt_logprobs: prompt tokens 1.. as their chunks arrive.
+    prompt_logprobs: list[generation_pb2.TokenLogprob | None] | None = None
+
+    def add_prompt_logprobs(self, first_token: int, entries) -> None:
+        """A prefill chunk's prompt logprobs. A recomputed prefill (preemption, a new
+        scheduler) sends them again: they land where they were."""
+        num_scored = len(self.prompt_token_ids) - 1
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * num_scored
+        for i, entry in enumerate(entries, first_token - 1):
+            if i >= num_scored:
+                break
+            self.prompt_logprobs[i] = entry
 
     def remainder(self) -> scheduler_pb2.AddRequest:
         """What is left to do, for a scheduler that never saw this request: prompt +
@@ -159,7 +173,7 @@ class ChunkBuilder:
         reason = items[-1].finish_reason if items else 0
         if token_ids:
             if not self.num_generated:
-                self.pending.trace.first_token()
+                self._first_token(chunk)
             self.num_generated += len(token_ids)
             chunk.token_ids.extend(token_ids)
             chunk.logprobs.extend(item.logprob for item in items if item.logprob is not None)
@@ -181,7 +195,7 @@ class ChunkBuilder:
         text = ""
         if token_id is not None:
             if not self.num_generated:
-                self.pending.trace.first_token()
+                self._first_token(chunk)
             self.num_generated += 1
             chunk.token_ids.append(token_id)
             text = self.detokenizer.add([token_id], final=bool(reason))
@@ -196,11 +210,20 @@ class ChunkBuilder:
             self._finish(chunk, reason, token_id)
         return self.done
 
+    def _first_token(self, chunk) -> None:
+        """The first chunk with a token: by then its prefill's prompt logprobs are in
+        (they come with the step that sampled it, or before)."""
+        self.pending.trace.first_token()
+        if (prompt_logprobs := self.pending.prompt_logprobs) is not None:
+            empty = generation_pb2.TokenLogprob()
+            chunk.prompt_logprobs.extend(lp or empty for lp in prompt_logprobs)
+
     def _finish(self, chunk, reason: int, last_token: int | None) -> None:
         chunk.finish_reason = reason  # the same values (FinishReason)
         if last_token is not None and last_token in self.pending.request.stop_token_ids:
             chunk.stop_reason = str(last_token)
         chunk.usage.prompt_tokens = len(self.pending.prompt_token_ids)
         chunk.usage.completion_tokens = self.num_generated
+        chunk.usage.cached_tokens = self.pending.num_cached_tokens
         self.pending.trace.finish(chunk.finish_reason, self.num_generated)
         self.done = True

@@ -1,12 +1,64 @@
 """The router's gRPC front (flagstop.v1.Generation): a thin shell over RouterEngine."""
 
+import logging
+import uuid
 from collections.abc import AsyncIterator
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from flagstop.router.engine import RouterEngine
 from flagstop.router.output import RequestFailed
 from flagstop.v1 import generation_pb2, generation_pb2_grpc
+
+log = logging.getLogger("flagstop.router")
+
+
+class Undecodable:
+    """A request message that does not parse (a string field that is not UTF-8):
+    answered INVALID_ARGUMENT by the method, where gRPC's own would say UNKNOWN."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _tolerant(message_cls):
+    def decode(data: bytes):
+        try:
+            return message_cls.FromString(data)
+        except DecodeError as e:
+            return Undecodable(str(e))
+
+    return decode
+
+
+def add_to_server(service: "GenerationService", server) -> None:
+    """generation_pb2_grpc's registration, with decoding failures kept for the
+    methods to refuse."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            service.Generate, request_deserializer=_tolerant(generation_pb2.GenerateRequest),
+            response_serializer=generation_pb2.GenerateResponse.SerializeToString,
+        ),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            service.GetModelInfo,
+            request_deserializer=_tolerant(generation_pb2.GetModelInfoRequest),
+            response_serializer=generation_pb2.GetModelInfoResponse.SerializeToString,
+        ),
+    }  # fmt: skip
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+async def _refuse_undecodable(request, context) -> None:
+    if isinstance(request, Undecodable):
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"the request does not parse: {request.error} (strings must be UTF-8)",
+        )
+
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 
@@ -16,6 +68,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.engine = engine
 
     async def GetModelInfo(self, request, context) -> generation_pb2.GetModelInfoResponse:
+        await _refuse_undecodable(request, context)
         if self.engine.limits is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "not connected to a scheduler yet")
         return generation_pb2.GetModelInfoResponse(model=self.engine.model_info)
@@ -23,9 +76,20 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        await _refuse_undecodable(request, context)
+        request_id = None
         try:
             pending = self.engine.submit(request, context.invocation_metadata())
+            request_id = pending.request_id
             async for chunk in self.engine.stream(pending):
                 yield chunk
         except RequestFailed as e:
             await context.abort(e.code, e.message)
+        except Exception as e:  # one request's bug: the others and the process go on
+            request_id = request_id or uuid.uuid4().hex
+            log.error("request %s failed: %s: %s", request_id, type(e).__name__, e)
+            log.debug("request %s", request_id, exc_info=e)
+            await context.abort(
+                grpc.StatusCode.INTERNAL,
+                f"internal error; quote request id {request_id} when reporting it",
+            )

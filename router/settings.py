@@ -2,7 +2,7 @@
 
 import uuid
 from pathlib import Path
-from typing import Self
+from typing import Literal, Self
 
 from pydantic import (
     Field,
@@ -37,6 +37,11 @@ class RouterSettings(ServiceSettings):
     """Prometheus /metrics; 0: off"""
     chat_template: Path | None = None
     """a Jinja chat template to use instead of the model's own"""
+    tool_call_parser: Literal["hermes"] | None = None
+    """how tool calls are read out of what the model writes, for tool_choice "auto":
+    hermes (<tool_call>{"name": ..., "arguments": ...}</tool_call>, Qwen's and
+    Hermes' templates, and the embedded model's). Unset: "auto" is refused (required
+    and named calls need none: the output is constrained to the call)"""
     scheduler: str = "127.0.0.1:50052"
     """the replicas' schedulers, comma-separated: HOST:PORT, or dns:NAME:PORT for every
     address a name resolves to (a Kubernetes headless Service). SIGHUP reads the list

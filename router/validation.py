@@ -10,6 +10,9 @@ from flagstop.v1 import executor_pb2, generation_pb2
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024  # entries; OpenAI's bound is 300
+MAX_BIAS = 100.0
+MAX_PENALTY = 2.0  # frequency and presence, as OpenAI bounds them
 
 
 @dataclass(slots=True, frozen=True)
@@ -45,22 +48,57 @@ def validate(
         raise RequestRejected(f"top_k must be >= 0 (0 disables it), got {request.top_k}", "top_k")
     _check_lengths(request, len(prompt_token_ids), limits)
     _check_stops(request, limits)
-    if request.HasField("logprobs") and not 0 <= request.logprobs <= MAX_LOGPROBS:
-        raise RequestRejected(
-            f"logprobs must be in [0, {MAX_LOGPROBS}], got {request.logprobs}", "logprobs"
-        )
+    for name in ("logprobs", "prompt_logprobs"):
+        if request.HasField(name) and not 0 <= getattr(request, name) <= MAX_LOGPROBS:
+            value = getattr(request, name)
+            raise RequestRejected(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}", name)
+    _check_processing(request, limits)
     stops = stop_token_ids(request.stop_token_ids, limits.eos_token_ids, request.ignore_eos)
     params = executor_pb2.SamplingParams(
         temperature=temperature, top_p=top_p, top_k=request.top_k,
         min_tokens=request.min_tokens, stop_token_ids=sorted(stops),
+        repetition_penalty=request.repetition_penalty if request.HasField("repetition_penalty")
+        else 1.0,
+        frequency_penalty=request.frequency_penalty, presence_penalty=request.presence_penalty,
+        min_p=request.min_p, logit_bias=request.logit_bias,
     )  # fmt: skip
     if request.HasField("seed"):
         params.seed = request.seed
     if request.HasField("logprobs"):
         params.logprobs = request.logprobs
+    if request.HasField("prompt_logprobs"):
+        params.prompt_logprobs = request.prompt_logprobs
     if request.HasField("structured_outputs"):
         params.structured_outputs.CopyFrom(_structured(request))
     return params
+
+
+def _check_processing(request: generation_pb2.GenerateRequest, limits: ModelLimits) -> None:
+    """The penalties, min_p and logit_bias: each in its range."""
+    if request.HasField("repetition_penalty"):
+        value = request.repetition_penalty
+        if not (math.isfinite(value) and value > 0):
+            raise RequestRejected(
+                f"repetition_penalty must be > 0 (1 is off), got {value}", "repetition_penalty"
+            )
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = getattr(request, name)
+        if not -MAX_PENALTY <= value <= MAX_PENALTY:
+            raise RequestRejected(f"{name} must be in [-2, 2], got {value}", name)
+    if not 0 <= request.min_p <= 1:
+        raise RequestRejected(f"min_p must be in [0, 1], got {request.min_p}", "min_p")
+    bias = request.logit_bias
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise RequestRejected(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens", "logit_bias")
+    for token_id, value in bias.items():
+        if not 0 <= token_id < limits.vocab_size:
+            raise RequestRejected(
+                f"logit_bias token id {token_id} is outside the vocabulary "
+                f"(0..{limits.vocab_size - 1})", "logit_bias",
+            )  # fmt: skip
+        if not -MAX_BIAS <= value <= MAX_BIAS:
+            raise RequestRejected(f"logit_bias values must be in [-100, 100], got {value}",
+                                  "logit_bias")  # fmt: skip
 
 
 def _structured(request: generation_pb2.GenerateRequest) -> generation_pb2.StructuredOutputs:

@@ -25,6 +25,7 @@ def request_from_proto(
         arrival_time=add.arrival_time,
         sampling_params=add.sampling,
         labels=dict(add.labels),
+        skip_prefix_cache=add.sampling.HasField("prompt_logprobs"),
     )
 
 

@@ -105,6 +105,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             }
         self._grant_credits()
         load, now = self._load(), time.monotonic()
+        prompt_logprobs = self._prompt_logprobs(plan, result) if result.prompt_logprobs else {}
+        for owner in prompt_logprobs.keys() - outputs.keys():
+            outputs[owner] = OwnerOutputs()  # a prefill chunk that sampled nothing
         for owner, out in outputs.items():
             conn = self.routers.get(owner)
             if conn is None:
@@ -113,7 +116,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             msg = scheduler_pb2.SchedulerMessage(
                 step_id=plan.step_id, request_ids=out.req_ids, token_ids=out.new_token_ids,
                 finished_ids=list(out.finished), finish_reasons=list(out.finished.values()),
-                credits=self._take_credits(conn), load=load,
+                num_cached_tokens=out.num_cached_tokens, credits=self._take_credits(conn),
+                load=load, prompt_logprobs=prompt_logprobs.get(owner, ()),
             )  # fmt: skip
             if logprobs:
                 msg.logprobs.extend(logprobs.get(r, EMPTY_LOGPROB) for r in out.req_ids)
@@ -127,6 +131,21 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 conn.outbox.put_nowait(
                     scheduler_pb2.SchedulerMessage(credits=self._take_credits(conn), load=load)
                 )
+
+    def _prompt_logprobs(
+        self, plan: SchedulerOutput, result: executor_pb2.StepResult
+    ) -> dict[str, list]:
+        """The step's prompt logprobs by owner: of requests still held, or that
+        finished in this very step (their first token was their last)."""
+        assert self.scheduler is not None
+        held = self.scheduler.requests
+        sampled = {r.request_id: r for r in plan.sampling_requests}
+        by_owner: dict[str, list] = {}
+        for chunk in result.prompt_logprobs:
+            request = held.get(chunk.req_id) or sampled.get(chunk.req_id)
+            if request is not None:
+                by_owner.setdefault(request.owner, []).append(chunk)
+        return by_owner
 
     def _load(self) -> scheduler_pb2.ReplicaLoad:
         scheduler = self.scheduler

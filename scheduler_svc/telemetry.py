@@ -38,7 +38,9 @@ class SchedulerTelemetry:
         self.request_spans: dict[str, trace.Span] = {}
         self.arrivals: dict[str, float] = {}
         self.steps: dict[int, tuple[float, trace.Span | None]] = {}
-        self.model_name = ""
+        # Unknown until the executor describes its model: no series before then (one
+        # under model_name="" would sit at zero beside the real one for good).
+        self._model_name = ""
         self.last_preemptions = self.last_queries = self.last_hits = 0
         self.metrics: tuple = ()  # this model's labelled metrics, looked up once
 
@@ -121,7 +123,8 @@ class SchedulerTelemetry:
 
     def executor_lost(self, scheduler: Scheduler) -> None:
         """The steps in flight will never report; every request starts over."""
-        EXECUTOR_LOSSES.labels(self.model_name).inc()
+        if self.model_name:
+            EXECUTOR_LOSSES.labels(self.model_name).inc()
         for _, span in self.steps.values():
             if span is not None:
                 span.set_status(Status(StatusCode.ERROR, "executor lost"))

@@ -38,7 +38,7 @@ class Trace:
 def stream(tokenizer, items: list, takes: list[int], stop: list[str]) -> dict:
     """What a client sees when the mailbox holds takes[0] items, then takes[1], ..."""
     pending = SimpleNamespace(
-        trace=Trace(), prompt_token_ids=[0, 5, 9],
+        trace=Trace(), prompt_token_ids=[0, 5, 9], prompt_logprobs=None, num_cached_tokens=0,
         request=generation_pb2.GenerateRequest(stop=stop, stop_token_ids=[7]),
     )  # fmt: skip
     builder = ChunkBuilder(pending, new_detokenizer(tokenizer, [0, 5, 9]), StopStringMatcher(stop))

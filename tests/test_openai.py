@@ -181,10 +181,11 @@ BAD = [
      {**COMPLETION, "prompt": [0] * 1700, "max_tokens": 8}, None, 400, "max_tokens"),
     ("empty prompt", "/completions", {**COMPLETION, "prompt": ""}, None, 400, "prompt"),
     ("unknown model", "/completions", {**COMPLETION, "model": "gpt-9"}, None, 404, "model"),
-    ("a penalty we would drop", "/chat/completions", {**CHAT, "frequency_penalty": 0.5}, None,
-     400, None),
-    ("tools we would drop", "/chat/completions", {**CHAT, "tools": [{"type": "function"}]},
-     None, 400, None),
+    ("a penalty out of range", "/chat/completions", {**CHAT, "frequency_penalty": 2.5}, None,
+     400, "frequency_penalty"),
+    ("a tool without its function", "/chat/completions",
+     {**CHAT, "tools": [{"type": "function"}]}, None, 400, "tools.0.function"),
+    ("best_of we would drop", "/completions", {**COMPLETION, "best_of": 3}, None, 400, None),
     ("an image we cannot see", "/chat/completions", {**CHAT, "messages": [{"role": "user",
      "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, None, 400, None),
 ]  # fmt: skip
@@ -279,6 +280,13 @@ def test_the_key_opens_the_api_and_probes_need_none(guarded):
     assert [httpx.get(f"{root}/{p}").status_code for p in ("health", "ready", "metrics")] == [
         200, 200, 200,
     ]  # fmt: skip
+
+
+def test_the_openapi_schema_is_behind_the_key_too(guarded):
+    root = guarded.removesuffix("/v1")
+    assert httpx.get(f"{root}/openapi.json").status_code == 401
+    schema = httpx.get(f"{root}/openapi.json", headers={"authorization": "Bearer sesame"}).json()
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/responses"} <= set(schema["paths"])
 
 
 def test_chat_without_a_template_is_400(guarded):

@@ -21,10 +21,24 @@ VOCAB_SIZE = 512
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 # A plain chat template, so that the embedded model serves /v1/chat/completions: each
 # message as <|role|> and its text, then the assistant's turn. Loaded by transformers
-# (and so by the router) from chat_template.jinja, like any checkpoint's own.
+# (and so by the router) from chat_template.jinja, like any checkpoint's own. Tools
+# as Hermes and Qwen templates write them (the router's --tool-call-parser hermes):
+# their signatures in <tools>, an assistant's calls as <tool_call>{"name", "arguments"}
+# </tool_call>, a tool's reply in <tool_response>.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '\\n' }}"
+    "{{ bos_token }}"
+    "{% if tools %}{{ '<|system|>\\nYou may call these tools:\\n<tools>\\n' }}"
+    "{% for tool in tools %}{{ tool | tojson }}{{ '\\n' }}{% endfor %}"
+    '{{ \'</tools>\\nTo call one, write <tool_call>{"name": NAME, "arguments": '
+    "ARGS}</tool_call>\\n' }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'tool' %}"
+    "{{ '<|tool|>\\n<tool_response>' + message['content'] + '</tool_response>\\n' }}"
+    "{% else %}{{ '<|' + message['role'] + '|>\\n' + (message['content'] or '') }}"
+    "{% for call in message.get('tool_calls') or [] %}"
+    "{{ '<tool_call>{\"name\": ' + (call['function']['name'] | tojson) + ', \"arguments\": '"
+    " + (call['function']['arguments'] | tojson) + '}</tool_call>' }}{% endfor %}"
+    "{{ '\\n' }}{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
 

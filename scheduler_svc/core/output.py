@@ -65,3 +65,4 @@ class OwnerOutputs:
     req_ids: list[str] = field(default_factory=list)
     new_token_ids: list[int] = field(default_factory=list)
     finished: dict[str, FinishReason] = field(default_factory=dict)
+    num_cached_tokens: list[int] = field(default_factory=list)  # per finished entry

@@ -68,6 +68,10 @@ class Request:
     sampling_params: Any = None
     # Client labels (e.g. tenant), for the scheduling policy.
     labels: dict[str, str] = field(default_factory=dict)
+    # Prompt logprobs come out of the prefill's logits, which a cached prefix never
+    # computes: such a request recomputes its whole prompt (its blocks still fill the
+    # cache for others).
+    skip_prefix_cache: bool = False
     status: RequestStatus = RequestStatus.WAITING
     all_token_ids: list[int] = field(init=False)
     num_prompt_tokens: int = field(init=False)

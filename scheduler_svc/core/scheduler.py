@@ -210,7 +210,7 @@ class Scheduler:
             request = self.waiting.peek()
             if request.num_output_placeholders:
                 break  # preempted with a token still in flight: resume once it is known
-            hits = self.kv.get_computed_blocks(request)
+            hits = [] if request.skip_prefix_cache else self.kv.get_computed_blocks(request)
             num_cached = len(hits) * config.block_size
             num_new = request.num_tokens - num_cached
             if not config.no_chunked_prefill:
@@ -328,6 +328,7 @@ class Scheduler:
                 else:
                     continue
             out.finished[request.request_id] = FINISH_REASON[status]
+            out.num_cached_tokens.append(max(0, request.num_cached_tokens))
             if queued_ids is None:
                 queued_ids = set()
             if not self._finish(request, status):

@@ -1,0 +1,166 @@
+"""OpenAI's Responses API (POST /v1/responses), its requests: each becomes a chat
+completion request (instructions as the system message, input items as messages,
+text.format as response_format, flat function tools as chat tools), so that it runs
+the chat path; router/responses_events.py turns the chat's output into the
+Responses object and events. Nothing is stored: previous_response_id and background
+are refused."""
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from flagstop.router.openai_protocol import Count, EncodableText
+
+
+class InputPart(BaseModel):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class InputItem(BaseModel):
+    """A message, a function call the model made, or its output."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["message", "function_call", "function_call_output"] = "message"
+    role: Literal["user", "system", "developer", "assistant"] | None = None
+    content: str | list[InputPart] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | None = None
+
+
+class FunctionTool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedFunctionChoice(BaseModel):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str = "response"
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(BaseModel):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(EncodableText):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    input: str | list[InputItem]
+    instructions: str | None = None
+    max_output_tokens: Count | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    text: TextConfig | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
+    parallel_tool_calls: bool = True
+    metadata: dict[str, str] | None = None
+    store: bool | None = None  # accepted; nothing is stored (the response says store false)
+    previous_response_id: str | None = None
+    background: bool | None = None
+
+    def chat_body(self) -> dict[str, Any]:
+        """The equivalent chat completion request's body. Raises ValueError."""
+        if self.previous_response_id is not None:
+            raise ValueError("previous_response_id: flagstop stores no responses; send the "
+                             "conversation in input")  # fmt: skip
+        if self.background:
+            raise ValueError("background responses are not supported; leave background unset")
+        body: dict[str, Any] = {
+            "model": self.model, "messages": self._messages(), "stream": self.stream,
+            "max_completion_tokens": self.max_output_tokens, "temperature": self.temperature,
+            "top_p": self.top_p, "parallel_tool_calls": self.parallel_tool_calls,
+        }  # fmt: skip
+        if self.tools:
+            body["tools"] = [_chat_tool(t) for t in self.tools]
+        if isinstance(self.tool_choice, NamedFunctionChoice):
+            body["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.name}}
+        elif self.tool_choice is not None:
+            body["tool_choice"] = self.tool_choice
+        if self.text is not None and self.text.format is not None:
+            body["response_format"] = _response_format(self.text.format)
+        return {k: v for k, v in body.items() if v is not None}
+
+    def _messages(self) -> list[dict[str, Any]]:
+        messages: list[dict[str, Any]] = []
+        if self.instructions:
+            messages.append({"role": "system", "content": self.instructions})
+        if isinstance(self.input, str):
+            return [*messages, {"role": "user", "content": self.input}]
+        for item in self.input:
+            messages.append(_message(item, messages))
+        return [m for m in messages if m]
+
+
+def _message(item: InputItem, messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """One input item as a chat message; a function call joins the assistant message
+    before it (returning {}, dropped) when there is one."""
+    if item.type == "function_call":
+        if not (item.call_id and item.name and item.arguments is not None):
+            raise ValueError("a function_call input item needs call_id, name and arguments")
+        call = {"id": item.call_id, "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments}}  # fmt: skip
+        last = messages[-1] if messages else None
+        if last is not None and last["role"] == "assistant":
+            last.setdefault("tool_calls", []).append(call)
+            return {}
+        return {"role": "assistant", "content": None, "tool_calls": [call]}
+    if item.type == "function_call_output":
+        if item.call_id is None or item.output is None:
+            raise ValueError("a function_call_output input item needs call_id and output")
+        return {"role": "tool", "tool_call_id": item.call_id, "content": item.output}
+    if item.role is None:
+        raise ValueError("a message input item needs its role")
+    content = item.content
+    if isinstance(content, list):
+        content = "".join(part.text for part in content)
+    return {"role": item.role, "content": content or ""}
+
+
+def _chat_tool(tool: FunctionTool) -> dict[str, Any]:
+    if tool.type != "function" or not tool.name:
+        raise ValueError(f"tools: only function tools (with a name) are supported, got "
+                         f"{tool.type!r}")  # fmt: skip
+    function = {"name": tool.name, "description": tool.description,
+                "parameters": tool.parameters, "strict": tool.strict}  # fmt: skip
+    return {"type": "function", "function": {k: v for k, v in function.items() if v is not None}}
+
+
+def _response_format(fmt: TextFormat) -> dict[str, Any]:
+    if fmt.type != "json_schema":
+        return {"type": fmt.type}
+    if fmt.schema_ is None:
+        raise ValueError("text.format of type json_schema needs its schema")
+    return {
+        "type": "json_schema",
+        "json_schema": {"name": fmt.name, "schema": fmt.schema_, "strict": fmt.strict},
+    }
+
+
+def chat_request(body: ResponsesRequest, model_cls):
+    """The chat completion request of a Responses request. Raises ValueError."""
+    try:
+        return model_cls(**body.chat_body())
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ValueError(f"{where}: {first['msg'].removeprefix('Value error, ')}") from None

@@ -1,0 +1,59 @@
+"""vLLM's tokenizer routes, which eval harnesses probe (lm-eval's remote tokenizer
+backend): /tokenize (a prompt, or chat messages through the chat template),
+/detokenize and /tokenizer_info. They answer from the router's own tokenizer."""
+
+from typing import Any
+
+from pydantic import Field
+
+from flagstop.router.chat import ChatTemplate
+from flagstop.router.openai_protocol import ChatMessage, EncodableText, TokenId, ToolSpec
+
+
+class TokenizeRequest(EncodableText):
+    """A prompt, or messages (then the chat template renders them first)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # the prompt's BOS; templates write their own
+    add_generation_prompt: bool = True
+    tools: list[ToolSpec] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(EncodableText):
+    model: str | None = None
+    tokens: list[TokenId] = Field(max_length=1 << 20)
+
+
+def tokenize(request: TokenizeRequest, tokenizer, chat: ChatTemplate) -> list[int]:
+    """The token ids the engine would see. Raises ValueError for neither or both."""
+    if (request.prompt is None) == (request.messages is None):
+        raise ValueError("set exactly one of prompt and messages")
+    if request.messages is not None:
+        tools = [t.model_dump(exclude_none=True) for t in request.tools or []]
+        messages = [m.as_template_input() for m in request.messages]
+        return chat.render(messages, tools or None, request.add_generation_prompt)
+    return tokenizer(request.prompt, add_special_tokens=request.add_special_tokens).input_ids
+
+
+def tokenize_response(token_ids: list[int], tokenizer, max_model_len: int, strs: bool):
+    body: dict[str, Any] = {"count": len(token_ids), "max_model_len": max_model_len,
+                            "tokens": token_ids, "token_strs": None}  # fmt: skip
+    if strs:
+        body["token_strs"] = tokenizer.convert_ids_to_tokens(token_ids)
+    return body
+
+
+def tokenizer_info(tokenizer, chat: ChatTemplate) -> dict[str, Any]:
+    """The tokenizer's class and configuration, as vLLM's /tokenizer_info gives it."""
+    special = {name: getattr(tokenizer, name, None) for name in
+               ("bos_token", "eos_token", "pad_token", "unk_token")}  # fmt: skip
+    return {
+        "tokenizer_class": type(tokenizer).__name__,
+        "vocab_size": len(tokenizer),
+        "model_max_length": min(getattr(tokenizer, "model_max_length", 0) or 0, 2**31 - 1),
+        **{k: v for k, v in special.items() if isinstance(v, str)},
+        "chat_template": chat.template,
+    }
