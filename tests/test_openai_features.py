@@ -76,7 +76,9 @@ def test_required_calls_are_valid_against_their_schema(client, seed):
     )  # fmt: skip
     [choice] = reply.choices
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
-    assert choice.message.tool_calls and all(c.id.startswith("call_") for c in choice.message.tool_calls)
+    assert choice.message.tool_calls and all(
+        c.id.startswith("call_") for c in choice.message.tool_calls
+    )
     for call in choice.message.tool_calls:
         valid_call(call)
 
@@ -117,7 +119,9 @@ def test_a_history_with_calls_and_their_results_is_rendered(stack, client):
     tokens = httpx.post(f"{root(stack)}/tokenize", json={"messages": history, "tools": TOOLS})
     text = httpx.post(f"{root(stack)}/detokenize", json={"tokens": tokens.json()["tokens"]})
     rendered = text.json()["prompt"]
-    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}' in rendered
+    assert (
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}' in rendered
+    )
     assert "<tool_response>sunny</tool_response>" in rendered and '"get_time"' in rendered
     assert tokens.json()["count"] == reply.usage.prompt_tokens
 
@@ -361,7 +365,9 @@ def test_the_grpc_front_refuses_the_same_with_invalid_argument(stack, reference)
     )  # fmt: skip
     with pytest.raises(grpc.RpcError) as bad_utf8:
         list(raw(b"\x0a\x04a\xed\xa0\x80\x38\x02", timeout=30))  # prompt "a\xed\xa0\x80"
-    schema = generation_pb2.StructuredOutputs(json_schema='{"type":"integer","maximum":301080516666493503537152}')
+    schema = generation_pb2.StructuredOutputs(
+        json_schema='{"type":"integer","maximum":301080516666493503537152}'
+    )
     for fields in ({"structured_outputs": schema}, {"frequency_penalty": 9.0},
                    {"min_p": float("nan")}, {"logit_bias": {600: 1.0}}):  # fmt: skip
         with pytest.raises(grpc.RpcError) as refused:

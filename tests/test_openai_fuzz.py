@@ -6,8 +6,8 @@ own pytest plugin, from_fixture, does not run under pytest 9.)"""
 
 import pytest
 import schemathesis
-from schemathesis import GenerationMode
 from hypothesis import HealthCheck, given, settings
+from schemathesis import GenerationMode
 
 from tools.stack import start_stack
 

@@ -18,6 +18,7 @@ from flagstop.executor.models.config import ModelConfig
 from flagstop.executor.parallel import Shard, check_divisible
 from flagstop.v1 import executor_pb2, executor_pb2_grpc, generation_pb2, generation_pb2_grpc
 from tests.helpers.checkpoints import (
+    TOL,
     load_reference,
     reference_generate,
     reference_logits,
@@ -127,6 +128,20 @@ def test_the_stack_on_two_ranks_equals_transformers(tp_stack, reference):
     stub = executor_pb2_grpc.ExecutorStub(tp_stack.channel(tp_stack.executor))
     info = stub.Describe(executor_pb2.DescribeExecutorRequest(), timeout=5)
     assert info.tensor_parallel_size == 2 and info.model.num_blocks == 24
+
+
+@pytest.mark.processes
+def test_prompt_logprobs_on_two_ranks_equal_transformers(tp_stack, reference):
+    """A 70-token prompt in 32-token chunks: the vocabulary-split logits of every prompt
+    position, gathered, scored as transformers scores them."""
+    ids = [0] + [(i * 37) % 500 + 2 for i in range(69)]
+    _, _, last = generate(tp_stack, prompt_token_ids=ids, max_tokens=1, prompt_logprobs=2)
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    got = torch.tensor([lp.logprob for lp in last.prompt_logprobs])
+    want = expected[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    torch.testing.assert_close(got, want, atol=TOL, rtol=0)
+    assert [t.token_id for t in last.prompt_logprobs[5].top] == expected[5].topk(2).indices.tolist()
 
 
 @pytest.mark.processes
