@@ -24,9 +24,10 @@ from tools.stack import generate, start_stack
 pytestmark = pytest.mark.processes
 
 MODEL = "flagstop-tiny"
-WEATHER_SCHEMA = {"type": "object", "properties": {
-    "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
-    "days": {"type": "integer", "minimum": 1, "maximum": 7}}, "required": ["city", "days"]}  # fmt: skip
+CITY = {"type": "string", "enum": ["Paris", "Oslo", "Lima"]}
+DAYS = {"type": "integer", "minimum": 1, "maximum": 7}
+WEATHER_SCHEMA = {"type": "object", "properties": {"city": CITY, "days": DAYS},
+                  "required": ["city", "days"]}  # fmt: skip
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_SCHEMA}},
     {"type": "function", "function": {"name": "get_time", "parameters": {
@@ -261,15 +262,16 @@ def test_responses_with_a_required_tool_and_a_json_schema(client):
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
     reply = client.responses.create(
         model=MODEL, input="Is it fine?", max_output_tokens=40,
-        text={"format": {"type": "json_schema", "name": "answer", "schema": schema, "strict": True}},
+        text={"format": {"type": "json_schema", "name": "ok", "schema": schema, "strict": True}},
     )  # fmt: skip
     jsonschema.validate(json.loads(reply.output_text), schema)
 
 
 def test_responses_takes_a_conversation_with_function_calls(client):
-    conversation = [*ASK, {"type": "function_call", "call_id": "call_9", "name": "get_time",
-                           "arguments": '{"utc": true}'},
-                    {"type": "function_call_output", "call_id": "call_9", "output": "noon"}]  # fmt: skip
+    call = {"type": "function_call", "call_id": "call_9", "name": "get_time",
+            "arguments": '{"utc": true}'}  # fmt: skip
+    output = {"type": "function_call_output", "call_id": "call_9", "output": "noon"}
+    conversation = [*ASK, call, output]
     reply = client.responses.create(model=MODEL, input=conversation, max_output_tokens=3)
     assert reply.usage.output_tokens == 3
     with pytest.raises(openai.BadRequestError, match="stores no responses"):

@@ -36,7 +36,6 @@ from tests.helpers.streams import short_greedy_workload as workload
 from tests.helpers.tp_scenarios import config, run_scenarios
 from tools.stack import ROOT, free_port, generate, spawn, start_stack, wait_serving
 
-TOL = 1e-4
 CHECKPOINTS = ["llama", "qwen2", "qwen2-tied-odd-vocab", "llama-1kv"]
 
 

@@ -10,8 +10,8 @@ import pytest
 from flagstop.router.openai_protocol import ChatCompletionRequest, ToolSpec
 from flagstop.router.tool_calls import HermesParser, NamedCall, RequiredCalls, required_schema
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": CITY}}
 TIME = {"type": "function", "function": {"name": "get_time"}}
 
 SCRIPTS = {
