@@ -6,6 +6,8 @@
         [--slo-ttft-ms 1000] [--slo-tpot-ms 100] [--json bench/results/serve.json]
     python bench/serve_bench.py --backend openai --router 127.0.0.1:8000 ...
     python bench/serve_bench.py --size tiny --backend grpc openai ...   # a stack of its own
+    python bench/serve_bench.py --backend openai --checkout 'before=/tmp/before' \
+        --checkout 'after=' ...   # a stack per checkout (its own .venv), one table
 
 --backend grpc: flagstop.v1.Generation/Generate; openai: POST /v1/completions with
 stream=true, Server-Sent Events parsed as they arrive (TTFT at the first chunk with
@@ -44,7 +46,7 @@ from bench.peers import workload
 from flagstop.server import channel
 from flagstop.v1 import generation_pb2, generation_pb2_grpc
 from tools.make_model import write_model
-from tools.stack import start_stack
+from tools.stack import ROOT, start_stack
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -206,13 +208,16 @@ def summarize(records: list[RequestRecord], duration: float, rate: float, args) 
 
 
 def table(results: list[dict]) -> str:
+    variants = any("variant" in r for r in results)
     head = ("| backend | rate (req/s) | done | failed | req/s | out tok/s | goodput (req/s) | "
             "TTFT (ms) mean / p50 / p99 | TPOT (ms) | ITL (ms) | E2E latency (ms) | "
             "router CPU µs / token |")  # fmt: skip
-    lines = [head, "|---|" + "---:|" * 11]
+    lines = [("| checkout " if variants else "") + head,
+             ("|---" if variants else "") + "|---|" + "---:|" * 11]  # fmt: skip
     for r in results:
         cpu = r.get("router_cpu_us_per_token")
-        cells = [r["backend"], f"{r['request_rate']}", str(r["completed"]), str(r["failed"]),
+        cells = [r["variant"]] if variants else []
+        cells += [r["backend"], f"{r['request_rate']}", str(r["completed"]), str(r["failed"]),
                  f"{r['request_throughput']:.2f}", f"{r['output_throughput']:.1f}",
                  f"{r['goodput']:.2f}"]  # fmt: skip
         for name in ("ttft", "tpot", "itl", "e2el"):
@@ -237,6 +242,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=100.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkout", action="append", default=[],
+                        help="LABEL=DIR: a stack of that checkout (its own .venv; empty DIR: "
+                        "this one), each measured in turn")  # fmt: skip
     parser.add_argument("--json", default=str(RESULTS / "serve.json"))
     parser.add_argument("--out", default=str(RESULTS / "serve.md"))
     return parser.parse_args()
@@ -274,12 +282,16 @@ def main() -> None:
         model_dir = Path("models") / f"flagstop-{args.size}"
         if not (model_dir / "config.json").exists():
             write_model(model_dir, args.size)
-        stack = start_stack(model_dir, Path(tempfile.mkdtemp(prefix="serve-bench-")))
-        try:
-            addresses = {"grpc": stack.router, "openai": stack.http}
-            results = run(addresses, args, stack.processes["router"].pid)
-        finally:
-            stack.stop()
+        results = []
+        for label, checkout in (c.split("=", 1) for c in args.checkout or ["="]):
+            stack = start_stack(model_dir, Path(tempfile.mkdtemp(prefix="serve-bench-")),
+                                checkout=Path(checkout) if checkout else ROOT)  # fmt: skip
+            try:
+                addresses = {"grpc": stack.router, "openai": stack.http}
+                measured = run(addresses, args, stack.processes["router"].pid)
+            finally:
+                stack.stop()
+            results += [{"variant": label, **r} if args.checkout else r for r in measured]
     print(table(results))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))

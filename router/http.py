@@ -3,30 +3,25 @@
 uvicorn on the router's own event loop."""
 
 import contextlib
-import logging
 import socket
 import ssl
-import uuid
 
 import orjson
 import uvicorn
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.exceptions import HTTPException
 
 from flagstop.router import responses_events
 from flagstop.router.auth import REFUSAL, BearerKey
 from flagstop.router.chat import ChatTemplate
 from flagstop.router.engine import RouterEngine
+from flagstop.router.http_errors import BodyLimit, Contained, add_error_handlers
 from flagstop.router.openai_protocol import ChatCompletionRequest, CompletionRequest
 from flagstop.router.openai_responses import Choice
 from flagstop.router.openai_server import (
     OpenAIError,
     OpenAIFront,
-    error_response,
-    internal_error,
     until_disconnected,
 )
 from flagstop.router.responses_api import ResponsesRequest, chat_request
@@ -39,12 +34,9 @@ from flagstop.router.tokenize_api import (
     tokenize_response,
     tokenizer_info,
 )
-from flagstop.router.tool_calls import HermesParser, NamedCall, RequiredCalls
-from flagstop.scheduler_svc.core.limits import RequestRejected
+from flagstop.router.tool_calls import parser_factory
 from flagstop.server import StartupError
 from flagstop.telemetry import metrics_registry
-
-log = logging.getLogger("flagstop.router.http")
 
 
 def create_app(engine: RouterEngine, settings: RouterSettings, chat: ChatTemplate) -> FastAPI:
@@ -104,7 +96,7 @@ def create_app(engine: RouterEngine, settings: RouterSettings, chat: ChatTemplat
         prompt = chat.render([m.as_template_input() for m in body.messages],
                              body.template_tools())  # fmt: skip
         requests = [body.choice_request(prompt, j) for j in range(body.n)]
-        parser = tool_parser(body, settings.tool_call_parser)
+        parser = parser_factory(body, settings.tool_call_parser)
         return await front.respond(http, body, "chat", requests,
                                    lambda i, pending: Choice(i, tools=parser()))  # fmt: skip
 
@@ -117,7 +109,7 @@ def create_app(engine: RouterEngine, settings: RouterSettings, chat: ChatTemplat
             raise OpenAIError(400, str(e)) from None
         prompt = chat.render([m.as_template_input() for m in as_chat.messages],
                              as_chat.template_tools())  # fmt: skip
-        parser = tool_parser(as_chat, settings.tool_call_parser)
+        parser = parser_factory(as_chat, settings.tool_call_parser)
         [pending] = front.submit([as_chat.choice_request(prompt, 0)], list(http.headers.items()),
                                  "responses")  # fmt: skip
         builder = front.builder(as_chat, "chat")
@@ -174,130 +166,8 @@ def create_app(engine: RouterEngine, settings: RouterSettings, chat: ChatTemplat
     return app
 
 
-def tool_parser(body: ChatCompletionRequest, configured: str | None):
-    """What makes each choice's tool-call parser (or None), by the request's mode."""
-    mode = body.tool_mode
-    if mode == "named":
-        name = body.named_tool.function.name  # type: ignore[union-attr]
-        return lambda: NamedCall(name)
-    if mode == "required":
-        return RequiredCalls
-    if mode == "auto":
-        if configured is None:
-            raise OpenAIError(400, 'tool_choice "auto" needs the router started with '
-                              "--tool-call-parser (hermes); or send tool_choice "
-                              '"required", a named function or "none"', "tool_choice")  # fmt: skip
-        return HermesParser
-    return lambda: None
-
-
 def json_response(body, status: int = 200) -> Response:
     return Response(orjson.dumps(body), status, media_type="application/json")
-
-
-def add_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(OpenAIError)
-    async def openai_error(request: Request, e: OpenAIError) -> Response:
-        return error_response(e.status, e.message, e.param, e.code)
-
-    @app.exception_handler(RequestRejected)
-    async def rejected(request: Request, e: RequestRejected) -> Response:
-        return error_response(400, str(e), e.param)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, e: RequestValidationError) -> Response:
-        errors = e.errors()
-        if errors[0]["type"] == "json_invalid":
-            return error_response(400, f"the body is not valid JSON: {errors[0]['msg']}")
-        first = telling_error(errors)
-        where = [str(part) for part in first["loc"] if part != "body" and not _union_tag(part)]
-        param = ".".join(where) or None
-        message = first["msg"].removeprefix("Value error, ")
-        return error_response(400, f"{param}: {message}" if param else message, param)
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, e: HTTPException) -> Response:
-        return error_response(e.status_code, str(e.detail))
-
-
-def telling_error(errors: list[dict]) -> dict:
-    """Of a field's errors (one per member of a union type), the one that says most:
-    a value out of range over "should be a string" of a member it never meant."""
-
-    def rank(error: dict) -> tuple[bool, int]:
-        return (not error["type"].endswith("_type"), len(error["loc"]))
-
-    return max(errors, key=rank) if len(errors) > 1 else errors[0]
-
-
-def _union_tag(part) -> bool:
-    """pydantic names a union's member in an error's location: `str`, `list[int]`,
-    `NamedToolChoice`, `literal[...]`; field names are snake_case."""
-    if not isinstance(part, str):
-        return False
-    return part in {"str", "int", "float", "bool", "dict"} or "[" in part or part[:1].isupper()
-
-
-class Contained:
-    """Any unexpected failure of one request becomes the OpenAI error object (500,
-    internal_error) and one log line with its request id (x-request-id, or a new
-    one); the process and every other request go on. Outermost, so that nothing is
-    answered as Starlette's plain-text 500 with a traceback in the log."""
-
-    def __init__(self, app) -> None:
-        self.app = app
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        started = False
-
-        async def watched(message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, receive, watched)
-        except Exception as e:
-            given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
-            failure = internal_error(e, given[:64] or uuid.uuid4().hex)
-            if not started:
-                await error_response(failure.status, failure.message)(scope, receive, send)
-
-
-class BodyLimit:
-    """413 for a body over max_bytes, by its Content-Length or as it arrives."""
-
-    def __init__(self, app, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = dict(scope["headers"]).get(b"content-length", b"0")
-        if length.isdigit() and int(length) > self.max_bytes:
-            return await self._refuse(scope, receive, send)
-        seen = 0
-
-        async def counted():
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
-                raise OpenAIError(413, self._message())
-            return message
-
-        try:
-            await self.app(scope, counted, send)
-        except OpenAIError:
-            await self._refuse(scope, receive, send)
-
-    def _message(self) -> str:
-        return f"the body is larger than --max-request-bytes ({self.max_bytes} bytes)"
-
-    async def _refuse(self, scope, receive, send) -> None:
-        await error_response(413, self._message())(scope, receive, send)
 
 
 class _Server(uvicorn.Server):

@@ -14,12 +14,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
+from flagstop.router.validation import MAX_LOGPROBS
 from flagstop.v1 import generation_pb2
 
 MAX_N = 16  # choices per request: each one is a request of its own in the batch
 # /v1/completions without max_tokens: OpenAI's default, and vLLM's.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-MAX_LOGPROBS = 20  # as OpenAI's top_logprobs
 
 # Integers as the wire takes them: a number past a protobuf field's range is the
 # field's 400, not the conversion's 500.
@@ -141,6 +141,7 @@ class OpenAIRequest(EncodableText):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     _constraint: generation_pb2.StructuredOutputs | None = PrivateAttr(None)
+    _bias: dict[int, float] = PrivateAttr(default_factory=dict)  # logit_bias, by token id
     # Logits processing (OpenAI's penalties and logit_bias, vLLM's repetition_penalty
     # and min_p), and vLLM's prompt logprobs.
     frequency_penalty: Penalty = 0.0
@@ -162,8 +163,6 @@ class OpenAIRequest(EncodableText):
         self._bias = _token_biases(self.logit_bias or {})
         self._constraint = self._structured_outputs()
         return self
-
-    _bias: dict[int, float] = PrivateAttr(default_factory=dict)
 
     def _structured_outputs(self) -> generation_pb2.StructuredOutputs | None:
         """The one constraint the request sets, on the gRPC API's terms."""

@@ -10,7 +10,8 @@ import json
 import uuid
 from typing import Any, Protocol
 
-from flagstop.router.openai_protocol import ToolSpec
+from flagstop.router.openai_protocol import ChatCompletionRequest, ToolSpec
+from flagstop.scheduler_svc.core.limits import RequestRejected
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 
@@ -169,3 +170,23 @@ def _hermes_call(body: str) -> dict[str, Any] | None:
 
 def _json(arguments: Any) -> str:
     return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+
+
+def parser_factory(body: ChatCompletionRequest, configured: str | None):
+    """What makes each choice's tool-call parser (or None), by the request's mode;
+    configured: --tool-call-parser. Raises RequestRejected for "auto" without one."""
+    mode = body.tool_mode
+    if mode == "named":
+        name = body.named_tool.function.name  # type: ignore[union-attr]
+        return lambda: NamedCall(name)
+    if mode == "required":
+        return RequiredCalls
+    if mode == "auto":
+        if configured is None:
+            message = (
+                'tool_choice "auto" needs the router started with --tool-call-parser '
+                '(hermes); or send tool_choice "required", a named function or "none"'
+            )
+            raise RequestRejected(message, "tool_choice")
+        return HermesParser
+    return lambda: None
