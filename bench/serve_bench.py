@@ -91,6 +91,18 @@ async def grpc_request(stub, prompt: list[int], max_tokens: int) -> RequestRecor
     return record
 
 
+async def sse_lines(reply: httpx.Response):
+    """The stream's lines, split where SSE splits them (LF, CR LF): httpx's
+    aiter_lines() also splits at U+2028, U+0085 and the like, which JSON strings carry
+    unescaped (a random model writes them)."""
+    buffer = ""
+    async for text in reply.aiter_text():
+        buffer += text
+        *lines, buffer = buffer.split("\n")
+        for line in lines:
+            yield line.removesuffix("\r")
+
+
 async def openai_request(client: httpx.AsyncClient, prompt: list[int], max_tokens: int):
     record, start = RequestRecord(), time.perf_counter()
     body = {"model": client.model, "prompt": prompt, "max_tokens": max_tokens,
@@ -103,7 +115,7 @@ async def openai_request(client: httpx.AsyncClient, prompt: list[int], max_token
                 error = json.loads(await reply.aread())["error"]
                 record.error = f"HTTP {reply.status_code}: {error['message']}"
                 return record
-            async for line in reply.aiter_lines():
+            async for line in sse_lines(reply):
                 if not line.startswith("data: {"):
                     continue
                 chunk = json.loads(line[6:])
@@ -279,7 +291,7 @@ def main() -> None:
     if args.router:
         results = run(dict.fromkeys(args.backend, args.router), args)
     else:
-        model_dir = Path("models") / f"flagstop-{args.size}"
+        model_dir = (Path("models") / f"flagstop-{args.size}").resolve()
         if not (model_dir / "config.json").exists():
             write_model(model_dir, args.size)
         results = []

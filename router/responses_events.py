@@ -14,10 +14,14 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-import orjson
-
 from flagstop.router.openai_responses import Choice, ResponseBuilder
-from flagstop.router.openai_server import OpenAIError, from_failure, internal_error, stream_error
+from flagstop.router.openai_server import (
+    OpenAIError,
+    from_failure,
+    internal_error,
+    json_line,
+    stream_error,
+)
 from flagstop.router.output import RequestFailed
 from flagstop.router.responses_api import NamedFunctionChoice, ResponsesRequest
 
@@ -175,7 +179,7 @@ async def stream(engine, builder, choice, pending, events) -> AsyncIterator[byte
     """Server-Sent Events, `event:` lines included; a failure is an error event."""
     try:
         async for kind, payload in _events(engine, builder, choice, pending, events):
-            yield b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
+            yield b"event: " + kind.encode() + b"\ndata: " + json_line(payload) + b"\n\n"
     except RequestFailed as e:
         yield _error_event(events, from_failure(e))
     except Exception as e:  # one request's bug: its stream ends, the process goes on
@@ -186,7 +190,7 @@ async def stream(engine, builder, choice, pending, events) -> AsyncIterator[byte
 
 def _error_event(events: "ResponseEvents", failure: OpenAIError) -> bytes:
     _, payload = events.event("error", **stream_error(failure)["error"])
-    return b"event: error\ndata: " + orjson.dumps(payload) + b"\n\n"
+    return b"event: error\ndata: " + json_line(payload) + b"\n\n"
 
 
 async def collect(engine, builder, choice, pending, events) -> dict[str, Any]:

@@ -305,6 +305,19 @@ def test_the_scheduler_exports_each_series_once(stack, client):
     assert any("vllm:num_requests_running" in name for name in series)
 
 
+def test_a_stream_survives_clients_that_split_lines_like_splitlines(stack):
+    """U+2028, U+2029 and U+0085 in the text are escaped: httpx's aiter_lines() (which
+    splits at them) still reads one JSON event a line."""
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 30, "stream": True,
+            "guided_regex": "a\u2028b\u0085c\u2029d"}  # fmt: skip
+    text = ""
+    with httpx.stream("POST", f"{stack.base_url}/completions", json=body, timeout=60) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("data: {"):
+                text += json.loads(line[6:])["choices"][0]["text"]
+    assert text == "a\u2028b\u0085c\u2029d"
+
+
 # -- what once answered 500 -------------------------------------------------------------
 
 HUGE = {
