@@ -45,16 +45,26 @@ def first_unencodable(value: Any, path: str = "") -> str | None:
     if isinstance(value, dict):
         items = value.items()
     elif isinstance(value, list):
+        for item in value:  # a prompt's token ids: a type check each
+            if type(item) is not int:
+                break
+        else:
+            return None
         items = enumerate(value)
     else:
         return None
     for key, item in items:
-        where = f"{path}.{key}" if path else str(key)
         if isinstance(key, str) and first_unencodable(key) is not None:
-            return where
-        if (found := first_unencodable(item, where)) is not None:
-            return found
+            shown = key.encode("utf-8", "backslashreplace").decode()  # the message must encode
+            return f"{path}.{shown}" if path else shown
+        if isinstance(item, _CONTAINERS):
+            where = f"{path}.{key}" if path else str(key)
+            if (found := first_unencodable(item, where)) is not None:
+                return found
     return None
+
+
+_CONTAINERS = (str, dict, list)
 
 
 class EncodableText(BaseModel):

@@ -345,6 +345,8 @@ SURROGATES = {
                      '{"model": "flagstop-tiny", "messages": [{"role": "user", '
                      '"content": "a\\ud800"}]}'),
     "responses input": ("/v1/responses", '{"model": "flagstop-tiny", "input": "\\udfff"}'),
+    "a key": ("/v1/completions",
+              '{"model": "flagstop-tiny", "prompt": "a", "guided_json": {"\\ud800": 1}}'),
 }  # fmt: skip
 
 
