@@ -82,6 +82,13 @@ class EncodableText(BaseModel):
         return data
 
 
+# vLLM's sampling extras that flagstop does not implement; they arrive as extra fields
+# and are refused unless neutral (unset, false or empty), never dropped.
+VLLM_UNSUPPORTED = (
+    "use_beam_search", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
+    "include_stop_str_in_output",
+)  # fmt: skip
+
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 Bias = Annotated[float, Field(ge=-100, le=100)]
 
@@ -208,7 +215,9 @@ class OpenAIRequest(EncodableText):
         return found
 
     def unsupported(self) -> dict[str, Any]:
-        return {}
+        """Known fields flagstop does not implement, by name: refused unless neutral."""
+        extra = self.model_extra or {}
+        return {name: extra.get(name) for name in VLLM_UNSUPPORTED}
 
     @property
     def include_usage(self) -> bool:
@@ -409,6 +418,10 @@ class ChatCompletionRequest(OpenAIRequest):
     # The legacy function calling: refused, with what to send instead.
     functions: list[Any] | None = None
     function_call: Any = None
+
+    def unsupported(self) -> dict[str, Any]:
+        # vLLM's chat echo (the last message repeated): not implemented.
+        return {**super().unsupported(), "echo": (self.model_extra or {}).get("echo")}
 
     @model_validator(mode="after")
     def _tools_known(self) -> "ChatCompletionRequest":

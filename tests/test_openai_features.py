@@ -101,6 +101,38 @@ def test_a_named_call_streams_arguments_that_match_its_schema(client):
     assert {d.index for d in deltas} == {0} and deltas[0].id.startswith("call_")
 
 
+# What a model that calls tools writes, scripted by a regex constraint: auto's hermes
+# parser reads it out of the text, through the whole stack.
+HERMES_TEXT = (
+    'Sure.<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}</tool_call>'
+)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_reads_the_calls_a_model_writes(client, stream):
+    regex = re.escape(HERMES_TEXT).replace("\\ ", " ")
+    reply = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, tool_choice="auto", max_tokens=200,
+        stream=stream, extra_body={"guided_regex": regex},
+    )  # fmt: skip
+    if stream:
+        content, calls, finish = "", [], None
+        for chunk in reply:
+            delta = chunk.choices[0].delta
+            content += delta.content or ""
+            calls += delta.tool_calls or []
+            finish = chunk.choices[0].finish_reason or finish
+        names = [c.function.name for c in calls]
+        arguments = [json.loads(c.function.arguments) for c in calls]
+    else:
+        message, finish = reply.choices[0].message, reply.choices[0].finish_reason
+        content = message.content
+        names = [c.function.name for c in message.tool_calls]
+        arguments = [valid_call(c) for c in message.tool_calls]
+    assert (content, names, arguments) == ("Sure.", ["get_weather"], [{"city": "Oslo", "days": 2}])
+    assert finish == "tool_calls"
+
+
 def test_tool_choice_none_and_auto_answer_with_content(client):
     for choice in ("none", "auto"):
         reply = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
@@ -337,6 +369,8 @@ HUGE = {
     "a logit_bias token outside the vocabulary": ("/v1/completions", {"logit_bias": {"9999": 1}},
                                                   "logit_bias"),
     "legacy functions": ("/v1/chat/completions", {"functions": [{"name": "f"}]}, None),
+    "beam search (vLLM's)": ("/v1/completions", {"use_beam_search": True}, None),
+    "chat echo (vLLM's)": ("/v1/chat/completions", {"echo": True}, None),
 }  # fmt: skip
 SURROGATES = {
     "prompt": ("/v1/completions", '{"model": "flagstop-tiny", "prompt": "a\\ud800b"}'),
