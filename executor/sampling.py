@@ -44,14 +44,15 @@ class SamplingMetadata:
 class Penalties:
     """The rows that set a penalty, and what they count: output_counts[i, t] is how
     often token t occurs in row i's output so far, prompt_mask[i, t] whether in its
-    prompt (the repetition penalty covers both, as vLLM's does)."""
+    prompt (the repetition penalty covers both, as vLLM's does; None when no row sets
+    one: the prompts are not scanned)."""
 
     rows: torch.Tensor  # [P] int64, into the step's sampling rows
     repetition: torch.Tensor  # [P] float32, 1.0: off
     frequency: torch.Tensor  # [P]
     presence: torch.Tensor  # [P]
     output_counts: torch.Tensor  # [P, V] float32
-    prompt_mask: torch.Tensor  # [P, V] bool
+    prompt_mask: torch.Tensor | None  # [P, V] bool
 
 
 def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -71,9 +72,10 @@ def apply_penalties(logits: torch.Tensor, p: Penalties) -> None:
     rows = logits[p.rows]
     counts = p.output_counts
     in_output = counts > 0
-    repetition = p.repetition.unsqueeze(1)
-    penalized = torch.where(rows > 0, rows / repetition, rows * repetition)
-    rows = torch.where(in_output | p.prompt_mask, penalized, rows)
+    if p.prompt_mask is not None:
+        repetition = p.repetition.unsqueeze(1)
+        penalized = torch.where(rows > 0, rows / repetition, rows * repetition)
+        rows = torch.where(in_output | p.prompt_mask, penalized, rows)
     rows -= p.frequency.unsqueeze(1) * counts + p.presence.unsqueeze(1) * in_output
     logits[p.rows] = rows
 

@@ -135,19 +135,21 @@ def penalties(batch: InputBatch, rows: np.ndarray, t) -> Penalties:
     p_rows, params = rows[which], [batch.sampling_params[r] for r in rows[which]]
     num_prompt, num_tokens = batch.num_prompt_tokens[p_rows], batch.num_tokens[p_rows]
     vocab = batch.vocab_size
-    outputs = _padded(batch.token_ids, p_rows, num_prompt, num_tokens, vocab)
-    prompts = _padded(batch.token_ids, p_rows, np.zeros_like(num_prompt), num_prompt, vocab)
-    out_ids, prompt_ids = t(outputs), t(prompts)
+    out_ids = t(_padded(batch.token_ids, p_rows, num_prompt, num_tokens, vocab))
     counts = torch.zeros(len(which), vocab + 1, device=out_ids.device)
     counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=torch.float32))
-    mask = torch.zeros(len(which), vocab + 1, dtype=torch.bool, device=out_ids.device)
-    mask.scatter_(1, prompt_ids, True)
+    repetition = np.array([p.repetition_penalty for p in params], np.float32)
+    mask = None
+    if (repetition != 1.0).any():  # only the repetition penalty reads the prompts
+        prompts = _padded(batch.token_ids, p_rows, np.zeros_like(num_prompt), num_prompt, vocab)
+        mask = torch.zeros(len(which), vocab + 1, dtype=torch.bool, device=out_ids.device)
+        mask.scatter_(1, t(prompts), True)
+        mask = mask[:, :vocab]
     return Penalties(
-        rows=t(which.astype(np.int64)),
-        repetition=t(np.array([p.repetition_penalty for p in params], np.float32)),
+        rows=t(which.astype(np.int64)), repetition=t(repetition),
         frequency=t(np.array([p.frequency_penalty for p in params], np.float32)),
         presence=t(np.array([p.presence_penalty for p in params], np.float32)),
-        output_counts=counts[:, :vocab], prompt_mask=mask[:, :vocab],
+        output_counts=counts[:, :vocab], prompt_mask=mask,
     )  # fmt: skip
 
 

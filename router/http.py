@@ -76,7 +76,6 @@ def create_app(engine: RouterEngine, settings: RouterSettings, chat: ChatTemplat
 
     @app.post("/v1/completions", dependencies=v1)
     async def completions(body: CompletionRequest, http: Request) -> Response:
-        front.check_model(body.model)
         prompts = body.prompts()
         requests = [body.choice_request(prompt, j) for prompt in prompts
                     for j in range(body.n)]  # fmt: skip
@@ -104,7 +103,7 @@ def create_app(engine: RouterEngine, settings: RouterSettings, chat: ChatTemplat
     async def responses(body: ResponsesRequest, http: Request) -> Response:
         served = front.check_model(body.model)
         try:
-            as_chat = chat_request(body, ChatCompletionRequest)
+            as_chat = chat_request(body)
         except ValueError as e:
             raise OpenAIError(400, str(e)) from None
         prompt = chat.render([m.as_template_input() for m in as_chat.messages],

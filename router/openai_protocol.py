@@ -14,7 +14,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
-from flagstop.router.validation import MAX_LOGPROBS
 from flagstop.v1 import generation_pb2
 
 MAX_N = 16  # choices per request: each one is a request of its own in the batch
@@ -28,7 +27,6 @@ Int32 = Annotated[int, Field(ge=-INT32_MAX - 1, le=INT32_MAX)]
 Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 Int64 = Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]
-NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 
 
 def first_unencodable(value: Any, path: str = "") -> str | None:
@@ -88,9 +86,6 @@ VLLM_UNSUPPORTED = (
     "use_beam_search", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
     "include_stop_str_in_output",
 )  # fmt: skip
-
-Penalty = Annotated[float, Field(ge=-2, le=2)]
-Bias = Annotated[float, Field(ge=-100, le=100)]
 
 
 class StreamOptions(BaseModel):
@@ -160,13 +155,13 @@ class OpenAIRequest(EncodableText):
     _constraint: generation_pb2.StructuredOutputs | None = PrivateAttr(None)
     _bias: dict[int, float] = PrivateAttr(default_factory=dict)  # logit_bias, by token id
     # Logits processing (OpenAI's penalties and logit_bias, vLLM's repetition_penalty
-    # and min_p), and vLLM's prompt logprobs.
-    frequency_penalty: Penalty = 0.0
-    presence_penalty: Penalty = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
-    min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
-    logit_bias: dict[str, Bias] | None = None
-    prompt_logprobs: NumLogprobs | None = None
+    # and min_p), and vLLM's prompt logprobs: their ranges are validate()'s, as on gRPC.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float | None = None
+    min_p: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    prompt_logprobs: Int32 | None = None
     # Known, not implemented: refused unless neutral.
     best_of: int | None = None
 
@@ -285,7 +280,7 @@ def _schema_text(schema: dict[str, Any] | bool | str) -> str:
 
 class CompletionRequest(OpenAIRequest):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
-    logprobs: NumLogprobs | None = None
+    logprobs: Int32 | None = None
     echo: bool = False
     suffix: str | None = None
 
@@ -411,7 +406,7 @@ class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Count | None = None
     logprobs: bool = False
-    top_logprobs: NumLogprobs | None = None
+    top_logprobs: Int32 | None = None
     tools: list[ToolSpec] | None = Field(None, max_length=1024)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True

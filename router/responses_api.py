@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from flagstop.router.openai_protocol import Count, EncodableText
+from flagstop.router.openai_protocol import ChatCompletionRequest, Count, EncodableText
 
 
 class InputPart(BaseModel):
@@ -156,10 +156,10 @@ def _response_format(fmt: TextFormat) -> dict[str, Any]:
     }
 
 
-def chat_request(body: ResponsesRequest, model_cls):
+def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     """The chat completion request of a Responses request. Raises ValueError."""
     try:
-        return model_cls(**body.chat_body())
+        return ChatCompletionRequest(**body.chat_body())
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
