@@ -12,6 +12,9 @@ MODEL_DIR := models/flagstop-$(SIZE)
 MODEL ?= $(MODEL_DIR)
 TP ?= 1
 ROUTERS ?= 1
+# Speculative decoding: `make serve SPEC='{"method":"ngram","num_speculative_tokens":3}'`
+# (docs/speculative.md; `make up SPEC=...` too).
+SPEC ?=
 # tool_choice "auto": the embedded model's template writes Hermes tool calls; for
 # another model, TOOL_CALL_PARSER=hermes where its template does too.
 TOOL_CALL_PARSER ?= $(if $(filter $(MODEL_DIR),$(MODEL)),hermes)
@@ -30,6 +33,7 @@ COMPOSE := $(if $(strip $(PROFILES)),COMPOSE_PROFILES=$(subst $() ,$(comma),$(st
 	$(if $(POLICY),SCHEDULER_POLICY=remote POLICY_STRATEGY=$(POLICY)) \
 	$(if $(filter 2,$(REPLICAS)),ROUTER_SCHEDULERS=scheduler:50052$(comma)scheduler-2:50052) \
 	$(if $(filter-out 1,$(TP)),TP=$(TP)) $(if $(filter-out 1,$(ROUTERS)),ROUTERS=$(ROUTERS)) \
+	$(if $(SPEC),SPEC='$(SPEC)') \
 	$(DOCKER_COMPOSE) -f compose/compose.yaml $(if $(GPU),-f compose/compose.gpu.yaml)
 
 .PHONY: venv test test-fast lint bench bench-executor bench-replicas bench-structured model proto serve up down logs ps clean
@@ -74,7 +78,8 @@ serve: $(STAMP) $(if $(filter $(MODEL_DIR),$(MODEL)),$(MODEL_DIR)/config.json)
 	@echo "router 127.0.0.1:50051 (OpenAI HTTP :8000), scheduler :50052, executor :50053" \
 		"on $(MODEL), tensor parallel $(TP), $(ROUTERS) router process(es); Ctrl-C stops"
 	@trap 'kill -INT $$e $$s $$r 2>/dev/null; wait' INT TERM; \
-	$(VENV)/bin/flagstop-executor --model $(MODEL) --port 50053 --tensor-parallel-size $(TP) & e=$$!; \
+	$(VENV)/bin/flagstop-executor --model $(MODEL) --port 50053 --tensor-parallel-size $(TP) \
+		$(if $(SPEC),--speculative-config '$(SPEC)') & e=$$!; \
 	$(VENV)/bin/flagstop-scheduler --executor 127.0.0.1:50053 --port 50052 & s=$$!; \
 	$(VENV)/bin/flagstop-router --model $(MODEL) --scheduler 127.0.0.1:50052 --port 50051 \
 		--processes $(ROUTERS) $(if $(TOOL_CALL_PARSER),--tool-call-parser $(TOOL_CALL_PARSER)) \

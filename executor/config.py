@@ -12,7 +12,10 @@ from pydantic import (
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
+    field_validator,
 )
+
+from flagstop.executor.spec.config import SpeculativeConfig
 
 
 class ExecutorConfig(BaseModel):
@@ -50,6 +53,11 @@ class ExecutorConfig(BaseModel):
     this machine, unless torchrun started them all)"""
     tp_timeout: PositiveFloat = 30.0
     """seconds a rank waits for the others in a collective before the group is lost"""
+    speculative_config: SpeculativeConfig | None = None
+    """speculative decoding, as vLLM's JSON: {"method": "ngram"|"draft_model"|"suffix",
+    "num_speculative_tokens": k, ...} (docs/speculative.md)"""
+    simulate_acceptance_rate: float = Field(0.7, ge=0, le=1)
+    """the simulator's chance that each draft token is accepted (with --speculative-config)"""
     simulate: bool = False
     """a LOAD-TEST TOOL, not a model: wait a cost model's step time and return hashed
     tokens (executor/simulator.py); --model lends only its config.json"""
@@ -64,3 +72,9 @@ class ExecutorConfig(BaseModel):
     (never before min_tokens); 0: never"""
     simulate_num_blocks: PositiveInt = 65536
     """the simulator's KV blocks, unless --num-blocks says"""
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _unset_when_empty(cls, value):
+        # compose passes ${SPEC:-}: an empty value is no speculative decoding.
+        return None if isinstance(value, str) and not value.strip() else value

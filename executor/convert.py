@@ -66,6 +66,10 @@ def plan_from_proto(step: executor_pb2.StepRequest) -> SchedulerOutput:
         finished_req_ids=set(p.finished_req_ids),
         preempted_req_ids=set(p.preempted_req_ids),
     )
+    if c.num_draft_slots:
+        plan.num_draft_slots = {r: n for r, n in zip(req_ids, c.num_draft_slots, strict=True) if n}
+    if p.trimmed_req_ids:
+        plan.trimmed_blocks = dict(zip(p.trimmed_req_ids, p.trimmed_num_blocks, strict=True))
     for r in p.scheduled_new_reqs:
         plan.scheduled_new_reqs.append(NewRequestData(
             r.req_id, list(r.token_ids), r.num_prompt_tokens,
@@ -77,7 +81,10 @@ def plan_from_proto(step: executor_pb2.StepRequest) -> SchedulerOutput:
 
 
 def result_to_proto(step_id: int, output: SampleOutput) -> executor_pb2.StepResult:
-    result = executor_pb2.StepResult(step_id=step_id, sampled_token_ids=output.token_ids)
+    result = executor_pb2.StepResult(
+        step_id=step_id, sampled_token_ids=output.token_ids,
+        num_sampled_tokens=output.num_sampled_tokens, num_draft_tokens=output.num_draft_tokens,
+    )  # fmt: skip
     for token_id, row in zip(output.token_ids, output.logprobs or (), strict=False):
         _fill(result.logprobs.add(token_id=token_id), row)
     for chunk in output.prompt_logprobs or ():

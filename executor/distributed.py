@@ -82,7 +82,9 @@ class Group:
     timeout_s: float
     children: list[subprocess.Popen] = field(default_factory=list)
     device: str = "cpu"
-    sampled: list[int] = field(default_factory=list)  # rank 0: for the next message
+    # Rank 0: for the next message, what it sampled ([n, n counts, tokens]: with
+    # drafts, a count of tokens per sampling request; n = 0 without).
+    sampled: list[int] = field(default_factory=list)
     last_sent: float = field(default_factory=time.monotonic)
 
     # -- rank 0 ----------------------------------------------------------------
@@ -102,23 +104,47 @@ class Group:
             dist.broadcast(body, 0, group=self.tp.cpu_group)
         self.last_sent = time.monotonic()
 
+    def send_drafts(self, drafts) -> None:
+        """A step's drafts, decided here, to the other ranks (within the step)."""
+        body = np.concatenate(([len(drafts.num_drafts)], drafts.num_drafts, drafts.token_ids))
+        payload = torch.from_numpy(body.astype(np.int64))
+        dist.broadcast(torch.tensor([len(payload)], dtype=torch.int64), 0, group=self.tp.cpu_group)
+        dist.broadcast(payload, 0, group=self.tp.cpu_group)
+
+    def receive_drafts(self):
+        from flagstop.executor.step_inputs import Drafts
+
+        size = torch.empty(1, dtype=torch.int64)
+        dist.broadcast(size, 0, group=self.tp.cpu_group)
+        body = torch.empty(int(size.item()), dtype=torch.int64)
+        dist.broadcast(body, 0, group=self.tp.cpu_group)
+        values = body.numpy()
+        n = int(values[0])
+        return Drafts(values[1 : 1 + n].copy(), values[1 + n :].copy())
+
     def ping_if_idle(self) -> None:
         if time.monotonic() - self.last_sent > self.timeout_s / 4:
             self.send(PING)
 
     # -- the other ranks -------------------------------------------------------
 
-    def receive(self) -> tuple[int, list[int], bytes]:
+    def receive(self) -> tuple[int, list[int], list[int], bytes]:
+        """(kind, tokens sampled in the step before, their counts per request (empty
+        without drafts), payload)."""
         header = torch.empty(3, dtype=torch.int64)
         dist.broadcast(header, 0, group=self.tp.cpu_group)
         kind, num_token_bytes, num_bytes = header.tolist()
         if not num_token_bytes + num_bytes:
-            return kind, [], b""
+            return kind, [], [], b""
         body = torch.empty(num_token_bytes + num_bytes, dtype=torch.uint8)
         dist.broadcast(body, 0, group=self.tp.cpu_group)
         raw = body.numpy().tobytes()
-        tokens = np.frombuffer(raw[:num_token_bytes], np.int32).tolist()
-        return kind, tokens, raw[num_token_bytes:]
+        sampled = np.frombuffer(raw[:num_token_bytes], np.int32).tolist()
+        tokens, counts = sampled, []
+        if sampled:
+            n = sampled[0]
+            counts, tokens = sampled[1 : 1 + n], sampled[1 + n :]
+        return kind, tokens, counts, raw[num_token_bytes:]
 
     # -- both ------------------------------------------------------------------
 
@@ -159,10 +185,19 @@ class GroupDriver:
         """The scheduler's serialized StepRequest, as it came (never a pickle)."""
         self._send(STEP, step_bytes)
 
-    def sampled(self, token_ids: list[int]) -> None:
-        """What rank 0 sampled: sent with the next step."""
+    def sampled(self, token_ids: list[int], num_sampled: list[int]) -> None:
+        """What rank 0 sampled (with drafts, num_sampled per request): sent with the
+        next step."""
         if self.group is not None:
-            self.group.sampled = token_ids
+            self.group.sampled = [len(num_sampled), *num_sampled, *token_ids]
+
+    def send(self, drafts) -> None:
+        """The runner's draft channel: this step's drafts to the other ranks."""
+        if self.group is not None:
+            try:
+                self.group.send_drafts(drafts)
+            except Exception as e:
+                self.lost(e)
 
     def _send(self, kind: int, payload: bytes = b"") -> None:
         if self.group is not None:

@@ -20,9 +20,13 @@ class InputBatch:
     (executor/step_inputs.py), the simulator into its tokens."""
 
     def __init__(
-        self, max_num_reqs: int, max_model_len: int, block_size: int, vocab_size: int
-    ) -> None:
+        self, max_num_reqs: int, max_model_len: int, block_size: int, vocab_size: int,
+        speculative: bool = False,
+    ) -> None:  # fmt: skip
+        """speculative: the scheduler may count drafts of steps in flight as computed
+        before their rejection is known: its num_computed_tokens may run ahead."""
         self.max_num_reqs, self.max_model_len = max_num_reqs, max_model_len
+        self.speculative = speculative
         self.block_size, self.vocab_size = block_size, vocab_size
         # int32: at long max_model_len this table is the batch's largest allocation.
         self.token_ids = np.zeros((max_num_reqs, max_model_len), np.int32)
@@ -54,6 +58,10 @@ class InputBatch:
             row = self.req_rows.pop(req_id, None)
             if row is not None:
                 self.free_rows.append(row)
+        for req_id, num_blocks in plan.trimmed_blocks.items():
+            row = self.req_rows.get(req_id)
+            if row is not None:
+                self.num_blocks[row] = min(self.num_blocks[row], num_blocks)
         for data in (*plan.scheduled_new_reqs, *plan.scheduled_resumed_reqs):
             self._add(data)
         cached = plan.scheduled_cached_reqs
@@ -61,7 +69,8 @@ class InputBatch:
             cached.req_ids, cached.num_computed_tokens, cached.new_block_ids, strict=True
         ):
             row = self._row(req_id)
-            if self.num_computed_tokens[row] != num_computed:
+            ours = self.num_computed_tokens[row]
+            if ours != num_computed and not (self.speculative and ours < num_computed):
                 raise BatchDesync(
                     f"{req_id}: scheduler says {num_computed} computed tokens, "
                     f"executor has {self.num_computed_tokens[row]}"
@@ -115,23 +124,43 @@ class InputBatch:
 
     def schedule(self, plan: SchedulerOutput) -> tuple[np.ndarray, ...]:
         """(rows, tokens scheduled, sequence lengths after the step, which of them
-        sample), each in plan order. A request samples when this step reaches the end
-        of its known tokens."""
+        sample, draft slots), each in plan order, drafts not counted: a request
+        samples when this step reaches the end of its known tokens, and one with
+        draft slots then verifies up to that many drafts after them. Positions are
+        ours: the scheduler's count may include drafts rejected since."""
         rows = np.fromiter((self._row(r) for r in plan.num_scheduled_tokens), np.int64)
         num_scheduled = np.fromiter(plan.num_scheduled_tokens.values(), np.int64, len(rows))
+        slots = np.zeros(len(rows), np.int64)
+        if plan.num_draft_slots:
+            drafts = plan.num_draft_slots
+            slots = np.fromiter((drafts.get(r, 0) for r in plan.num_scheduled_tokens),
+                                np.int64, len(rows))  # fmt: skip
+            num_scheduled = num_scheduled - slots
         seq_lens = self.num_computed_tokens[rows] + num_scheduled
         if (seq_lens > self.num_tokens[rows]).any() or (num_scheduled < 1).any():
             raise BatchDesync("a request is scheduled past its known tokens")
         if (seq_lens > self.num_blocks[rows] * self.block_size).any():
             raise BatchDesync("a request is scheduled past its blocks")
         samples = np.flatnonzero(seq_lens == self.num_tokens[rows])
-        return rows, num_scheduled, seq_lens, samples
+        if slots.any() and slots[np.setdiff1d(np.arange(len(rows)), samples)].any():
+            raise BatchDesync("draft slots for a request that does not sample")
+        return rows, num_scheduled, seq_lens, samples, slots
 
     def advance(
         self, rows: np.ndarray, num_scheduled: np.ndarray, sampling_rows: np.ndarray,
-        sampled_token_ids: list[int],
+        sampled_token_ids: list[int], num_sampled: list[int] | None = None,
     ) -> None:  # fmt: skip
-        """After the step: the scheduled tokens are computed, the sampled ones known."""
+        """After the step: the scheduled tokens are computed, the sampled ones known.
+        With drafts, sampling row i took num_sampled[i] tokens (its accepted drafts,
+        computed in the step, then one more)."""
         self.num_computed_tokens[rows] += num_scheduled
-        self.token_ids[sampling_rows, self.num_tokens[sampling_rows]] = sampled_token_ids
-        self.num_tokens[sampling_rows] += 1
+        if num_sampled is None:
+            self.token_ids[sampling_rows, self.num_tokens[sampling_rows]] = sampled_token_ids
+            self.num_tokens[sampling_rows] += 1
+            return
+        counts = np.asarray(num_sampled, np.int64)
+        token_rows = np.repeat(sampling_rows, counts)
+        offsets = np.arange(len(token_rows)) - np.repeat(np.cumsum(counts) - counts, counts)
+        self.token_ids[token_rows, self.num_tokens[token_rows] + offsets] = sampled_token_ids
+        self.num_computed_tokens[sampling_rows] += counts - 1
+        self.num_tokens[sampling_rows] += counts

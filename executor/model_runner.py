@@ -15,9 +15,11 @@ from flagstop.executor.input_batch import InputBatch
 from flagstop.executor.models.llama import KVCache
 from flagstop.executor.models.loader import load_model
 from flagstop.executor.parallel import SINGLE, TensorParallel
+from flagstop.executor.rejection_sampler import verify
 from flagstop.executor.sampling import sample
 from flagstop.executor.sampling_params import PromptLogprobs, SampleOutput, SamplingParams
-from flagstop.executor.step_inputs import StepInputs, prepare_inputs
+from flagstop.executor.spec.proposer import Proposer, make_proposer
+from flagstop.executor.step_inputs import Drafts, StepInputs, prepare_inputs
 from flagstop.scheduler_svc.core.output import NewRequestData, SchedulerOutput
 from flagstop.structured import GrammarError, GrammarSpec
 from flagstop.utils import cdiv
@@ -70,9 +72,20 @@ class ModelRunner:
         self.num_kv_heads = tp.shard.kv_heads(mc.num_kv_heads)[1]  # this rank's
         self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
         self.block_size = config.block_size
+        spec = config.speculative_config
+        self.num_speculative_tokens = spec.num_speculative_tokens if spec else 0
+        self.speculative_method = spec.method if spec else ""
+        # Drafts are decided on rank 0 alone; the other ranks take them from it
+        # (draft_channel), so that no two ranks can ever verify different drafts.
+        self.proposer: Proposer | None = None
+        if spec is not None and tp.rank == 0:
+            self.proposer = make_proposer(spec, self)
+        self.draft_channel = None  # under tensor parallelism: set by the group's driver
         # Every rank holds the same block ids: the pool is the smallest rank's.
         self.num_blocks = tp.min_over_ranks(self._determine_num_blocks())
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
+        if hasattr(self.proposer, "allocate"):  # a draft model's cache, on the same blocks
+            self.proposer.allocate(self.num_blocks)
         self.batch = self._new_batch()
         self.last_inputs: StepInputs | None = None  # ranks > 0: awaiting sampled tokens
         # Rank 0 (which samples), on the first constrained request: loading the
@@ -90,6 +103,8 @@ class ModelRunner:
         if self._grammars is not None:
             self._grammars.matchers.clear()
         self._failed_rows.clear()
+        if self.proposer is not None:
+            self.proposer.reset()
 
     @property
     def grammars(self) -> "GrammarBook":
@@ -112,14 +127,15 @@ class ModelRunner:
     def _new_batch(self) -> InputBatch:
         return InputBatch(
             self.config.max_num_seqs, self.max_model_len, self.block_size,
-            self.model_config.vocab_size,
+            self.model_config.vocab_size, speculative=self.num_speculative_tokens > 0,
         )  # fmt: skip
 
     @property
     def block_bytes(self) -> int:
+        """A block's bytes on this rank, a draft model's cache included."""
         mc = self.model_config
         per_token = 2 * mc.num_layers * self.num_kv_heads * mc.head_dim * self.dtype.itemsize
-        return per_token * self.block_size
+        return per_token * self.block_size + getattr(self.proposer, "block_bytes", 0)
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[KVCache]:
         mc = self.model_config
@@ -172,17 +188,61 @@ class ModelRunner:
         self, plan: SchedulerOutput
     ) -> tuple[torch.Tensor | None, StepInputs] | None:
         """Apply the diff and run the forward: logits [num_sampling, vocab] in plan
-        order (on rank 0; None on the other ranks); None without scheduled tokens."""
+        order (with drafts, 1 + drafts rows per sampling request; on rank 0, None on
+        the other ranks); None without scheduled tokens."""
         if self._failed_rows or (self._grammars is not None and self._grammars.matchers):
             self._drop_matchers(plan)
+        if self.proposer is not None:
+            for req_id in (*plan.finished_req_ids, *plan.preempted_req_ids):
+                self.proposer.remove(req_id)
         self.batch.apply(plan)
         if self.tp.rank == 0:
             self._add_matchers(plan)
+            if self.proposer is not None:
+                for data in (*plan.scheduled_new_reqs, *plan.scheduled_resumed_reqs):
+                    self.proposer.add(data.req_id, self.batch.req_rows[data.req_id], self.batch)
         if not plan.num_scheduled_tokens:
             return None
-        inputs = prepare_inputs(self.batch, plan, self.device)
+        scheduled = self.batch.schedule(plan)
+        drafts = self._drafts(scheduled) if scheduled[4].any() else None
+        inputs = prepare_inputs(self.batch, scheduled, self.device, drafts)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attention)
         return self.model.compute_logits(hidden[inputs.all_logits_indices]), inputs
+
+    def _drafts(self, scheduled: tuple[np.ndarray, ...]) -> Drafts:
+        """This step's drafts for the sampling requests' slots: proposed on rank 0 and
+        sent to the other ranks, which take them; written after each request's known
+        tokens in the token table (where the forward and the penalties read them)."""
+        rows, _, _, samples, slots = scheduled
+        rows, slots = rows[samples], slots[samples]
+        if self.tp.rank == 0:
+            drafts = self._propose(rows, slots)
+            if self.draft_channel is not None:
+                self.draft_channel.send(drafts)
+        else:
+            drafts = self.draft_channel.receive()
+        token_rows = np.repeat(rows, drafts.num_drafts)
+        offsets = np.arange(len(token_rows)) - np.repeat(
+            np.cumsum(drafts.num_drafts) - drafts.num_drafts, drafts.num_drafts)  # fmt: skip
+        self.batch.token_ids[token_rows, self.batch.num_tokens[token_rows] + offsets] = (
+            drafts.token_ids)  # fmt: skip
+        return drafts
+
+    def _propose(self, rows: np.ndarray, slots: np.ndarray) -> Drafts:
+        num_drafts = np.zeros(len(rows), np.int64)
+        has = np.flatnonzero(slots)
+        if self.proposer is None or not len(has):  # an executor without speculation
+            return Drafts(num_drafts, np.zeros(0, np.int64))
+        proposed, probs = self.proposer.propose(self.batch, rows[has], slots[has])
+        proposed = [p[: int(k)] for p, k in zip(proposed, slots[has].tolist(), strict=True)]
+        kept = None
+        if self._grammars is not None and self._grammars.matchers:
+            proposed, kept = self._grammars.valid_drafts(rows[has], proposed)
+        num_drafts[has] = [len(p) for p in proposed]
+        if probs is not None and kept is not None:
+            probs = probs[torch.from_numpy(kept).to(probs.device)]
+        tokens = np.concatenate(proposed) if proposed else np.zeros(0, np.int64)
+        return Drafts(num_drafts, tokens.astype(np.int64), probs)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> SampleOutput:
@@ -194,23 +254,42 @@ class ModelRunner:
         assert logits is not None, "only rank 0 samples"
         prompt_logits = None
         if inputs.prompt_chunks:
-            num_sampling = len(inputs.sampling_rows)
+            num_sampling = len(inputs.logits_indices)
             logits, prompt_logits = logits[:num_sampling], logits[num_sampling:]
-        grammars = self._grammars
-        if grammars is None or not grammars.matchers:
-            output = sample(logits, inputs.sampling)
-        else:  # the logprobs are those of the masked distribution
-            constrained = grammars.mask(logits, inputs.sampling_rows)
-            output = sample(logits, inputs.sampling)
-            grammars.accept(constrained, output.token_ids)
+        output = self._sample(logits, inputs)
         if prompt_logits is not None:
             output.prompt_logprobs = self._prompt_logprobs(prompt_logits, inputs, plan)
-        self.advance(inputs, output.token_ids)
+        num_known = self.batch.num_tokens[inputs.sampling_rows]
+        self.advance(inputs, output.token_ids, output.num_sampled_tokens or None)
+        if self.proposer is not None:
+            counts = np.asarray(output.num_sampled_tokens or [1] * len(num_known), np.int64)
+            self.proposer.verified(self.batch, inputs.sampling_rows, num_known, counts)
         if self._failed_rows:  # after advance: a step in flight may still decode them
+            rows = inputs.sampling_rows
+            if output.num_sampled_tokens:
+                rows = np.repeat(rows, output.num_sampled_tokens)
             output.token_ids = [
                 -1 if row in self._failed_rows else token
-                for row, token in zip(inputs.sampling_rows.tolist(), output.token_ids, strict=True)
+                for row, token in zip(rows.tolist(), output.token_ids, strict=True)
             ]
+        return output
+
+    def _sample(self, logits: torch.Tensor, inputs: StepInputs) -> SampleOutput:
+        """A token per sampling request, or with drafts their verification. The
+        logprobs are those of the masked distribution."""
+        grammars, drafts = self._grammars, inputs.drafts
+        constrained = None
+        if grammars is not None and grammars.matchers:
+            if drafts is None:
+                constrained = grammars.mask(logits, inputs.sampling_rows)
+            else:
+                constrained = grammars.mask_drafts(logits, inputs.sampling_rows, drafts)
+        if drafts is None:
+            output = sample(logits, inputs.sampling)
+        else:
+            output = verify(logits, inputs.sampling, drafts)
+        if constrained:
+            grammars.accept(constrained, output.token_ids, output.num_sampled_tokens or None)
         return output
 
     def _prompt_logprobs(
@@ -274,8 +353,17 @@ class ModelRunner:
     def tensor_parallel_size(self) -> int:
         return self.tp.size
 
-    def advance(self, inputs: StepInputs, token_ids: list[int]) -> None:
-        self.batch.advance(inputs.rows, inputs.num_scheduled, inputs.sampling_rows, token_ids)
+    def advance(
+        self, inputs: StepInputs, token_ids: list[int], num_sampled: list[int] | None = None
+    ) -> None:
+        # Computed: the tokens before the drafts (the accepted drafts are counted from
+        # num_sampled).
+        num_scheduled = inputs.num_scheduled
+        if inputs.drafts is not None:
+            num_scheduled = num_scheduled.copy()
+            num_scheduled[np.isin(inputs.rows, inputs.sampling_rows)] -= inputs.drafts.num_drafts
+        self.batch.advance(inputs.rows, num_scheduled, inputs.sampling_rows, token_ids,
+                           num_sampled)  # fmt: skip
 
     @torch.inference_mode()
     def execute_shard(self, plan: SchedulerOutput) -> None:
@@ -283,10 +371,11 @@ class ModelRunner:
         result = self.compute_logits(plan)
         self.last_inputs = None if result is None else result[1]
 
-    def advance_sampled(self, token_ids: list[int]) -> None:
-        """A rank other than 0: the tokens rank 0 sampled in the last step."""
+    def advance_sampled(self, token_ids: list[int], num_sampled: list[int] | None = None) -> None:
+        """A rank other than 0: the tokens rank 0 sampled in the last step (with
+        drafts, num_sampled of them per sampling request)."""
         if self.last_inputs is not None:
-            self.advance(self.last_inputs, token_ids)
+            self.advance(self.last_inputs, token_ids, num_sampled or None)
             self.last_inputs = None
 
 

@@ -18,6 +18,10 @@ class Runner(Protocol):
     block_size: int
     num_blocks: int  # the KV pool, in blocks of block_size tokens
     tensor_parallel_size: int
+    # Speculative decoding: the most draft tokens a request gets a step (0: off),
+    # and how they are proposed.
+    num_speculative_tokens: int
+    speculative_method: str
 
     @property
     def device(self) -> object:

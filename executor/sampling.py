@@ -87,22 +87,37 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SampleOutput:
     if meta.all_greedy:
         tokens = greedy
     else:
-        scaled = logits / meta.temperature.clamp(min=1e-6).unsqueeze(1)
-        if meta.min_p is not None:
-            scaled = apply_min_p(scaled, meta.min_p)
-        if meta.needs_top_k_top_p:
-            scaled = apply_top_k_top_p(scaled, meta.top_k, meta.top_p)
-        probs = scaled.softmax(dim=-1)
+        probs = probabilities(logits, meta)
         # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) samples from p.
-        noise = torch.empty_like(probs).exponential_()
-        for row, seed, position in meta.seeded:
-            noise[row] = _seeded_noise(seed, position, probs.shape[1], probs.device)
-        sampled = (probs / noise).argmax(dim=-1)
+        sampled = (probs / noise(probs, meta.seeded)).argmax(dim=-1)
         tokens = torch.where(meta.temperature == 0, greedy, sampled)
     token_list = tokens.tolist()
     if meta.num_logprobs is None:
         return SampleOutput(token_list)
-    return SampleOutput(token_list, _logprobs(raw, tokens, meta.num_logprobs))
+    return SampleOutput(token_list, logprobs(raw, tokens, meta.num_logprobs))
+
+
+def probabilities(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """The distribution each row samples from: its processed logits after temperature,
+    min_p, top-k and top-p (what speculative decoding's losslessness is about)."""
+    scaled = logits / meta.temperature.clamp(min=1e-6).unsqueeze(1)
+    if meta.min_p is not None:
+        scaled = apply_min_p(scaled, meta.min_p)
+    if meta.needs_top_k_top_p:
+        scaled = apply_top_k_top_p(scaled, meta.top_k, meta.top_p)
+    return scaled.softmax(dim=-1)
+
+
+def noise(probs: torch.Tensor, seeded: list[tuple[int, int, int]], salt: int = 0) -> torch.Tensor:
+    """Exp(1) noise per row and token; a seeded row's depends on (seed, position) only
+    (salt: for another use than the request's own sampling)."""
+    out = torch.empty_like(probs).exponential_()
+    for row, seed, position in seeded:
+        generator = seeded_generator(seed, position, probs.device, salt)
+        out[row] = torch.empty(probs.shape[1], device=probs.device).exponential_(
+            generator=generator
+        )
+    return out
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -126,19 +141,21 @@ def apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def _seeded_noise(seed: int, position: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+def seeded_generator(seed: int, position: int, device: torch.device, salt: int = 0):
+    """A request's random stream at one position (salt: another use of it)."""
     generator = torch.Generator(device=device)
-    generator.manual_seed((seed * _MIX + position) % (1 << 63))
-    return torch.empty(vocab_size, device=device).exponential_(generator=generator)
+    generator.manual_seed(((seed * _MIX + position) ^ salt) % (1 << 63))
+    return generator
 
 
-def _logprobs(
+def logprobs(
     logits: torch.Tensor, tokens: torch.Tensor, num_logprobs: list[int | None]
 ) -> list[tuple[float, list[int], list[float]] | None]:
-    logprobs = logits.log_softmax(dim=-1)
-    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+    """Each row's token's logprob and its top num_logprobs[i] (None: not asked)."""
+    log_probs = logits.log_softmax(dim=-1)
+    chosen = log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
     num_top = max(n or 0 for n in num_logprobs)
-    top_values, top_ids = logprobs.topk(num_top, dim=-1)
+    top_values, top_ids = log_probs.topk(num_top, dim=-1)
     top_ids_list, top_values_list = top_ids.tolist(), top_values.tolist()
     return [
         None if n is None else _top(chosen[i], top_ids_list[i][:n], top_values_list[i][:n])

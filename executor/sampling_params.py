@@ -1,7 +1,7 @@
 """What a request asks of sampling, and what a step's sampling gives back: plain data,
 no torch (the executor simulator and the conversions use them too)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from flagstop.structured import GrammarSpec
 
@@ -53,7 +53,12 @@ class PromptLogprobs:
 
 @dataclass(slots=True)
 class SampleOutput:
+    # One per sampling request; with drafts, num_sampled_tokens[i] of them each.
     token_ids: list[int]
-    # Per row, when logprobs were asked for.
+    # Per token, when logprobs were asked for.
     logprobs: list[TokenLogprobs | None] | None = None
     prompt_logprobs: list[PromptLogprobs] | None = None
+    # Speculative decoding (empty without drafts): tokens per sampling request (1 +
+    # accepted drafts) and the drafts each was proposed.
+    num_sampled_tokens: list[int] = field(default_factory=list)
+    num_draft_tokens: list[int] = field(default_factory=list)

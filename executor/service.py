@@ -42,6 +42,8 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         self.tracer = telemetry.tracer
         self.model_name = model_name
         self.group = group
+        if group is not None and hasattr(runner, "draft_channel"):
+            runner.draft_channel = group  # rank 0 sends each step's drafts to the others
         # Bumped by every new Execute stream: the newest scheduler wins, an older
         # stream still open (a scheduler that died) is ended at its next message.
         self.generation = 0
@@ -58,6 +60,8 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
             model=model, max_num_seqs=runner.config.max_num_seqs,
             max_num_batched_tokens=runner.config.max_num_batched_tokens,
             tensor_parallel_size=runner.tensor_parallel_size,
+            num_speculative_tokens=runner.num_speculative_tokens,
+            speculative_method=runner.speculative_method,
         )  # fmt: skip
 
     async def PrepareGrammar(self, request, context) -> executor_pb2.PrepareGrammarResponse:
@@ -102,7 +106,7 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
                 output = await self.runner.step(plan)
                 STEP_SECONDS.labels(self.model_name).observe(time.perf_counter() - started)
             if self.group is not None:
-                self.group.sampled(output.token_ids)
+                self.group.sampled(output.token_ids, output.num_sampled_tokens)
         except Exception as e:  # the batch state is now unknown: end the stream
             if self.group is not None:
                 self.group.lost(e)

@@ -14,6 +14,11 @@ tokenizer and limits match; no weights are read. A step takes
 (defaults like an 8B model on an H200: about 7 ms for a 256-request decode step at 1k
 context, a 512-token prefill chunk about 4 ms more), and steps run back to back like
 on a device: one that arrives while another runs starts when it ends.
+
+With --speculative-config it fills the scheduler's draft slots without proposing
+anything: each draft is accepted with --simulate-acceptance-rate (a hash, not a
+model), so a request emits 1 + accepted tokens a step, and load tests see
+multi-token steps, rollbacks and block trims.
 """
 
 import asyncio
@@ -78,12 +83,17 @@ class SimulatedRunner:
         self.cost = CostModel(config.simulate_base_ms, config.simulate_us_per_scheduled_token,
                               config.simulate_us_per_context_token)  # fmt: skip
         self.mean_output_tokens = config.simulate_mean_output_tokens
+        spec = config.speculative_config
+        self.num_speculative_tokens = spec.num_speculative_tokens if spec else 0
+        self.speculative_method = spec.method if spec else ""
+        self.acceptance_rate = config.simulate_acceptance_rate
         self.busy_until = self.last_step_seconds = 0.0
         self.batch = self._new_batch()
 
     def _new_batch(self) -> SimulatedBatch:
         return SimulatedBatch(self.config.max_num_seqs, self.max_model_len, self.block_size,
-                          self.model_config.vocab_size)  # fmt: skip
+                              self.model_config.vocab_size,
+                              self.num_speculative_tokens > 0)  # fmt: skip
 
     def reset(self) -> None:
         self.batch = self._new_batch()
@@ -108,12 +118,45 @@ class SimulatedRunner:
         self.last_step_seconds = 0.0
         if not plan.num_scheduled_tokens:
             return SampleOutput([])
-        rows, num_scheduled, seq_lens, samples = batch.schedule(plan)
+        rows, num_scheduled, seq_lens, samples, slots = batch.schedule(plan)
         sampling_rows = rows[samples]
-        tokens = self._tokens(sampling_rows)
-        batch.advance(rows, num_scheduled, sampling_rows, tokens)
-        self.last_step_seconds = self.cost.seconds(int(num_scheduled.sum()), int(seq_lens.sum()))
-        return SampleOutput(tokens)
+        num_computed = int(num_scheduled.sum() + slots.sum())
+        self.last_step_seconds = self.cost.seconds(num_computed, int(seq_lens.sum()))
+        if not slots.any():
+            tokens = self._tokens(sampling_rows)
+            batch.advance(rows, num_scheduled, sampling_rows, tokens)
+            return SampleOutput(tokens)
+        slots = slots[samples]
+        counts = self._accepted(sampling_rows, slots) + 1
+        tokens = self._token_runs(sampling_rows, counts)
+        batch.advance(rows, num_scheduled, sampling_rows, tokens, counts.tolist())
+        return SampleOutput(tokens, num_sampled_tokens=counts.tolist(),
+                            num_draft_tokens=slots.tolist())  # fmt: skip
+
+    def _accepted(self, rows: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """How many of each row's drafts are accepted: leading hashed coin flips."""
+        b, k = self.batch, int(slots.max())
+        n = b.num_tokens[rows].astype(np.uint64)[:, None] + np.arange(k, dtype=np.uint64)
+        last = b.token_ids[rows, b.num_tokens[rows] - 1].astype(np.uint64)[:, None]
+        mixed = (n * _A + last * _C + np.uint64(0x5BD1E995)) & np.uint64(0xFFFFFFFF)
+        mixed ^= mixed >> np.uint64(13)
+        accepted = (mixed % np.uint64(10000)).astype(np.float64) < self.acceptance_rate * 10000
+        accepted &= np.arange(k)[None, :] < slots[:, None]
+        return np.cumprod(accepted, axis=1).sum(axis=1)
+
+    def _token_runs(self, rows: np.ndarray, counts: np.ndarray) -> list[int]:
+        """counts[i] tokens of rows[i], each hashed from the ones before, flattened."""
+        b, runs = self.batch, [[] for _ in rows]
+        saved = b.num_tokens[rows].copy()
+        for j in range(int(counts.max())):
+            active = np.flatnonzero(counts > j)
+            tokens = self._tokens(rows[active])
+            b.token_ids[rows[active], b.num_tokens[rows[active]]] = tokens
+            b.num_tokens[rows[active]] += 1
+            for i, token in zip(active.tolist(), tokens, strict=True):
+                runs[i].append(token)
+        b.num_tokens[rows] = saved
+        return [token for run in runs for token in run]
 
     def _tokens(self, rows: np.ndarray) -> list[int]:
         """A hash of each request's last token, first token and length: the same tokens

@@ -8,10 +8,24 @@ import numpy as np
 import torch
 
 from flagstop.executor.attention import AttentionMetadata
-from flagstop.executor.input_batch import InputBatch
+from flagstop.executor.input_batch import BatchDesync, InputBatch
 from flagstop.executor.sampling import Penalties, SamplingMetadata
-from flagstop.scheduler_svc.core.output import SchedulerOutput
 from flagstop.utils import cdiv
+
+
+@dataclass(slots=True)
+class Drafts:
+    """One step's drafts, decided once (rank 0): per sampling request, in plan order,
+    how many, and their tokens flattened; with probabilistic drafting the draft's
+    distribution q of each ([sum, V])."""
+
+    num_drafts: np.ndarray  # [S] int64
+    token_ids: np.ndarray  # [sum(num_drafts)] int64
+    probs: torch.Tensor | None = None
+
+    @property
+    def num_rows(self) -> np.ndarray:
+        return self.num_drafts + 1
 
 
 @dataclass(slots=True)
@@ -28,6 +42,10 @@ class StepInputs:
     # and per request (plan index, first prompt token scored, how many).
     prompt_indices: np.ndarray | None = None
     prompt_chunks: list[tuple[int, int, int]] | None = None
+    # Speculative decoding: this step's drafts; logits_indices then has 1 + drafts
+    # rows per sampling request (its last token's, then each draft's), and sampling
+    # one row each (the distribution at that position).
+    drafts: "Drafts | None" = None
 
     @property
     def all_logits_indices(self) -> torch.Tensor:
@@ -37,53 +55,104 @@ class StepInputs:
         return torch.cat((self.logits_indices, extra))
 
 
-def prepare_inputs(batch: InputBatch, plan: SchedulerOutput, device: torch.device) -> StepInputs:
-    """The flattened forward's tensors of one step, on the device."""
-    rows, num_scheduled, seq_lens, samples = batch.schedule(plan)
-    # Decodes first, so that each kind is one attention call; shortest first within
-    # each, so that the torch kernels can group decodes of similar lengths.
-    order = np.lexsort((seq_lens, num_scheduled != 1))
-    o_rows, o_num = rows[order], num_scheduled[order]
-    cu_tokens = np.cumsum(o_num)
-    token_seq = np.repeat(np.arange(len(rows)), o_num)
-    offsets = np.arange(cu_tokens[-1]) - (cu_tokens - o_num)[token_seq]
-    positions = batch.num_computed_tokens[o_rows][token_seq] + offsets
-    token_rows = o_rows[token_seq]
-    block_ids = batch.block_table[token_rows, positions // batch.block_size].astype(np.int64)
-    slots = block_ids * batch.block_size + positions % batch.block_size
-    o_seq_lens = seq_lens[order]
-    max_blocks = cdiv(int(o_seq_lens.max()), batch.block_size)
+def prepare_inputs(
+    batch: InputBatch, scheduled: tuple[np.ndarray, ...], device: torch.device,
+    drafts: Drafts | None = None,
+) -> StepInputs:  # fmt: skip
+    """The flattened forward's tensors of one step (InputBatch.schedule's rows, with
+    the drafts already written after their requests' tokens), on the device."""
+    rows, num_scheduled, seq_lens, samples, _ = scheduled
+    if drafts is not None:
+        extra = np.zeros(len(rows), np.int64)
+        extra[samples] = drafts.num_drafts
+        num_scheduled, seq_lens = num_scheduled + extra, seq_lens + extra
+        if (seq_lens > batch.num_blocks[rows] * batch.block_size).any():
+            raise BatchDesync("drafts past their request's blocks")
+    flat = flatten(batch, rows, batch.num_computed_tokens[rows], num_scheduled)
+    cu_tokens, position_in_order = flat.cu_tokens, flat.position_in_order
     # A sampling request's logits row is its last token in the reordered batch,
     # listed in plan order.
-    position_in_order = np.empty_like(order)
-    position_in_order[order] = np.arange(len(order))
     logits_indices = cu_tokens[position_in_order[samples]] - 1
+    sampling_rows, offsets = rows[samples], None
+    if drafts is not None:  # 1 + drafts rows each, the last token's first
+        num_rows = drafts.num_rows
+        offsets = np.arange(num_rows.sum()) - np.repeat(np.cumsum(num_rows) - num_rows, num_rows)
+        logits_indices = np.repeat(logits_indices - drafts.num_drafts, num_rows) + offsets
+        sampling_rows = np.repeat(sampling_rows, num_rows)
 
     def t(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(device, non_blocking=True)
 
     prompt_indices, prompt_chunks = None, None
     if (batch.num_prompt_logprobs[rows] >= 0).any():
-        flat_starts = (cu_tokens - o_num)[position_in_order]
+        flat_starts = (cu_tokens - flat.num_new)[position_in_order]
         prompt_indices, prompt_chunks = prompt_positions(batch, rows, num_scheduled, flat_starts)
+    input_ids, positions, attention = flat.tensors(batch, t)
     return StepInputs(
-        input_ids=t(batch.token_ids[token_rows, positions]),
-        positions=t(positions),
-        attention=AttentionMetadata(
-            slot_mapping=t(slots),
-            block_tables=t(batch.block_table[o_rows, :max_blocks]),
-            seq_lens=t(o_seq_lens.astype(np.int32)),
-            query_start_loc=t(np.concatenate(([0], cu_tokens)).astype(np.int32)),
-            num_decodes=int((o_num == 1).sum()),
-        ),
+        input_ids=input_ids,
+        positions=positions,
+        attention=attention,
         logits_indices=t(logits_indices),
-        sampling=sampling_metadata(batch, rows[samples], t),
+        sampling=sampling_metadata(batch, sampling_rows, t, offsets),
         rows=rows,
         num_scheduled=num_scheduled,
         sampling_rows=rows[samples],
         prompt_indices=prompt_indices,
         prompt_chunks=prompt_chunks,
+        drafts=drafts,
     )
+
+
+@dataclass(slots=True)
+class Flattened:
+    """Requests' new tokens laid out for one forward, in attention order (numpy)."""
+
+    num_new: np.ndarray  # per request, attention order
+    cu_tokens: np.ndarray
+    positions: np.ndarray  # per token
+    token_rows: np.ndarray
+    seq_lens: np.ndarray  # per request, attention order
+    rows: np.ndarray  # per request, attention order
+    position_in_order: np.ndarray  # request i (as given) is at this place
+
+    def last_indices(self) -> np.ndarray:
+        """The flat index of each request's last new token, requests as given."""
+        return self.cu_tokens[self.position_in_order] - 1
+
+    def tensors(self, batch: InputBatch, t) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(input ids, positions, attention metadata) on the device, from the batch's
+        token table and block table."""
+        block_ids = batch.block_table[self.token_rows, self.positions // batch.block_size]
+        slots = block_ids.astype(np.int64) * batch.block_size + self.positions % batch.block_size
+        max_blocks = cdiv(int(self.seq_lens.max()), batch.block_size)
+        attention = AttentionMetadata(
+            slot_mapping=t(slots),
+            block_tables=t(batch.block_table[self.rows, :max_blocks]),
+            seq_lens=t(self.seq_lens.astype(np.int32)),
+            query_start_loc=t(np.concatenate(([0], self.cu_tokens)).astype(np.int32)),
+            num_decodes=int((self.num_new == 1).sum()),
+        )
+        input_ids = t(batch.token_ids[self.token_rows, self.positions])
+        return input_ids, t(self.positions), attention
+
+
+def flatten(
+    batch: InputBatch, rows: np.ndarray, starts: np.ndarray, num_new: np.ndarray
+) -> Flattened:
+    """rows[i]'s tokens starts[i] .. starts[i] + num_new[i] as one forward's inputs.
+    Decodes first, so that each kind is one attention call; shortest first within
+    each, so that the torch kernels can group decodes of similar lengths."""
+    seq_lens = starts + num_new
+    order = np.lexsort((seq_lens, num_new != 1))
+    o_num = num_new[order]
+    cu_tokens = np.cumsum(o_num)
+    token_seq = np.repeat(np.arange(len(rows)), o_num)
+    offsets = np.arange(cu_tokens[-1]) - (cu_tokens - o_num)[token_seq]
+    positions = starts[order][token_seq] + offsets
+    position_in_order = np.empty_like(order)
+    position_in_order[order] = np.arange(len(order))
+    return Flattened(o_num, cu_tokens, positions, rows[order][token_seq], seq_lens[order],
+                     rows[order], position_in_order)  # fmt: skip
 
 
 def prompt_positions(batch: InputBatch, rows, num_scheduled, flat_starts):
@@ -101,9 +170,16 @@ def prompt_positions(batch: InputBatch, rows, num_scheduled, flat_starts):
     return indices.astype(np.int64), chunks
 
 
-def sampling_metadata(batch: InputBatch, rows: np.ndarray, t) -> SamplingMetadata:
+def sampling_metadata(
+    batch: InputBatch, rows: np.ndarray, t, offsets: np.ndarray | None = None
+) -> SamplingMetadata:
+    """offsets: a draft position's row samples the token that many past its request's
+    known ones (the drafts before it are in the token table: the penalties count
+    them, min_tokens and seeds see that position)."""
     temperature, top_p, top_k = batch.temperature[rows], batch.top_p[rows], batch.top_k[rows]
     num_tokens, params = batch.num_tokens[rows], batch.sampling_params
+    if offsets is not None:
+        num_tokens = num_tokens + offsets
     seeded = [
         (i, params[rows[i]].seed, int(num_tokens[i])) for i in np.flatnonzero(batch.seeded[rows])
     ]
@@ -123,17 +199,18 @@ def sampling_metadata(batch: InputBatch, rows: np.ndarray, t) -> SamplingMetadat
         if (num_logprobs >= 0).any()
         else None,
         min_p=t(min_p) if min_p.any() else None,
-        penalties=penalties(batch, rows, t) if batch.penalized[rows].any() else None,
+        penalties=penalties(batch, rows, num_tokens, t) if batch.penalized[rows].any() else None,
         logit_bias=logit_bias(batch, rows, t) if batch.biased[rows].any() else None,
     )
 
 
-def penalties(batch: InputBatch, rows: np.ndarray, t) -> Penalties:
-    """Token counts of the penalized rows, scattered on the device from their token
-    ids (padded with an id one past the vocabulary, whose column is dropped)."""
+def penalties(batch: InputBatch, rows: np.ndarray, num_tokens: np.ndarray, t) -> Penalties:
+    """Token counts of the penalized rows (each up to its num_tokens), scattered on the
+    device from their token ids (padded with an id one past the vocabulary, whose
+    column is dropped)."""
     which = np.flatnonzero(batch.penalized[rows])
     p_rows, params = rows[which], [batch.sampling_params[r] for r in rows[which]]
-    num_prompt, num_tokens = batch.num_prompt_tokens[p_rows], batch.num_tokens[p_rows]
+    num_prompt, num_tokens = batch.num_prompt_tokens[p_rows], num_tokens[which]
     vocab = batch.vocab_size
     out_ids = t(_padded(batch.token_ids, p_rows, num_prompt, num_tokens, vocab))
     counts = torch.zeros(len(which), vocab + 1, device=out_ids.device)

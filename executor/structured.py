@@ -117,12 +117,71 @@ class GrammarBook:
             logits[rows] = logits[rows].masked_fill(forbidden, float("-inf"))
         return constrained
 
-    def accept(self, constrained: list[tuple[int, Any]], token_ids: list[int]) -> None:
-        # A stopped matcher took EOS already: its request ends, and a step that was
-        # in flight meanwhile samples once more for it (a token nobody reads).
+    def valid_drafts(
+        self, rows: np.ndarray, drafts: list[np.ndarray]
+    ) -> tuple[list[np.ndarray], np.ndarray]:
+        """Each constrained row's drafts cut to the longest prefix its grammar accepts
+        (vLLM's validate_tokens); the flat indices of the drafts kept."""
+        out, kept, start = [], [], 0
+        for row, draft in zip(rows.tolist(), drafts, strict=True):
+            matcher = self.matchers.get(row)
+            n = len(draft)
+            if matcher is not None and n:
+                n = 0 if matcher.is_stopped() else matcher.validate_tokens(draft.tolist())
+            out.append(draft[:n])
+            kept.extend(range(start, start + n))
+            start += len(draft)
+        return out, np.asarray(kept, np.int64)
+
+    def mask_drafts(self, logits: torch.Tensor, sampling_rows: np.ndarray, drafts) -> list:
+        """mask() for a step with drafts: each constrained request's 1 + d rows, row j
+        masked by its grammar after drafts 1..j (consumed, then rolled back)."""
+        num_rows = drafts.num_rows
+        starts = (np.cumsum(num_rows) - num_rows).tolist()
+        draft_starts = (np.cumsum(drafts.num_drafts) - drafts.num_drafts).tolist()
+        matchers, tokens = self.matchers, drafts.token_ids.tolist()
+        constrained = [
+            (i, m) for i, row in enumerate(sampling_rows.tolist()) if (m := matchers.get(row))
+        ]
+        if not constrained:
+            return constrained
+        n = sum(int(num_rows[i]) for i, _ in constrained)
+        bitmask = llguidance.torch.allocate_token_bitmask(n, self.vocab_size)
+        logit_rows, k = [], 0
         for i, matcher in constrained:
-            if not matcher.is_stopped() and not matcher.consume_token(token_ids[i]):
-                log.error("sampled token %d is outside its grammar", token_ids[i])
+            d = int(drafts.num_drafts[i])
+            for j in range(d + 1):
+                llguidance.torch.fill_next_token_bitmask(matcher, bitmask, k)
+                logit_rows.append(starts[i] + j)
+                k += 1
+                if j < d and not matcher.consume_token(tokens[draft_starts[i] + j]):
+                    raise RuntimeError("a validated draft broke its grammar")
+            if d:
+                matcher.rollback(d)
+        allowed = (bitmask.unsqueeze(-1) >> self.bits) & 1
+        forbidden = (allowed.view(n, -1)[:, : logits.shape[1]] == 0).to(logits.device)
+        index = torch.tensor(logit_rows, device=logits.device)
+        logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
+        return constrained
+
+    def accept(
+        self, constrained: list[tuple[int, Any]], token_ids: list[int],
+        num_sampled: list[int] | None = None,
+    ) -> None:  # fmt: skip
+        """The step's tokens into their matchers (with drafts, num_sampled[i] each).
+        A stopped matcher took EOS already: its request ends, and a step that was in
+        flight meanwhile samples once more for it (a token nobody reads)."""
+        if num_sampled is None:
+            by_request = [[t] for t in token_ids]
+        else:
+            ends = np.cumsum(num_sampled).tolist()
+            by_request = [token_ids[e - n : e] for e, n in zip(ends, num_sampled, strict=True)]
+        for i, matcher in constrained:
+            for token in by_request[i]:
+                if matcher.is_stopped():
+                    break
+                if not matcher.consume_token(token):
+                    log.error("sampled token %d is outside its grammar", token)
 
 
 def _tokenizer(model_dir: str, vocab_size: int, eos_token_ids: Sequence[int]):

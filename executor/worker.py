@@ -36,16 +36,27 @@ def follow(config: ExecutorConfig, membership: Membership) -> None:
     except Exception as e:  # this rank's shard: tell rank 0 why
         report_error(group, e)
         raise
+    runner.draft_channel = FollowerDrafts(group)
     log.info("rank %d of %d ready on %s", membership.rank, membership.world_size, group.device)
     while True:
-        kind, tokens, payload = group.receive()
+        kind, tokens, counts, payload = group.receive()
         if kind == STEP:
-            runner.advance_sampled(tokens)
+            runner.advance_sampled(tokens, counts)
             runner.execute_shard(plan_from_proto(executor_pb2.StepRequest.FromString(payload)))
         elif kind == RESET:
             runner.reset()
         elif kind == STOP:
             return
+
+
+class FollowerDrafts:
+    """A rank other than 0 takes each step's drafts from rank 0."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+
+    def receive(self):
+        return self.group.receive_drafts()
 
 
 def main() -> None:

@@ -110,6 +110,8 @@ class RouterEngine:
         )  # fmt: skip
         if request.HasField("max_tokens"):
             add.max_tokens = request.max_tokens
+        if request.HasField("num_speculative_tokens"):
+            add.num_speculative_tokens = request.num_speculative_tokens
         replica = self.replicas.choose(token_ids, self.replicas.routable())
         pending = Pending(request_id, request, token_ids, trace, add, replica)
         self.requests[request_id] = pending
@@ -137,14 +139,17 @@ class RouterEngine:
         finished = dict(zip(msg.finished_ids, msg.finish_reasons, strict=True))
         if msg.num_cached_tokens or msg.prompt_logprobs:
             self._prefill_facts(msg)
-        logprobs = msg.logprobs
-        for i, (request_id, token_id) in enumerate(
-            zip(msg.request_ids, msg.token_ids, strict=True)
-        ):
+        logprobs, request_ids = msg.logprobs, msg.request_ids
+        last = len(request_ids) - 1
+        for i, (request_id, token_id) in enumerate(zip(request_ids, msg.token_ids, strict=True)):
             pending = requests.get(request_id)
             if pending is None:
                 continue
-            reason = finished.pop(request_id, 0) if finished else 0
+            # A request's tokens of a step are consecutive (speculative decoding: 1 +
+            # its accepted drafts); it ends after the last of them.
+            reason = 0
+            if finished and (i == last or request_ids[i + 1] != request_id):
+                reason = finished.pop(request_id, 0)
             pending.finished = bool(reason)
             pending.generated.append(token_id)
             pending.mailbox.put(StepToken(token_id, reason, logprobs[i] if logprobs else None))

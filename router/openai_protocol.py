@@ -162,6 +162,8 @@ class OpenAIRequest(EncodableText):
     min_p: float = 0.0
     logit_bias: dict[str, float] | None = None
     prompt_logprobs: Int32 | None = None
+    # vLLM's per-request cap on speculative draft tokens (0: off for the request).
+    num_speculative_tokens: Int32 | None = None
     # Known, not implemented: refused unless neutral.
     best_of: int | None = None
 
@@ -253,6 +255,8 @@ class OpenAIRequest(EncodableText):
         request.logit_bias.update(self._bias)
         if self.prompt_logprobs is not None:
             request.prompt_logprobs = self.prompt_logprobs
+        if self.num_speculative_tokens is not None:
+            request.num_speculative_tokens = self.num_speculative_tokens
         return request
 
 

@@ -53,6 +53,11 @@ def validate(
             value = getattr(request, name)
             raise RequestRejected(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}", name)
     _check_processing(request, limits)
+    if request.HasField("num_speculative_tokens") and request.num_speculative_tokens < 0:
+        raise RequestRejected(
+            f"num_speculative_tokens must be >= 0 (0 turns speculation off), got "
+            f"{request.num_speculative_tokens}", "num_speculative_tokens",
+        )  # fmt: skip
     stops = stop_token_ids(request.stop_token_ids, limits.eos_token_ids, request.ignore_eos)
     params = executor_pb2.SamplingParams(
         temperature=temperature, top_p=top_p, top_k=request.top_k,

@@ -26,7 +26,9 @@ def request_from_proto(
         sampling_params=add.sampling,
         labels=dict(add.labels),
         skip_prefix_cache=add.sampling.HasField("prompt_logprobs"),
-    )
+        max_spec_tokens=add.num_speculative_tokens
+        if add.HasField("num_speculative_tokens") else None,
+    )  # fmt: skip
 
 
 def step_to_proto(plan: SchedulerOutput) -> executor_pb2.StepRequest:
@@ -39,6 +41,12 @@ def step_to_proto(plan: SchedulerOutput) -> executor_pb2.StepRequest:
     cached.num_computed_tokens.extend(c.num_computed_tokens)
     num_scheduled = plan.num_scheduled_tokens
     cached.num_scheduled_tokens.extend([num_scheduled[r] for r in c.req_ids])
+    if plan.num_draft_slots:
+        drafts = plan.num_draft_slots
+        cached.num_draft_slots.extend([drafts.get(r, 0) for r in c.req_ids])
+    if plan.trimmed_blocks:
+        out.trimmed_req_ids.extend(plan.trimmed_blocks)
+        out.trimmed_num_blocks.extend(plan.trimmed_blocks.values())
     if any(c.new_block_ids):
         cached.num_new_blocks.extend([len(b) for b in c.new_block_ids])
         cached.new_block_ids.extend(itertools.chain.from_iterable(c.new_block_ids))

@@ -178,8 +178,13 @@ class ExecutorLink:
             ):
                 result = await self._read(call)
                 done = in_flight.popleft()
-                outputs = scheduler.update_from_output(done, result.sampled_token_ids)
-                telemetry.on_update(done, outputs, scheduler, service.num_queued_at_routers())
+                outputs = scheduler.update_from_output(
+                    done, result.sampled_token_ids, result.num_sampled_tokens,
+                    result.num_draft_tokens,
+                )  # fmt: skip
+                telemetry.on_update(
+                    done, outputs, scheduler, service.num_queued_at_routers(), result
+                )
                 service.dispatch(done, result, outputs)
             elif not in_flight:
                 # Nothing runnable (e.g. all waiting on blocks held by nobody yet).

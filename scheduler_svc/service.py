@@ -68,7 +68,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         s = self.settings
         try:
             info = await self.link.first_executor()
-            config = s.core_config(info.model.max_model_len, info.model.block_size)
+            config = s.core_config(
+                info.model.max_model_len, info.model.block_size, info.num_speculative_tokens
+            )
         except (ExecutorMismatch, ValueError) as e:
             raise StartupError(str(e)) from None
         self.telemetry.model_name = info.model.model_name
@@ -79,8 +81,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 s.policy_addr, self.scheduler.policy, s.policy_deadline_ms / 1000,
                 self._policy_changed, self.tls,
             )  # fmt: skip
-        log.info("executor %s: %s, %d blocks of %d", s.executor, info.model.model_name,
-                 info.model.num_blocks, info.model.block_size)  # fmt: skip
+        spec = ""
+        if info.num_speculative_tokens:
+            spec = f", speculative decoding ({info.speculative_method}, k <= "
+            spec += f"{info.num_speculative_tokens})"
+        log.info("executor %s: %s, %d blocks of %d%s", s.executor, info.model.model_name,
+                 info.model.num_blocks, info.model.block_size, spec)  # fmt: skip
 
     async def run(self) -> None:
         await self.connect_executor()
@@ -97,12 +103,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         result: executor_pb2.StepResult,
         outputs: dict[str, OwnerOutputs],
     ) -> None:
-        logprobs = {}
-        if result.logprobs:
-            logprobs = {
-                r.request_id: lp
-                for r, lp in zip(plan.sampling_requests, result.logprobs, strict=True)
-            }
+        logprobs = self._logprobs(plan, result) if result.logprobs else {}
         self._grant_credits()
         load, now = self._load(), time.monotonic()
         prompt_logprobs = self._prompt_logprobs(plan, result) if result.prompt_logprobs else {}
@@ -120,7 +121,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 load=load, prompt_logprobs=prompt_logprobs.get(owner, ()),
             )  # fmt: skip
             if logprobs:
-                msg.logprobs.extend(logprobs.get(r, EMPTY_LOGPROB) for r in out.req_ids)
+                msg.logprobs.extend(self._in_order(out.req_ids, logprobs))
             conn.outbox.put_nowait(msg)
         idle = not self.scheduler.has_unfinished_requests()
         for conn in self.routers.values():
@@ -131,6 +132,26 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 conn.outbox.put_nowait(
                     scheduler_pb2.SchedulerMessage(credits=self._take_credits(conn), load=load)
                 )
+
+    @staticmethod
+    def _logprobs(plan: SchedulerOutput, result: executor_pb2.StepResult) -> dict[str, list]:
+        """Each sampling request's logprob entries, one per token it emitted."""
+        counts, flat, start = result.num_sampled_tokens, result.logprobs, 0
+        if not counts:
+            return {r.request_id: [lp] for r, lp in zip(plan.sampling_requests, flat, strict=True)}
+        by_request = {}
+        for request, n in zip(plan.sampling_requests, counts, strict=True):
+            by_request[request.request_id], start = flat[start : start + n], start + n
+        return by_request
+
+    @staticmethod
+    def _in_order(req_ids: list[str], logprobs: dict[str, list]):
+        # A request's tokens are consecutive: its entries are taken in turn.
+        taken: dict[str, int] = {}
+        for req_id in req_ids:
+            entries, i = logprobs.get(req_id, ()), taken.get(req_id, 0)
+            taken[req_id] = i + 1
+            yield entries[i] if i < len(entries) else EMPTY_LOGPROB
 
     def _prompt_logprobs(
         self, plan: SchedulerOutput, result: executor_pb2.StepResult

@@ -41,6 +41,11 @@ class SchedulerSettings(ServiceSettings):
     """the remote policy's address"""
     policy_deadline_ms: PositiveFloat = 20.0
     """past it a policy query is dropped and FCFS used meanwhile"""
+    speculative_disable_batch_size: PositiveInt = CORE.speculative_disable_batch_size
+    """speculative decoding: from this many decodes in a step on, none drafts"""
+    speculative_min_gain: float = Field(CORE.speculative_min_gain, gt=0, le=1)
+    """speculative decoding: a draft slot is given while the request's measured
+    acceptance to that power is at least this"""
     max_waiting_requests: PositiveInt = 256
     """waiting here at most; the rest stay queued at the routers"""
     max_steps_in_flight: Annotated[int, Field(ge=1, le=2)] = 2
@@ -52,10 +57,14 @@ class SchedulerSettings(ServiceSettings):
     drain_timeout: PositiveFloat = 30.0
     """on SIGTERM: seconds the requests in flight get to finish"""
 
-    def core_config(self, executor_max_model_len: int, block_size: int) -> SchedulerConfig:
-        """The core's config once the executor has described itself (raises ValueError
-        for a combination the core cannot run)."""
+    def core_config(
+        self, executor_max_model_len: int, block_size: int, num_speculative_tokens: int = 0
+    ) -> SchedulerConfig:
+        """The core's config once the executor has described itself (its model's
+        length, its block size, the draft tokens it proposes; raises ValueError for a
+        combination the core cannot run)."""
         return config_from(
             self, SchedulerConfig,
             max_model_len=self.max_model_len or executor_max_model_len, block_size=block_size,
+            num_speculative_tokens=num_speculative_tokens,
         )  # fmt: skip

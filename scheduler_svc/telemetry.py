@@ -23,6 +23,18 @@ PREFIX_HITS = Counter("vllm:prefix_cache_hits", "Prompt tokens found cached", ["
 EXECUTOR_LOSSES = Counter(
     "flagstop:executor_losses", "Executor streams lost (dead or hung)", ["model_name"]
 )
+# Speculative decoding, as vLLM names them (AL = 1 + accepted / drafts).
+SPEC_DRAFTS = Counter("vllm:spec_decode_num_drafts", "Drafts verified (one request, one step)",
+                      ["model_name"])  # fmt: skip
+SPEC_DRAFT_TOKENS = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified",
+                            ["model_name"])  # fmt: skip
+SPEC_ACCEPTED = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                        ["model_name"])  # fmt: skip
+SPEC_ACCEPTED_PER_POS = Counter(
+    "vllm:spec_decode_num_accepted_tokens_per_pos",
+    "Draft tokens accepted, by position in the draft",
+    ["model_name", "position"],
+)  # fmt: skip
 STEP_SECONDS = Histogram(
     "flagstop:step_duration_seconds", "From planning a step to applying its tokens",
     ["model_name"], buckets=LATENCY_BUCKETS,
@@ -31,7 +43,8 @@ STEP_SECONDS = Histogram(
 
 class SchedulerTelemetry:
     __slots__ = ("_model_name", "arrivals", "enabled", "last_hits", "last_preemptions",
-                 "last_queries", "metrics", "request_spans", "steps", "tracer")  # fmt: skip
+                 "last_queries", "last_spec", "metrics", "request_spans", "steps",
+                 "tracer")  # fmt: skip
 
     def __init__(self, telemetry: Telemetry) -> None:
         self.enabled, self.tracer = telemetry.enabled, telemetry.tracer
@@ -42,6 +55,7 @@ class SchedulerTelemetry:
         # under model_name="" would sit at zero beside the real one for good).
         self._model_name = ""
         self.last_preemptions = self.last_queries = self.last_hits = 0
+        self.last_spec: tuple[int, int, int, list[int]] = (0, 0, 0, [])
         self.metrics: tuple = ()  # this model's labelled metrics, looked up once
 
     @property
@@ -102,6 +116,7 @@ class SchedulerTelemetry:
             "flagstop.waiting": len(scheduler.waiting),
             "flagstop.preempted": len(plan.preempted_req_ids),
             "flagstop.kv_cache_usage": scheduler.kv_cache_usage,
+            "flagstop.draft_slots": sum(plan.num_draft_slots.values()),
         })  # fmt: skip
 
     def on_update(
@@ -110,10 +125,15 @@ class SchedulerTelemetry:
         outputs: dict[str, OwnerOutputs],
         scheduler: Scheduler,
         num_queued_at_routers: int = 0,
+        result: executor_pb2.StepResult | None = None,
     ) -> None:
         started, span = self.steps.pop(plan.step_id, (time.monotonic(), None))
         self.metrics[0].observe(time.monotonic() - started)
         if span is not None:
+            if result is not None and result.num_draft_tokens:
+                span.set_attribute("flagstop.drafted_tokens", sum(result.num_draft_tokens))
+                span.set_attribute("flagstop.accepted_tokens", sum(result.num_sampled_tokens)
+                                   - len(result.num_sampled_tokens))  # fmt: skip
             span.end()
         if self.enabled:
             for out in outputs.values():
@@ -167,3 +187,18 @@ class SchedulerTelemetry:
         hits.inc(stats.prefix_cache_hits - self.last_hits)
         self.last_preemptions = stats.num_preemptions
         self.last_queries, self.last_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+        if scheduler.spec_stats.num_drafts != self.last_spec[0]:
+            self._export_spec(scheduler)
+
+    def _export_spec(self, scheduler: Scheduler) -> None:
+        spec, name = scheduler.spec_stats, self._model_name
+        drafts, draft_tokens, accepted, per_pos = self.last_spec
+        SPEC_DRAFTS.labels(name).inc(spec.num_drafts - drafts)
+        SPEC_DRAFT_TOKENS.labels(name).inc(spec.num_draft_tokens - draft_tokens)
+        SPEC_ACCEPTED.labels(name).inc(spec.num_accepted_tokens - accepted)
+        for position, count in enumerate(spec.accepted_per_pos):
+            before = per_pos[position] if position < len(per_pos) else 0
+            if count != before:
+                SPEC_ACCEPTED_PER_POS.labels(name, str(position)).inc(count - before)
+        self.last_spec = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
+                          list(spec.accepted_per_pos))  # fmt: skip

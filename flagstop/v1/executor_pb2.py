@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from flagstop.v1 import generation_pb2 as flagstop_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66lagstop/v1/executor.proto\x12\x0b\x66lagstop.v1\x1a\x1c\x66lagstop/v1/generation.proto\"S\n\x15PrepareGrammarRequest\x12:\n\x12structured_outputs\x18\x01 \x01(\x0b\x32\x1e.flagstop.v1.StructuredOutputs\"1\n\x16PrepareGrammarResponse\x12\x17\n\x0f\x63ompile_seconds\x18\x01 \x01(\x01\"\x19\n\x17\x44\x65scribeExecutorRequest\"\x9b\x01\n\x18\x44\x65scribeExecutorResponse\x12%\n\x05model\x18\x01 \x01(\x0b\x32\x16.flagstop.v1.ModelInfo\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\x08 \x01(\x05\x12\x1c\n\x14tensor_parallel_size\x18\t \x01(\x05J\x04\x08\x02\x10\x07\"\xef\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x05 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x15\n\x08logprobs\x18\x07 \x01(\x05H\x01\x88\x01\x01\x12:\n\x12structured_outputs\x18\x08 \x01(\x0b\x32\x1e.flagstop.v1.StructuredOutputs\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\r\n\x05min_p\x18\x0c \x01(\x02\x12>\n\nlogit_bias\x18\r \x03(\x0b\x32*.flagstop.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\x05H\x02\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xd2\x01\n\x0eNewRequestData\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\x05\x12\x34\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1b.flagstop.v1.SamplingParams\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\x05\x12\x1c\n\x14num_scheduled_tokens\x18\x07 \x01(\x05\"\x8e\x01\n\x11\x43\x61\x63hedRequestData\x12\x0f\n\x07req_ids\x18\x01 \x03(\t\x12\x1b\n\x13num_computed_tokens\x18\x02 \x03(\x05\x12\x1c\n\x14num_scheduled_tokens\x18\x03 \x03(\x05\x12\x16\n\x0enum_new_blocks\x18\x04 \x03(\x05\x12\x15\n\rnew_block_ids\x18\x05 \x03(\x05\"\xbe\x01\n\x0fSchedulerOutput\x12\x18\n\x10\x66inished_req_ids\x18\x01 \x03(\t\x12\x19\n\x11preempted_req_ids\x18\x02 \x03(\t\x12=\n\x15scheduled_cached_reqs\x18\x03 \x01(\x0b\x32\x1e.flagstop.v1.CachedRequestData\x12\x37\n\x12scheduled_new_reqs\x18\x04 \x03(\x0b\x32\x1b.flagstop.v1.NewRequestData\"r\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12*\n\x04plan\x18\x02 \x01(\x0b\x32\x1c.flagstop.v1.SchedulerOutput\x12\x11\n\theartbeat\x18\x03 \x01(\x08\x12\x13\n\x0btraceparent\x18\x04 \x01(\t\"\xae\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x19\n\x11sampled_token_ids\x18\x02 \x03(\x05\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.flagstop.v1.TokenLogprob\x12\x11\n\theartbeat\x18\x04 \x01(\x08\x12\x34\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x1b.flagstop.v1.PromptLogprobs\"b\n\x0ePromptLogprobs\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\x05\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.flagstop.v1.TokenLogprob2\x80\x02\n\x08\x45xecutor\x12W\n\x08\x44\x65scribe\x12$.flagstop.v1.DescribeExecutorRequest\x1a%.flagstop.v1.DescribeExecutorResponse\x12@\n\x07\x45xecute\x12\x18.flagstop.v1.StepRequest\x1a\x17.flagstop.v1.StepResult(\x01\x30\x01\x12Y\n\x0ePrepareGrammar\x12\".flagstop.v1.PrepareGrammarRequest\x1a#.flagstop.v1.PrepareGrammarResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66lagstop/v1/executor.proto\x12\x0b\x66lagstop.v1\x1a\x1c\x66lagstop/v1/generation.proto\"S\n\x15PrepareGrammarRequest\x12:\n\x12structured_outputs\x18\x01 \x01(\x0b\x32\x1e.flagstop.v1.StructuredOutputs\"1\n\x16PrepareGrammarResponse\x12\x17\n\x0f\x63ompile_seconds\x18\x01 \x01(\x01\"\x19\n\x17\x44\x65scribeExecutorRequest\"\xd7\x01\n\x18\x44\x65scribeExecutorResponse\x12%\n\x05model\x18\x01 \x01(\x0b\x32\x16.flagstop.v1.ModelInfo\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\x08 \x01(\x05\x12\x1c\n\x14tensor_parallel_size\x18\t \x01(\x05\x12\x1e\n\x16num_speculative_tokens\x18\n \x01(\x05\x12\x1a\n\x12speculative_method\x18\x0b \x01(\tJ\x04\x08\x02\x10\x07\"\xef\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x05 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x15\n\x08logprobs\x18\x07 \x01(\x05H\x01\x88\x01\x01\x12:\n\x12structured_outputs\x18\x08 \x01(\x0b\x32\x1e.flagstop.v1.StructuredOutputs\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\r\n\x05min_p\x18\x0c \x01(\x02\x12>\n\nlogit_bias\x18\r \x03(\x0b\x32*.flagstop.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\x05H\x02\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xd2\x01\n\x0eNewRequestData\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\x05\x12\x34\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1b.flagstop.v1.SamplingParams\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\x05\x12\x1c\n\x14num_scheduled_tokens\x18\x07 \x01(\x05\"\xa7\x01\n\x11\x43\x61\x63hedRequestData\x12\x0f\n\x07req_ids\x18\x01 \x03(\t\x12\x1b\n\x13num_computed_tokens\x18\x02 \x03(\x05\x12\x1c\n\x14num_scheduled_tokens\x18\x03 \x03(\x05\x12\x16\n\x0enum_new_blocks\x18\x04 \x03(\x05\x12\x15\n\rnew_block_ids\x18\x05 \x03(\x05\x12\x17\n\x0fnum_draft_slots\x18\x06 \x03(\x05\"\xf3\x01\n\x0fSchedulerOutput\x12\x18\n\x10\x66inished_req_ids\x18\x01 \x03(\t\x12\x19\n\x11preempted_req_ids\x18\x02 \x03(\t\x12=\n\x15scheduled_cached_reqs\x18\x03 \x01(\x0b\x32\x1e.flagstop.v1.CachedRequestData\x12\x37\n\x12scheduled_new_reqs\x18\x04 \x03(\x0b\x32\x1b.flagstop.v1.NewRequestData\x12\x17\n\x0ftrimmed_req_ids\x18\x05 \x03(\t\x12\x1a\n\x12trimmed_num_blocks\x18\x06 \x03(\x05\"r\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12*\n\x04plan\x18\x02 \x01(\x0b\x32\x1c.flagstop.v1.SchedulerOutput\x12\x11\n\theartbeat\x18\x03 \x01(\x08\x12\x13\n\x0btraceparent\x18\x04 \x01(\t\"\xe4\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x19\n\x11sampled_token_ids\x18\x02 \x03(\x05\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.flagstop.v1.TokenLogprob\x12\x11\n\theartbeat\x18\x04 \x01(\x08\x12\x34\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x1b.flagstop.v1.PromptLogprobs\x12\x1a\n\x12num_sampled_tokens\x18\x06 \x03(\x05\x12\x18\n\x10num_draft_tokens\x18\x07 \x03(\x05\"b\n\x0ePromptLogprobs\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\x05\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.flagstop.v1.TokenLogprob2\x80\x02\n\x08\x45xecutor\x12W\n\x08\x44\x65scribe\x12$.flagstop.v1.DescribeExecutorRequest\x1a%.flagstop.v1.DescribeExecutorResponse\x12@\n\x07\x45xecute\x12\x18.flagstop.v1.StepRequest\x1a\x17.flagstop.v1.StepResult(\x01\x30\x01\x12Y\n\x0ePrepareGrammar\x12\".flagstop.v1.PrepareGrammarRequest\x1a#.flagstop.v1.PrepareGrammarResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,23 +41,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIBEEXECUTORREQUEST']._serialized_start=209
   _globals['_DESCRIBEEXECUTORREQUEST']._serialized_end=234
   _globals['_DESCRIBEEXECUTORRESPONSE']._serialized_start=237
-  _globals['_DESCRIBEEXECUTORRESPONSE']._serialized_end=392
-  _globals['_SAMPLINGPARAMS']._serialized_start=395
-  _globals['_SAMPLINGPARAMS']._serialized_end=890
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=800
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=848
-  _globals['_NEWREQUESTDATA']._serialized_start=893
-  _globals['_NEWREQUESTDATA']._serialized_end=1103
-  _globals['_CACHEDREQUESTDATA']._serialized_start=1106
-  _globals['_CACHEDREQUESTDATA']._serialized_end=1248
-  _globals['_SCHEDULEROUTPUT']._serialized_start=1251
-  _globals['_SCHEDULEROUTPUT']._serialized_end=1441
-  _globals['_STEPREQUEST']._serialized_start=1443
-  _globals['_STEPREQUEST']._serialized_end=1557
-  _globals['_STEPRESULT']._serialized_start=1560
-  _globals['_STEPRESULT']._serialized_end=1734
-  _globals['_PROMPTLOGPROBS']._serialized_start=1736
-  _globals['_PROMPTLOGPROBS']._serialized_end=1834
-  _globals['_EXECUTOR']._serialized_start=1837
-  _globals['_EXECUTOR']._serialized_end=2093
+  _globals['_DESCRIBEEXECUTORRESPONSE']._serialized_end=452
+  _globals['_SAMPLINGPARAMS']._serialized_start=455
+  _globals['_SAMPLINGPARAMS']._serialized_end=950
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=860
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=908
+  _globals['_NEWREQUESTDATA']._serialized_start=953
+  _globals['_NEWREQUESTDATA']._serialized_end=1163
+  _globals['_CACHEDREQUESTDATA']._serialized_start=1166
+  _globals['_CACHEDREQUESTDATA']._serialized_end=1333
+  _globals['_SCHEDULEROUTPUT']._serialized_start=1336
+  _globals['_SCHEDULEROUTPUT']._serialized_end=1579
+  _globals['_STEPREQUEST']._serialized_start=1581
+  _globals['_STEPREQUEST']._serialized_end=1695
+  _globals['_STEPRESULT']._serialized_start=1698
+  _globals['_STEPRESULT']._serialized_end=1926
+  _globals['_PROMPTLOGPROBS']._serialized_start=1928
+  _globals['_PROMPTLOGPROBS']._serialized_end=2026
+  _globals['_EXECUTOR']._serialized_start=2029
+  _globals['_EXECUTOR']._serialized_end=2285
 # @@protoc_insertion_point(module_scope)

@@ -14,6 +14,11 @@ class SchedulerConfig:
     no_chunked_prefill: bool = False
     no_prefix_caching: bool = False
     policy: str = "fcfs"
+    # Speculative decoding: the most draft tokens a decode gets a step (the executor's
+    # --speculative-config; 0: off), and the rule that adapts it (speculative.py).
+    num_speculative_tokens: int = 0
+    speculative_disable_batch_size: int = 32
+    speculative_min_gain: float = 0.25
 
     def __post_init__(self) -> None:
         if min(self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len) < 1:
@@ -22,6 +27,10 @@ class SchedulerConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
+        if self.num_speculative_tokens < 0 or self.speculative_disable_batch_size < 1:
+            raise ValueError("num_speculative_tokens >= 0, speculative_disable_batch_size >= 1")
+        if not 0 < self.speculative_min_gain <= 1:
+            raise ValueError("speculative_min_gain must be in (0, 1]")
         if self.no_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             # Without chunking a whole prompt must fit one step, or it would wait forever.
             raise ValueError(

@@ -119,6 +119,19 @@ class KVCacheManager:
             self.pool.cache_block(state.blocks[i], request.block_hashes[i])
         state.num_cached_blocks = num_full
 
+    def trim(self, request: Request, num_tokens: int) -> int | None:
+        """Give back the blocks past the first num_tokens slots (rejected drafts had
+        them allocated): the new block count, or None when nothing was past."""
+        state = self.req_blocks.get(request.request_id)
+        num_kept = cdiv(num_tokens, self.block_size)
+        if state is None or len(state.blocks) <= num_kept:
+            return None
+        # Only blocks of tokens that were never known: none of them is cached.
+        assert state.num_cached_blocks <= num_kept, "a cached block past the tokens"
+        self.pool.free_blocks(reversed(state.blocks[num_kept:]))
+        del state.blocks[num_kept:]
+        return num_kept
+
     def free(self, request: Request) -> None:
         state = self.req_blocks.pop(request.request_id, None)
         if state is not None:

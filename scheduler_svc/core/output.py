@@ -52,10 +52,18 @@ class SchedulerOutput:
     # executor returns one token for each, in this order. (The executor finds them
     # from its own token counts and leaves this empty.)
     sampling_requests: list[Request] = field(default_factory=list)
+    # Speculative decoding: the draft slots of the decodes that have some (counted in
+    # num_scheduled_tokens), and the block tables to cut before this step's new blocks
+    # (rejected drafts gave back the blocks past their request's tokens).
+    num_draft_slots: dict[str, int] = field(default_factory=dict)
+    trimmed_blocks: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
-        return not (self.num_scheduled_tokens or self.finished_req_ids or self.preempted_req_ids)
+        return not (
+            self.num_scheduled_tokens or self.finished_req_ids or self.preempted_req_ids
+            or self.trimmed_blocks
+        )  # fmt: skip
 
 
 @dataclass(slots=True)

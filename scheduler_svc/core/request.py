@@ -4,6 +4,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from flagstop.scheduler_svc.core.speculative import SPEC_PRIOR_ACCEPTANCE
+
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
@@ -72,6 +74,10 @@ class Request:
     # computes: such a request recomputes its whole prompt (its blocks still fill the
     # cache for others).
     skip_prefix_cache: bool = False
+    # Speculative decoding: the request's own cap on draft tokens a step (None: the
+    # engine's), and its measured acceptance per draft token (speculative.py).
+    max_spec_tokens: int | None = None
+    spec_acceptance: float = field(default=SPEC_PRIOR_ACCEPTANCE)
     status: RequestStatus = RequestStatus.WAITING
     all_token_ids: list[int] = field(init=False)
     num_prompt_tokens: int = field(init=False)

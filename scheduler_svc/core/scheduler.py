@@ -20,6 +20,11 @@ from flagstop.scheduler_svc.core.output import (
 )
 from flagstop.scheduler_svc.core.policy import SchedulingPolicy, make_policy
 from flagstop.scheduler_svc.core.request import FINISH_REASON, Request, RequestStatus
+from flagstop.scheduler_svc.core.speculative import (
+    SpecDecodingStats,
+    num_draft_slots,
+    updated_acceptance,
+)
 
 RUNNING, PREEMPTED = RequestStatus.RUNNING, RequestStatus.PREEMPTED
 STOPPED, LENGTH = RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH
@@ -50,6 +55,7 @@ class _Step:
     # Admitted from the waiting queue, in order: new ones and resumed ones.
     admitted_reqs: list[Request] = field(default_factory=list)
     preempted_req_ids: set[str] = field(default_factory=set)
+    num_draft_slots: dict[str, int] = field(default_factory=dict)
 
     def unschedule(self, request: Request) -> None:
         """A request scheduled earlier in this step became a preemption victim (only
@@ -59,6 +65,7 @@ class _Step:
             return
         index = self.running_reqs.index(request)
         del self.running_reqs[index], self.running_new_block_ids[index]
+        self.num_draft_slots.pop(request.request_id, None)
         self.token_budget += num_tokens
 
 
@@ -79,6 +86,9 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.step_id = 0
         self.num_preemptions = 0
+        # Block tables cut since the last plan (rejected drafts), for the next one.
+        self.trimmed_blocks: dict[str, int] = {}
+        self.spec_stats = SpecDecodingStats()
 
     # -- requests in -------------------------------------------------------------
 
@@ -90,6 +100,8 @@ class Scheduler:
             request.max_num_tokens = min(
                 request.num_prompt_tokens + stop.max_tokens, self.max_model_len
             )
+        if request.max_spec_tokens is not None:
+            request.max_spec_tokens = max(0, request.max_spec_tokens)
         request.stop_ids = stop_token_ids(
             stop.stop_token_ids, request.eos_token_ids, stop.ignore_eos
         )
@@ -144,12 +156,15 @@ class Scheduler:
         self.max_model_len = min(config.max_model_len, num_blocks * config.block_size)
         # The new executor starts from an empty batch: nothing of the old to drop.
         self.finished_req_ids = set()
+        self.trimmed_blocks = {}
 
     # -- one step ----------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         step = _Step(token_budget=self.config.max_num_batched_tokens)
         self._schedule_running(step)
+        if self.config.num_speculative_tokens:
+            self._schedule_drafts(step)
         # Admitting while we had to preempt would only hand the freed blocks to a
         # newcomer and preempt again next step (thrashing).
         if not step.preempted_req_ids:
@@ -193,10 +208,43 @@ class Scheduler:
             step.token_budget -= num_new
             i += 1
 
+    def _schedule_drafts(self, step: _Step) -> None:
+        """Draft slots for the decodes, from the budget every running request already
+        had its token of (so drafts never crowd a decode out), never at the cost of a
+        preemption; capped at the request's last token (max_tokens, max_model_len)."""
+        config, scheduled = self.config, step.num_scheduled_tokens
+        decodes = [
+            (i, r) for i, r in enumerate(step.running_reqs)
+            if scheduled[r.request_id] == 1
+            and r.num_computed_tokens + 1 == len(r.all_token_ids) + r.num_output_placeholders
+        ]  # fmt: skip
+        if len(decodes) >= config.speculative_disable_batch_size:
+            return
+        max_k, min_gain = config.num_speculative_tokens, config.speculative_min_gain
+        for i, request in decodes:
+            if step.token_budget <= 0:
+                return
+            cap = max_k if request.max_spec_tokens is None else min(max_k, request.max_spec_tokens)
+            room = request.max_num_tokens - (len(request.all_token_ids)
+                                             + request.num_output_placeholders) - 1  # fmt: skip
+            k = min(cap, room, step.token_budget, num_draft_slots(
+                request.spec_acceptance, max_k, min_gain))  # fmt: skip
+            if k <= 0:
+                continue
+            block_ids = self.kv.allocate_slots(request, 1 + k)
+            if block_ids is None:
+                continue  # the pool is short: this decode goes without drafts
+            if block_ids:
+                step.running_new_block_ids[i] = [*step.running_new_block_ids[i], *block_ids]
+            scheduled[request.request_id] = 1 + k
+            step.num_draft_slots[request.request_id] = k
+            step.token_budget -= k
+
     def _preempt(self, request: Request, step: _Step) -> None:
         # Recompute, not swap: the blocks go back now and the request later
         # recomputes prompt + outputs (cheap while its prefix stays cached).
         self.kv.free(request)
+        self.trimmed_blocks.pop(request.request_id, None)
         request.status = PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -253,11 +301,15 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=step.preempted_req_ids,
             sampling_requests=[],
+            num_draft_slots=step.num_draft_slots,
+            trimmed_blocks=self.trimmed_blocks,
         )
         # In num_scheduled_tokens order: running first, then admitted.
-        self._advance(step.running_reqs, step.num_scheduled_tokens, output.sampling_requests)
-        self._advance(step.admitted_reqs, step.num_scheduled_tokens, output.sampling_requests)
+        self._advance(step.running_reqs, step, output.sampling_requests)
+        self._advance(step.admitted_reqs, step, output.sampling_requests)
         self.finished_req_ids = set()
+        if self.trimmed_blocks:
+            self.trimmed_blocks = {}
         self.step_id += 1
         return output
 
@@ -272,61 +324,72 @@ class Scheduler:
         )
 
     @staticmethod
-    def _advance(
-        requests: list[Request], num_scheduled_tokens: dict[str, int], sampling: list[Request]
-    ) -> None:
+    def _advance(requests: list[Request], step: _Step, sampling: list[Request]) -> None:
         # Advanced at schedule time, not on output, so that the next step can be
         # planned while this one runs: a chunked prefill continues, and a request
         # whose chunk reaches its end holds a placeholder for the token in flight.
+        # Drafts are counted as if all were accepted (vLLM's optimistic advance): the
+        # result rolls back what was rejected.
+        num_scheduled_tokens, drafts = step.num_scheduled_tokens, step.num_draft_slots
         for request in requests:
             request.num_computed_tokens += num_scheduled_tokens[request.request_id]
+            num_drafts = drafts.get(request.request_id, 0) if drafts else 0
             if (
-                request.num_computed_tokens
+                request.num_computed_tokens - num_drafts
                 == len(request.all_token_ids) + request.num_output_placeholders
             ):
-                request.num_output_placeholders += 1
+                request.num_output_placeholders += 1 + num_drafts
                 sampling.append(request)
 
     # -- results in --------------------------------------------------------------
 
     def update_from_output(
-        self, plan: SchedulerOutput, sampled_token_ids: Sequence[int]
+        self,
+        plan: SchedulerOutput,
+        sampled_token_ids: Sequence[int],
+        num_sampled_tokens: Sequence[int] = (),
+        num_draft_tokens: Sequence[int] = (),
     ) -> dict[str, OwnerOutputs]:
-        """Apply one step's tokens: sampled_token_ids[i] belongs to plan.sampling_requests[i],
-        and a negative id marks a request the executor failed (it ends with an error,
-        the rest of the batch goes on). Returns new tokens and finish reasons by owner."""
-        if len(sampled_token_ids) != len(plan.sampling_requests):
+        """Apply one step's tokens. Without drafts sampled_token_ids[i] belongs to
+        plan.sampling_requests[i]; with drafts request i has num_sampled_tokens[i] of
+        them (1 + its accepted drafts) in order, and was proposed num_draft_tokens[i]
+        drafts. A negative id marks a request the executor failed (it ends with an
+        error, the rest of the batch goes on). Every stop rule is applied at each
+        token: nothing past a stop is emitted. Returns new tokens and finish reasons
+        by owner."""
+        sampling = plan.sampling_requests
+        counts = num_sampled_tokens or None
+        expected = sum(counts) if counts is not None else len(sampling)
+        if len(sampled_token_ids) != expected or (
+            counts is not None and len(counts) != len(sampling)
+        ):
             raise ValueError(
                 f"step {plan.step_id}: {len(sampled_token_ids)} sampled tokens for "
-                f"{len(plan.sampling_requests)} sampling requests"
+                f"{len(sampling)} sampling requests"
             )
         outputs: dict[str, OwnerOutputs] = {}
         queued_ids: set[str] | None = None  # None: nothing finished
-        block_size = self.config.block_size
-        for request, token_id in zip(plan.sampling_requests, sampled_token_ids, strict=True):
+        drafts = plan.num_draft_slots
+        start = 0
+        for i, request in enumerate(sampling):
+            num_tokens = 1 if counts is None else counts[i]
+            start += num_tokens
             if request.status.is_finished:
                 continue  # finished or aborted while this step was in flight
-            request.num_output_placeholders -= 1
+            num_slots = drafts.get(request.request_id, 0) if drafts else 0
+            request.num_output_placeholders -= 1 + num_slots
+            if num_slots:
+                num_proposed = num_draft_tokens[i] if num_draft_tokens else num_slots
+                self._settle_drafts(request, num_slots, num_proposed, num_tokens - 1)
             out = outputs.get(request.owner)
             if out is None:
                 out = outputs[request.owner] = OwnerOutputs()
-            if token_id < 0:
-                status = ERROR
+            for token_id in sampled_token_ids[start - num_tokens : start]:
+                status = self._append_token(request, token_id, out)
+                if status is not None:
+                    break
             else:
-                tokens = request.all_token_ids
-                tokens.append(token_id)
-                if len(tokens) % block_size == 0:
-                    self.kv.update_block_hashes(request)
-                out.req_ids.append(request.request_id)
-                out.new_token_ids.append(token_id)
-                if token_id in request.stop_ids and (
-                    len(tokens) - request.num_prompt_tokens >= request.stop.min_tokens
-                ):
-                    status = STOPPED
-                elif len(tokens) >= request.max_num_tokens:
-                    status = LENGTH
-                else:
-                    continue
+                continue
             out.finished[request.request_id] = FINISH_REASON[status]
             out.num_cached_tokens.append(max(0, request.num_cached_tokens))
             if queued_ids is None:
@@ -336,6 +399,43 @@ class Scheduler:
         if queued_ids is not None:
             self._drop_finished(queued_ids)
         return outputs
+
+    def _append_token(
+        self, request: Request, token_id: int, out: OwnerOutputs
+    ) -> RequestStatus | None:
+        """One new token of a request; the status it ends with, or None."""
+        if token_id < 0:
+            return ERROR
+        tokens = request.all_token_ids
+        tokens.append(token_id)
+        if len(tokens) % self.config.block_size == 0:
+            self.kv.update_block_hashes(request)
+        out.req_ids.append(request.request_id)
+        out.new_token_ids.append(token_id)
+        if token_id in request.stop_ids and (
+            len(tokens) - request.num_prompt_tokens >= request.stop.min_tokens
+        ):
+            return STOPPED
+        if len(tokens) >= request.max_num_tokens:
+            return LENGTH
+        return None
+
+    def _settle_drafts(
+        self, request: Request, num_slots: int, num_proposed: int, num_accepted: int
+    ) -> None:
+        """A verified step: roll back what was rejected (or never proposed) of the
+        optimistic advance, give back the blocks past it, and measure acceptance."""
+        num_rejected = num_slots - num_accepted
+        if num_rejected and request.status == RUNNING:  # preempted: it starts over anyway
+            request.num_computed_tokens -= num_rejected
+            num_blocks = self.kv.trim(request, request.num_computed_tokens)
+            if num_blocks is not None:
+                self.trimmed_blocks[request.request_id] = num_blocks
+        if num_proposed:
+            self.spec_stats.record(num_proposed, num_accepted)
+            request.spec_acceptance = updated_acceptance(
+                request.spec_acceptance, num_proposed, num_accepted
+            )
 
     def _finish(self, request: Request, status: RequestStatus) -> bool:
         """Free the request; the caller takes it out of the queues. Returns whether it

@@ -1,0 +1,50 @@
+"""--speculative-config: vLLM's JSON, validated once (a bad one stops start-up with
+one line naming the field)."""
+
+from typing import Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+
+# vLLM's MAX_SPEC_LEN: past it the verification rows cost more than they save.
+MAX_SPEC_TOKENS = 32
+# vLLM's default n-gram window when neither bound is given ("arbitrarily chosen").
+DEFAULT_PROMPT_LOOKUP = 5
+
+
+class SpeculativeConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    method: Literal["ngram", "draft_model", "suffix"]
+    """ngram: prompt lookup; draft_model: a smaller checkpoint of the same tokenizer;
+    suffix: suffix decoding over the prompt and earlier outputs (arctic-inference)"""
+    num_speculative_tokens: int = Field(3, ge=1, le=MAX_SPEC_TOKENS)
+    """draft tokens a request gets a step at most (suffix: the cap of its adaptive length)"""
+    prompt_lookup_min: PositiveInt | None = None
+    """ngram: the shortest suffix to match (one bound given: the other mirrors it; none: 5)"""
+    prompt_lookup_max: PositiveInt | None = None
+    """ngram: the longest suffix to match"""
+    model: str | None = None
+    """draft_model: the draft checkpoint directory"""
+    draft_sample_method: Literal["greedy", "probabilistic"] = "greedy"
+    """draft_model: greedy drafts, or drafts sampled from the draft's distribution
+    (its probabilities go to the rejection sampler)"""
+    suffix_decoding_max_tree_depth: PositiveInt = 24
+    suffix_decoding_max_cached_requests: int = Field(10000, ge=0)
+    suffix_decoding_max_spec_factor: float = Field(1.0, gt=0)
+    suffix_decoding_min_token_prob: float = Field(0.1, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if self.method != "ngram" and (lo or hi):
+            raise ValueError("prompt_lookup_min/max are for method ngram")
+        if self.method == "ngram":
+            lo = lo or hi or DEFAULT_PROMPT_LOOKUP
+            hi = hi or lo
+            if lo > hi:
+                raise ValueError(f"prompt_lookup_min {lo} exceeds prompt_lookup_max {hi}")
+            object.__setattr__(self, "prompt_lookup_min", lo)
+            object.__setattr__(self, "prompt_lookup_max", hi)
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("model (the draft checkpoint) is needed by, and only by, draft_model")
+        return self

@@ -1,0 +1,76 @@
+"""What fills the scheduler's draft slots: a Proposer sees the persistent batch's
+requests come and go, proposes each step's drafts on rank 0 (the one place drafts
+are decided: under tensor parallelism the other ranks take them from it), and hears
+what verification kept."""
+
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from flagstop.executor.input_batch import InputBatch
+from flagstop.executor.spec.config import SpeculativeConfig
+from flagstop.executor.spec.ngram import propose_ngram
+
+
+class Proposer(Protocol):
+    def add(self, req_id: str, row: int, batch: InputBatch) -> None:
+        """A request took a row (new, or resumed with its outputs so far)."""
+
+    def remove(self, req_id: str) -> None:
+        """It left the batch (finished or preempted)."""
+
+    def propose(
+        self, batch: InputBatch, rows: np.ndarray, slots: np.ndarray
+    ) -> tuple[list[np.ndarray], torch.Tensor | None]:
+        """Up to slots[i] drafts for each rows[i] (the tokens after its known ones),
+        and their draft distributions ([sum, V]) when drafting samples."""
+
+    def verified(
+        self, batch: InputBatch, rows: np.ndarray, num_known: np.ndarray, num_sampled: np.ndarray
+    ) -> None:
+        """After the step: rows[i] had num_known[i] tokens and took num_sampled[i]."""
+
+    def reset(self) -> None:
+        """A new scheduler stream: no request is left."""
+
+
+class NgramProposer:
+    """Prompt lookup (executor/spec/ngram.py): stateless."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+
+    def add(self, req_id: str, row: int, batch: InputBatch) -> None:
+        pass
+
+    def remove(self, req_id: str) -> None:
+        pass
+
+    def propose(self, batch, rows, slots):
+        drafts = [
+            propose_ngram(batch.token_ids[row, : batch.num_tokens[row]], int(k),
+                          self.min_n, self.max_n).astype(np.int64)
+            for row, k in zip(rows.tolist(), slots.tolist(), strict=True)
+        ]  # fmt: skip
+        return drafts, None
+
+    def verified(self, batch, rows, num_known, num_sampled) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+
+def make_proposer(config: SpeculativeConfig, runner) -> Proposer:
+    """runner: the target's ModelRunner (a draft model shares its device, dtype, block
+    pool and attention backend)."""
+    if config.method == "ngram":
+        return NgramProposer(config)
+    if config.method == "suffix":
+        from flagstop.executor.spec.suffix import SuffixProposer
+
+        return SuffixProposer(config)
+    from flagstop.executor.spec.draft_model import DraftModelProposer
+
+    return DraftModelProposer(config, runner)

@@ -1,0 +1,137 @@
+"""Speculative decoding through the whole stack (router, scheduler, executor as real
+processes): greedy streams token-exact against transformers with each proposer, on
+two tensor-parallel ranks with preemption forced, a constrained request, vLLM's
+counters, a step's tokens of a stream in one message, and kill -9 of the executor."""
+
+import json
+
+import grpc
+import pytest
+
+from flagstop.v1 import generation_pb2
+from tests.helpers.metrics import scrape
+from tests.helpers.streams import (
+    Streams,
+    assert_matches_reference,
+    assert_token_exact,
+    long_greedy_workload,
+    run_concurrently,
+    short_greedy_workload,
+)
+from tools.stack import generate, start_stack
+
+pytestmark = pytest.mark.processes
+
+
+def _spec(**config) -> list[str]:
+    return ["--speculative-config", json.dumps(config)]
+
+
+@pytest.fixture(scope="module")
+def tp_spec_stack(model_dir, tmp_path_factory):
+    """The checkpoint drafting for itself on two ranks, a 384-token pool and a 32-token
+    budget: drafts truncated by the budget, preemption, prefix hits."""
+    stack = start_stack(
+        model_dir, tmp_path_factory.mktemp("spec-tp"),
+        executor_args=["--num-blocks", "24", "--tensor-parallel-size", "2",
+                       *_spec(method="draft_model", model=str(model_dir),
+                              num_speculative_tokens=3)],
+        scheduler_args=["--max-num-batched-tokens", "32", "--max-num-seqs", "8"],
+    )  # fmt: skip
+    yield stack
+    assert stack.stop() == {"router": 0, "scheduler": 0, "executor": 0}, stack.logs()
+
+
+def test_drafts_on_two_ranks_with_preemption_equal_transformers(tp_spec_stack, reference):
+    before = tp_spec_stack.stats()
+    requests = short_greedy_workload(5, n=10, shared_prefix=True)
+    outputs = run_concurrently(tp_spec_stack, requests)
+    assert_matches_reference(reference, requests, outputs)
+    after = tp_spec_stack.wait_idle()
+    assert after.num_preemptions > before.num_preemptions, "the pool was meant to force preemption"
+    series = scrape(tp_spec_stack.metrics_ports["scheduler"])
+
+    def total(name: str, **labels) -> float:
+        key = f"vllm:spec_decode_{name}_total" + str(sorted({"model_name": "flagstop-tiny",
+                                                            **labels}.items()))  # fmt: skip
+        return series[key]
+
+    assert total("num_drafts") > 0
+    assert total("num_accepted_tokens") >= 0.98 * total("num_draft_tokens")
+    assert total("num_accepted_tokens_per_pos", position="0") > 0
+
+
+def test_a_step_of_drafts_reaches_the_client_as_one_message(tp_spec_stack, reference):
+    prompt = [0, 17, 99, 4, 250]
+    chunks = list(
+        tp_spec_stack.generation().Generate(
+            generation_pb2.GenerateRequest(
+                prompt_token_ids=prompt, max_tokens=24, temperature=0, ignore_eos=True
+            ),
+            timeout=60,
+        )
+    )
+    tokens = [t for c in chunks for t in c.token_ids]
+    from tests.helpers.checkpoints import reference_generate
+
+    assert tokens == reference_generate(reference, prompt, 24)
+    assert max(len(c.token_ids) for c in chunks) > 1
+    assert len(chunks) < 24
+
+
+def test_a_request_can_turn_speculation_off(tp_spec_stack, reference):
+    tokens, _, _ = generate(
+        tp_spec_stack,
+        prompt_token_ids=[0, 5, 6, 7],
+        max_tokens=12,
+        temperature=0,
+        ignore_eos=True,
+        num_speculative_tokens=0,
+    )
+    from tests.helpers.checkpoints import reference_generate
+
+    assert tokens == reference_generate(reference, [0, 5, 6, 7], 12)
+    with pytest.raises(grpc.RpcError) as error:
+        generate(tp_spec_stack, prompt_token_ids=[0, 5], max_tokens=2, num_speculative_tokens=-1)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_json_schema_request_with_drafts_returns_its_schema(tp_spec_stack):
+    schema = {"type": "object", "properties": {"n": {"enum": [1, 2, 3]}}, "required": ["n"],
+              "additionalProperties": False}  # fmt: skip
+    _, text, last = generate(
+        tp_spec_stack, prompt="give me a number", max_tokens=60, temperature=0,
+        structured_outputs=generation_pb2.StructuredOutputs(json_schema=json.dumps(schema)),
+    )  # fmt: skip
+    assert last.finish_reason == generation_pb2.FINISH_REASON_STOP, text
+    assert set(json.loads(text)) == {"n"}
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3),
+        dict(method="suffix", num_speculative_tokens=4),
+    ],
+    ids=["ngram", "suffix"],
+)
+def test_greedy_streams_with_each_proposer_equal_transformers(model_dir, tmp_path, reference, spec):
+    stack = start_stack(model_dir, tmp_path, executor_args=["--num-blocks", "256", *_spec(**spec)])
+    try:
+        requests = short_greedy_workload(9, n=8)
+        assert_matches_reference(reference, requests, run_concurrently(stack, requests))
+    finally:
+        assert stack.stop() == {"router": 0, "scheduler": 0, "executor": 0}, stack.logs()
+
+
+def test_a_killed_executor_with_drafts_is_replaced_token_exact(model_dir, tmp_path, reference):
+    spec = _spec(method="draft_model", model=str(model_dir), num_speculative_tokens=3)
+    stack = start_stack(model_dir, tmp_path, executor_args=["--num-blocks", "512", *spec])
+    try:
+        streams = Streams(stack, long_greedy_workload(4))
+        streams.wait_for_tokens(10)
+        stack.kill("executor")
+        stack.restart("executor")
+        assert_token_exact(reference, streams)
+    finally:
+        stack.stop(10)
