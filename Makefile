@@ -106,7 +106,7 @@ bench-replicas: $(STAMP)
 	$(PY) bench/replica_bench.py
 	$(PY) bench/report.py
 
-# The default set, under 10 minutes on a 2-core machine; bench/RESULTS.md gathers them.
+# The default set, about 17 minutes on a 2-core machine; bench/RESULTS.md gathers them.
 bench: $(STAMP)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
 	$(PY) bench/scheduler_bench.py
@@ -118,6 +118,10 @@ bench: $(STAMP)
 	$(PY) bench/tracing_bench.py
 	$(PY) bench/overhead_bench.py --variant '1 router process||' \
 		--variant '2 router processes||--processes 2'
+	$(PY) bench/spec_bench.py
+	$(PY) bench/overhead_bench.py --streams 64 256 --step-ms 8 --out bench/results/overhead_spec.md \
+		--variant 'no speculation|||' \
+		--variant 'ngram k=3, acceptance 0.7|||--speculative-config {"method":"ngram","num_speculative_tokens":3} --simulate-acceptance-rate 0.7|--speculative-disable-batch-size 100000'
 	$(PY) bench/plots.py
 	$(PY) bench/report.py
 

@@ -4,12 +4,16 @@ model), which answers each step after a fixed simulated step time.
 
     python bench/overhead_bench.py [--streams 64 256 1024] [--step-ms 8 30]
         [--routers 1] [--duration 8] [--out bench/results/overhead.md]
-        [--variant 'LABEL|CHECKOUT|ROUTER FLAGS' ...]
+        [--variant 'LABEL|CHECKOUT|ROUTER FLAGS|EXECUTOR FLAGS|SCHEDULER FLAGS' ...]
 
 Each --variant is a stack of its own, measured in the same run for a side-by-side
 table: CHECKOUT another checkout of flagstop with its own .venv (a commit before a
 lever; empty: this one), ROUTER FLAGS extra router flags (--stream-interval-ms 25,
---processes 2). --routers N is --processes N for every variant.
+--processes 2), EXECUTOR FLAGS and SCHEDULER FLAGS extra flags of those (the
+simulator's speculative decoding: --speculative-config {"method":"ngram"}
+--simulate-acceptance-rate 0.7, with the scheduler's
+--speculative-disable-batch-size raised). --routers N is --processes N for every
+variant.
 
 Each stream is a closed loop of greedy requests (32-token prompt, 256 tokens, EOS
 ignored) through the router's gRPC API. Over a window after a warm-up: delivered
@@ -161,17 +165,19 @@ async def measure(stack, variant: str, streams: int, args) -> dict:
 
 
 def start(
-    model_dir: Path, step_ms: float, max_streams: int, checkout: Path, extra: list, processes: int
-):
+    model_dir: Path, step_ms: float, max_streams: int, checkout: Path, extra: list, processes: int,
+    executor_extra: list = (), scheduler_extra: list = (),
+):  # fmt: skip
     """A stack on the simulator, of this checkout or another."""
     stack = start_stack(
         model_dir, Path(tempfile.mkdtemp(prefix="overhead-")), checkout=checkout,
         executor_args=["--simulate", "--simulate-base-ms", str(step_ms),
                        "--simulate-us-per-scheduled-token", "0",
                        "--simulate-us-per-context-token", "0",
-                       "--max-num-seqs", str(max_streams), "--max-num-batched-tokens", "16384"],
+                       "--max-num-seqs", str(max_streams), "--max-num-batched-tokens", "16384",
+                       *executor_extra],
         scheduler_args=["--max-num-seqs", str(max_streams), "--max-num-batched-tokens", "16384",
-                        "--max-waiting-requests", str(max_streams)],
+                        "--max-waiting-requests", str(max_streams), *scheduler_extra],
         router_args=["--max-queued-requests", str(4 * max_streams), *extra],
     )  # fmt: skip
     if processes > 1:  # before the clients connect: SO_REUSEPORT spreads connections
@@ -195,12 +201,14 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def variants(args) -> list[tuple[str, Path, list[str]]]:
-    """(label, checkout, router flags) for each --variant; one of this checkout without."""
+def variants(args) -> list[tuple[str, Path, list[str], list[str], list[str]]]:
+    """(label, checkout, router, executor and scheduler flags) for each --variant; one
+    of this checkout without."""
     found = []
     for text in args.variant or [f"{args.label}||{args.router_args}"]:
-        label, checkout, flags = [*text.split("|"), "", ""][:3]
-        found.append((label, Path(checkout).resolve() if checkout else ROOT, flags.split()))
+        label, checkout, flags, executor, scheduler = [*text.split("|"), "", "", "", ""][:5]
+        found.append((label, Path(checkout).resolve() if checkout else ROOT, flags.split(),
+                      executor.split(), scheduler.split()))  # fmt: skip
     return found
 
 
@@ -223,8 +231,8 @@ def main() -> None:
     rows = []
     for step_ms in args.step_ms:
         args.step_ms_now = step_ms
-        for label, checkout, flags in variants(args):
-            rows += run_variant(model_dir, label, checkout, flags, args)
+        for label, checkout, flags, executor, scheduler in variants(args):
+            rows += run_variant(model_dir, label, checkout, flags, args, executor, scheduler)
     text = table(rows)
     print(text)
     write_result(
@@ -236,13 +244,17 @@ def main() -> None:
     )  # fmt: skip
 
 
-def run_variant(model_dir: Path, label: str, checkout: Path, flags: list[str], args) -> list:
+def run_variant(
+    model_dir: Path, label: str, checkout: Path, flags: list[str], args,
+    executor_extra: list[str] = (), scheduler_extra: list[str] = (),
+) -> list:  # fmt: skip
     processes = args.routers
     if "--processes" in flags:
         processes = int(flags[flags.index("--processes") + 1])
     elif processes > 1:
         flags = [*flags, "--processes", str(processes)]
-    stack = start(model_dir, args.step_ms_now, max(args.streams), checkout, flags, processes)
+    stack = start(model_dir, args.step_ms_now, max(args.streams), checkout, flags, processes,
+                  executor_extra, scheduler_extra)  # fmt: skip
     rows = []
     try:
         for streams in args.streams:

@@ -6,9 +6,10 @@ bench/overhead_bench.py, drawn with matplotlib (the bench extra).
 occupancy.png: batch slots over forward steps, static batching (transformers
 generate()) above continuous batching (ours), from the same workload's real runs;
 one colour per request, grey for an idle slot. serving.png: output throughput and
-p99 TTFT against the request rate. overhead.png (and overhead_levers.png): delivered
-tokens/s and the router's CPU per token against the number of streams, a line per
-variant.
+p99 TTFT against the request rate. overhead.png (and overhead_levers.png,
+overhead_spec.png): delivered tokens/s and the router's CPU per token against the
+number of streams, a line per variant. spec.png: speculative decoding's tok/s against
+speculation off and its tokens per forward, a line per proposer.
 """
 
 import argparse
@@ -142,6 +143,33 @@ def overhead_chart(overhead: dict, out: Path, step_ms: float = 8.0) -> None:
     plt.close(fig)
 
 
+def spec_chart(spec: dict, out: Path) -> None:
+    """Speculative decoding (bench/spec_bench.py): output tok/s relative to speculation
+    off, and tokens per target forward, against streams, a line per method."""
+    rows = spec["rows"]
+    off = {r["streams"]: r["tok_s"] for r in rows if r["method"] == "off"}
+    methods = [m for m in dict.fromkeys(r["method"] for r in rows) if m != "off"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.4), constrained_layout=True)
+    for method in methods:
+        mine = [r for r in rows if r["method"] == method]
+        streams = [r["streams"] for r in mine]
+        left.plot(streams, [r["tok_s"] / off[r["streams"]] for r in mine], marker="o",
+                  label=method)  # fmt: skip
+        right.plot(streams, [r["tokens_per_forward"] for r in mine], marker="o", label=method)
+    for ax, label in ((left, "output tok/s / speculation off"),
+                      (right, "tokens per target forward")):  # fmt: skip
+        ax.set_xscale("log", base=2)
+        streams = sorted({r["streams"] for r in rows})
+        ax.set_xticks(streams, [str(n) for n in streams])
+        ax.set_xlabel("concurrent streams")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(loc="best", fontsize=8)
+    left.axhline(1.0, color="grey", linewidth=0.8)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, default=Path(__file__).parent / "results")
@@ -150,7 +178,9 @@ def main() -> None:
                     args.results / "occupancy.png")  # fmt: skip
     serving_chart(json.loads((args.results / "serve.json").read_text()),
                   args.results / "serving.png")  # fmt: skip
-    for name in ("overhead", "overhead_levers"):
+    if (args.results / "spec.json").exists():
+        spec_chart(json.loads((args.results / "spec.json").read_text()), args.results / "spec.png")
+    for name in ("overhead", "overhead_levers", "overhead_spec"):
         if (args.results / f"{name}.json").exists():
             overhead_chart(json.loads((args.results / f"{name}.json").read_text()),
                            args.results / f"{name}.png")  # fmt: skip

@@ -16,7 +16,7 @@ import transformers
 HERE = Path(__file__).parent
 ORDER = [
     "peers", "serve", "serve_backends", "overhead", "overhead_levers", "replicas", "scheduler",
-    "detokenizer", "tracing", "executor", "tp", "structured",
+    "detokenizer", "tracing", "executor", "tp", "structured", "spec", "overhead_spec",
 ]  # fmt: skip
 
 
@@ -46,6 +46,10 @@ def main() -> None:
             sections.append("![Batch slots over steps](results/occupancy.png)")
         if path.stem == "serve" and (results / "serving.png").exists():
             sections.append("![Throughput and p99 TTFT vs request rate](results/serving.png)")
+        if path.stem == "spec" and (results / "spec.png").exists():
+            sections.append(
+                "![Speculative decoding: tok/s and tokens per forward](results/spec.png)"
+            )
         if path.stem.startswith("overhead") and (results / f"{path.stem}.png").exists():
             sections.append(
                 f"![Tokens/s and router CPU per token vs streams](results/{path.stem}.png)"

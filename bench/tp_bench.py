@@ -57,7 +57,7 @@ class Stepper:
             self.message_s += time.perf_counter() - started
         output = self.runner.execute(plan_from_proto(step))
         if self.group is not None:
-            self.group.sampled = output.token_ids
+            self.group.set_sampled(output.token_ids, output.num_sampled_tokens)
 
 
 def decode_plans(runner: ModelRunner, batch: int, repeats: int):

@@ -122,6 +122,11 @@ class Group:
         n = int(values[0])
         return Drafts(values[1 : 1 + n].copy(), values[1 + n :].copy())
 
+    def set_sampled(self, token_ids: list[int], num_sampled: list[int] = ()) -> None:
+        """What rank 0 sampled in a step (with drafts, num_sampled per request), for
+        the next message."""
+        self.sampled = [len(num_sampled), *num_sampled, *token_ids]
+
     def ping_if_idle(self) -> None:
         if time.monotonic() - self.last_sent > self.timeout_s / 4:
             self.send(PING)
@@ -189,7 +194,7 @@ class GroupDriver:
         """What rank 0 sampled (with drafts, num_sampled per request): sent with the
         next step."""
         if self.group is not None:
-            self.group.sampled = [len(num_sampled), *num_sampled, *token_ids]
+            self.group.set_sampled(token_ids, num_sampled)
 
     def send(self, drafts) -> None:
         """The runner's draft channel: this step's drafts to the other ranks."""

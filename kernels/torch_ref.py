@@ -222,10 +222,19 @@ def paged_attention_prefill(
 ) -> torch.Tensor:
     """Varlen causal attention: sequence i's queries are query[query_start_loc[i]:
     query_start_loc[i+1]], the LAST tokens of its seq_lens[i] cached tokens (earlier
-    ones are cached context: chunked prefill, prefix hits). query [T, H, D] -> same."""
+    ones are cached context: chunked prefill, prefix hits). query [T, H, D] -> same.
+
+    Short queries after a context (speculative decoding's 1 + k verification rows, a
+    short last chunk) attend together in one batched call (_short_queries); the rest
+    one sequence at a time."""
     out = torch.empty_like(query)
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    plan = _memo.get("short", (query_start_loc, seq_lens), short_queries)
+    if plan is not None:
+        _attend_short(query, k_cache, v_cache, block_tables, plan, scale, out)
     for i, seq_len in enumerate(lens):
+        if plan is not None and i in plan.members:
+            continue
         start, end = starts[i], starts[i + 1]
         num_context = seq_len - (end - start)
         k = gather_kv(k_cache, block_tables[i : i + 1], seq_len, "prefill_k")
@@ -245,6 +254,68 @@ def paged_attention_prefill(
             .to(query.dtype)
         )
     return out
+
+
+# Queries this short (after a cached context) attend batched: a draft verification's
+# 1 + k rows. Measured on the tiny model, 64 verifying requests at k = 3: one call
+# instead of 64 per layer.
+SHORT_QUERY = 8
+
+
+class ShortQueries:
+    """Which sequences attend batched, and the index tensors to do it."""
+
+    __slots__ = ("members", "rows", "max_len", "seqs", "row_index", "visible", "valid")
+
+    def __init__(self, members, rows, max_len, seqs, row_index, visible, valid) -> None:
+        self.members, self.rows, self.max_len, self.seqs = members, rows, max_len, seqs
+        self.row_index, self.visible, self.valid = row_index, visible, valid
+
+
+def short_queries(query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> ShortQueries | None:
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    members = [
+        i for i, seq_len in enumerate(lens)
+        if (n := starts[i + 1] - starts[i]) <= SHORT_QUERY and seq_len > n
+    ]  # fmt: skip
+    if len(members) < 2:
+        return None
+    device = seq_lens.device
+    n = torch.tensor([starts[i + 1] - starts[i] for i in members], device=device)
+    first = torch.tensor([starts[i] for i in members], device=device)
+    length = torch.tensor([lens[i] for i in members], device=device)
+    max_n, max_len = int(n.max()), max(lens[i] for i in members)
+    j = torch.arange(max_n, device=device)
+    # Padded rows repeat a sequence's last query (and are dropped afterwards).
+    row_index = first[:, None] + torch.minimum(j[None, :], n[:, None] - 1)
+    valid = j[None, :] < n[:, None]
+    # Query j of a sequence sits at position len - n + j and sees keys 0 .. that.
+    last_key = (length - n)[:, None] + torch.minimum(j[None, :], n[:, None] - 1)
+    visible = torch.arange(max_len, device=device)[None, None, :] <= last_key[:, :, None]
+    seqs = torch.tensor(members, device=device)
+    return ShortQueries(set(members), row_index[valid], max_len, seqs, row_index,
+                        visible, valid)  # fmt: skip
+
+
+def _attend_short(query, k_cache, v_cache, block_tables, plan: ShortQueries, scale, out) -> None:
+    num_seqs, max_n = plan.row_index.shape
+    _, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    tables = block_tables[plan.seqs]
+    k = gather_kv(k_cache, tables, plan.max_len, "short_k")
+    v = gather_kv(v_cache, tables, plan.max_len, "short_v")
+    # [S, n, H, D] -> [S, KV heads, group x n, D]: a KV head's query heads, row by row.
+    q = query[plan.row_index].view(num_seqs, max_n, num_kv_heads, group, head_dim)
+    q = q.permute(0, 2, 3, 1, 4).reshape(num_seqs, num_kv_heads, group * max_n, head_dim)
+    mask = plan.visible[:, None, None].expand(num_seqs, 1, group, max_n, plan.max_len)
+    attended = F.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(),
+        attn_mask=mask.reshape(num_seqs, 1, group * max_n, plan.max_len), scale=scale,
+    )  # fmt: skip
+    attended = attended.view(num_seqs, num_kv_heads, group, max_n, head_dim)
+    attended = attended.permute(0, 3, 1, 2, 4).reshape(num_seqs, max_n, num_heads, head_dim)
+    out[plan.rows] = attended[plan.valid].to(query.dtype)
 
 
 def _causal_mask(num_context: int, seq_len: int, device: torch.device) -> torch.Tensor | None:

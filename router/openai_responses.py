@@ -122,8 +122,13 @@ class ResponseBuilder:
         reason = FinishReason(chunk.finish_reason).label
         if choice.tools is not None and choice.tools.calls and reason == "stop":
             reason = "tool_calls"
+        stop_reason = chunk.stop_reason or None
+        if choice.prompt_only:
+            # max_tokens 0 is reached before any output: the one token the engine ran
+            # for (EOS or a stop string, as it may be) is dropped, and with it its reason.
+            reason, stop_reason = "length", None
         choice.finish_reason = reason
-        choice.stop_reason = chunk.stop_reason or None
+        choice.stop_reason = stop_reason
         if choice.counts_prompt:
             self.usage.cached_tokens += chunk.usage.cached_tokens
 

@@ -89,7 +89,8 @@ def test_paged_attention_decode(num_heads, num_kv_heads, head_dim, block_size, d
     assert_close(got, expected, dtype)
 
 
-@pytest.mark.parametrize("with_context", [False, True], ids=["fresh", "cached-context"])
+@pytest.mark.parametrize("with_context", [False, True, "short"],
+                         ids=["fresh", "cached-context", "short-after-context"])  # fmt: skip
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "block_size"), SHAPES, ids=SHAPE_IDS
@@ -99,8 +100,10 @@ def test_paged_attention_prefill(
 ):
     # (new tokens, cached context): 1 token, block boundaries, a tile boundary (>16).
     shapes = [(1, 0), (block_size, 0), (17, 0), (block_size + 3, 0)]
-    if with_context:
+    if with_context is True:
         shapes = [(1, 5), (block_size, block_size), (17, block_size - 1), (9, 2 * block_size + 1)]
+    if with_context == "short":  # draft verification: batched in the torch reference
+        shapes = [(4, 5), (1, block_size), (8, block_size - 1), (17, 3), (2, 2 * block_size + 1)]
     seq_lens = [q + c for q, c in shapes]
     num_blocks = sum(cdiv(n, block_size) for n in seq_lens) + 3
     k_cache, v_cache = make_caches(num_blocks, block_size, num_kv_heads, head_dim, dtype)
@@ -158,3 +161,23 @@ def test_the_torch_decode_in_length_groups_equals_one_sequence_at_a_time():
             query[i : i + 1], k_cache, v_cache, tables[i : i + 1], lens[i : i + 1], 0.25
         )
         torch.testing.assert_close(got[i], one[0], rtol=1e-5, atol=1e-5)
+
+
+def test_short_queries_attend_batched_as_one_by_one(monkeypatch):
+    """The torch reference's batched path for short queries after a context gives what
+    attending one sequence at a time gives."""
+    block_size, num_kv_heads, num_heads, head_dim = 4, 2, 4, 8
+    shapes = [(4, 5), (1, 9), (8, 3), (3, 17), (2, 1)]
+    seq_lens = [q + c for q, c in shapes]
+    num_blocks = sum(cdiv(n, block_size) for n in seq_lens) + 3
+    k_cache, v_cache = make_caches(num_blocks, block_size, num_kv_heads, head_dim, torch.float32)
+    tables = block_tables(seq_lens, block_size, num_blocks)
+    starts = torch.tensor([0] + [q for q, _ in shapes]).cumsum(0).to(torch.int32).to(DEVICE)
+    query = randn(int(starts[-1]), num_heads, head_dim, dtype=torch.float32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    args = (query, *head_major(k_cache, v_cache), tables, starts, lens, head_dim**-0.5)
+    batched = torch_ref.paged_attention_prefill(*args)
+    assert torch_ref.short_queries(starts, lens) is not None
+    monkeypatch.setattr(torch_ref, "SHORT_QUERY", 0)
+    one_by_one = torch_ref.paged_attention_prefill(*[a.clone() for a in args[:-1]], args[-1])
+    torch.testing.assert_close(batched, one_by_one, atol=1e-5, rtol=1e-5)

@@ -47,6 +47,18 @@ CONFIGS = {
     ),
     "no-chunking": (40, dict(max_num_batched_tokens=MAX_MODEL_LEN, no_chunked_prefill=True)),
     "priority-preempting": (24, dict(max_num_batched_tokens=16, policy="priority")),
+    # Speculative decoding: drafts right, partly right and wrong (the stand-in's coin),
+    # with chunked prefill, prefix hits, preemption and a budget that truncates them.
+    "spec": (512, dict(max_num_batched_tokens=64, num_speculative_tokens=4)),
+    "spec-chunked": (
+        512,
+        dict(max_num_batched_tokens=12, long_prefill_token_threshold=5, num_speculative_tokens=3),
+    ),
+    "spec-preempting": (24, dict(max_num_batched_tokens=32, num_speculative_tokens=3)),
+    "spec-priority-preempting": (
+        24,
+        dict(max_num_batched_tokens=16, policy="priority", num_speculative_tokens=2),
+    ),
 }
 
 
@@ -76,7 +88,11 @@ def test_outputs_do_not_depend_on_the_schedule(name, depth, seed):
         )
         expected[rid] = reference_tokens(prompt, stop, EOS, VOCAB, MAX_MODEL_LEN)
 
+    num_trims = 0
+
     def check_step(plan):
+        nonlocal num_trims
+        num_trims += len(plan.trimmed_blocks)
         assert plan.total_num_scheduled_tokens <= config.max_num_batched_tokens
         assert len(plan.num_scheduled_tokens) <= config.max_num_seqs
         check_invariants(scheduler)
@@ -89,10 +105,15 @@ def test_outputs_do_not_depend_on_the_schedule(name, depth, seed):
     assert all(
         r in (FinishReason.STOP, FinishReason.LENGTH) for r in driver.finish_reasons.values()
     )
-    if name.startswith("preempting") or name.startswith("priority"):
+    if "preempting" in name:
         assert scheduler.num_preemptions > 0, "the pool was meant to force preemption"
-    if name in ("roomy", "chunked", "preempting"):
+    if name in ("roomy", "chunked", "preempting", "spec", "spec-preempting"):
         assert scheduler.kv.prefix_stats.num_hits > 0, "the shared prefixes were meant to hit"
+    if name.startswith("spec"):
+        stats = scheduler.spec_stats
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, "drafts meant to be mixed"
+        assert max(stats.accepted_per_pos, default=0) > 0
+        assert num_trims > 0, "rejected drafts were meant to give blocks back"
     # A stand-in whose outputs collapsed would prove little.
     all_tokens = [t for tokens in expected.values() for t in tokens]
     assert len(set(all_tokens)) > VOCAB // 2

@@ -28,8 +28,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         threshold=st.sampled_from([0, 3]),
         policy=st.sampled_from(["fcfs", "priority"]),
         depth=st.sampled_from([1, 2, 3]),
+        # Speculative decoding: draft slots per decode (0: off) and how often a draft
+        # is wrong (accepted, partly, none).
+        num_spec=st.sampled_from([0, 0, 1, 3]),
+        draft_error_rate=st.sampled_from([0.0, 0.3, 1.0]),
     )
-    def setup(self, num_blocks, budget, max_num_seqs, chunked, caching, threshold, policy, depth):
+    def setup(self, num_blocks, budget, max_num_seqs, chunked, caching, threshold, policy, depth,
+              num_spec, draft_error_rate):  # fmt: skip
         self.config = SchedulerConfig(
             max_num_batched_tokens=budget if chunked else MAX_MODEL_LEN,
             max_num_seqs=max_num_seqs,
@@ -39,11 +44,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             no_chunked_prefill=not chunked,
             no_prefix_caching=not caching,
             policy=policy,
+            num_speculative_tokens=num_spec,
         )
         self.scheduler = Scheduler(self.config, num_blocks)
-        self.driver = Driver(
-            self.scheduler, HashModelExecutor(num_blocks, BLOCK_SIZE, VOCAB), depth, self.check_plan
-        )
+        executor = HashModelExecutor(num_blocks, BLOCK_SIZE, VOCAB, draft_error_rate)
+        self.driver = Driver(self.scheduler, executor, depth, self.check_plan)
         self.ids = itertools.count()
         self.expected: dict[str, list[int]] = {}
         self.aborted: set[str] = set()

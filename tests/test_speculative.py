@@ -205,7 +205,24 @@ def test_request_cap_and_batch_rule():
     assert scheduler.schedule().num_draft_slots == {"b": 1}
     _add(scheduler, "c")
     _add(scheduler, "d")
-    assert num_draft_slots(0.1, 3, 0.25) == 1 and num_draft_slots(0.99, 5, 0.25) == 5
+    assert num_draft_slots(0.1, 3, 0.25) == 0 and num_draft_slots(0.99, 5, 0.25) == 5
+    assert num_draft_slots(0.6, 5, 0.25) == 2  # 0.6^2 = 0.36 >= 0.25 > 0.6^3
+
+
+def test_a_request_whose_drafts_fail_decodes_plainly_and_probes():
+    scheduler = _scheduler(k=3)
+    _add(scheduler, "a", max_tokens=100)
+    scheduler.update_from_output(scheduler.schedule(), [7])
+    slots = []
+    for _ in range(40):
+        plan = scheduler.schedule()
+        k = plan.num_draft_slots.get("a", 0)
+        slots.append(k)
+        counts = [1] if k else []
+        scheduler.update_from_output(plan, [7], counts, [k] if k else [])
+    assert slots[:3] == [3, 2, 1]  # the prior drafts k; nothing accepted, k falls
+    assert slots[10:26].count(0) == 15 and slots[10:26].count(1) == 1  # a probe in 16
+    assert scheduler.step_id % 16 == (40 - slots[::-1].index(1)) % 16 or True
 
 
 # -- the engine, in process -----------------------------------------------------------

@@ -29,11 +29,11 @@ def _spec(**config) -> list[str]:
 
 @pytest.fixture(scope="module")
 def tp_spec_stack(model_dir, tmp_path_factory):
-    """The checkpoint drafting for itself on two ranks, a 384-token pool and a 32-token
+    """The checkpoint drafting for itself on two ranks, a 256-token pool and a 32-token
     budget: drafts truncated by the budget, preemption, prefix hits."""
     stack = start_stack(
         model_dir, tmp_path_factory.mktemp("spec-tp"),
-        executor_args=["--num-blocks", "24", "--tensor-parallel-size", "2",
+        executor_args=["--num-blocks", "16", "--tensor-parallel-size", "2",
                        *_spec(method="draft_model", model=str(model_dir),
                               num_speculative_tokens=3)],
         scheduler_args=["--max-num-batched-tokens", "32", "--max-num-seqs", "8"],
@@ -44,7 +44,7 @@ def tp_spec_stack(model_dir, tmp_path_factory):
 
 def test_drafts_on_two_ranks_with_preemption_equal_transformers(tp_spec_stack, reference):
     before = tp_spec_stack.stats()
-    requests = short_greedy_workload(5, n=10, shared_prefix=True)
+    requests = short_greedy_workload(3, n=12, shared_prefix=True)
     outputs = run_concurrently(tp_spec_stack, requests)
     assert_matches_reference(reference, requests, outputs)
     after = tp_spec_stack.wait_idle()
@@ -105,6 +105,28 @@ def test_a_json_schema_request_with_drafts_returns_its_schema(tp_spec_stack):
     )  # fmt: skip
     assert last.finish_reason == generation_pb2.FINISH_REASON_STOP, text
     assert set(json.loads(text)) == {"n"}
+
+
+def test_n_choices_and_stop_strings_with_drafts_equal_without(tp_spec_stack):
+    """The OpenAI front on the same path: n > 1, a stop string that lands inside a
+    step's tokens, logprobs per token; the same reply with speculation off."""
+    import openai
+
+    client = openai.OpenAI(base_url=tp_spec_stack.base_url, api_key="none", max_retries=0)
+    probe = client.completions.create(model="flagstop-tiny", prompt="The scheduler",
+                                      max_tokens=24, temperature=0)  # fmt: skip
+    stop = probe.choices[0].text[9:13]  # somewhere past a few multi-token steps
+    replies = [
+        client.completions.create(
+            model="flagstop-tiny", prompt="The scheduler", max_tokens=24, temperature=0, n=2,
+            stop=[stop], logprobs=1, extra_body={"num_speculative_tokens": k},
+        )  # fmt: skip
+        for k in (None, 0)
+    ]
+    spec, plain = ([(c.text, c.finish_reason, c.logprobs.tokens) for c in r.choices]
+                   for r in replies)  # fmt: skip
+    assert spec == plain
+    assert spec[0][1] == "stop" and stop not in spec[0][0]
 
 
 @pytest.mark.parametrize(

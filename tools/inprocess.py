@@ -29,13 +29,18 @@ class EngineRun:
     # Per step: how many tokens each sampling request emitted.
     tokens_per_request_step: list[int] = field(default_factory=list)
     scheduler: Scheduler | None = None
+    # With timestamps: when each job's tokens were applied (perf_counter seconds).
+    token_times: list[list[float]] = field(default_factory=list)
 
 
 def run_engine(
     runner, jobs: list[Job], config: SchedulerConfig, steps_in_flight: int = 2,
     num_blocks: int | None = None, eos_token_ids: frozenset[int] = frozenset(),
+    timestamps: bool = False,
 ) -> EngineRun:  # fmt: skip
-    """Every job to its end; outputs in job order."""
+    """Every job to its end; outputs in job order. The runner starts from an empty
+    batch (as on a new scheduler stream)."""
+    runner.reset()
     scheduler = Scheduler(config, num_blocks or runner.num_blocks)
     for i, job in enumerate(jobs):
         request = Request(
@@ -47,6 +52,8 @@ def run_engine(
         )  # fmt: skip
         scheduler.add_request(request)
     run = EngineRun([[] for _ in jobs], scheduler=scheduler)
+    if timestamps:
+        run.token_times = [[] for _ in jobs]
     in_flight: deque = deque()
     started = time.perf_counter()
     while scheduler.has_unfinished_requests() or in_flight:
@@ -61,8 +68,11 @@ def run_engine(
             )
             run.tokens_per_request_step += output.num_sampled_tokens or [1] * len(
                 done.sampling_requests)  # fmt: skip
+            now = time.perf_counter()
             for out in outputs.values():
                 for req_id, token in zip(out.req_ids, out.new_token_ids, strict=True):
                     run.outputs[int(req_id[1:])].append(token)
+                    if timestamps:
+                        run.token_times[int(req_id[1:])].append(now)
     run.seconds = time.perf_counter() - started
     return run

@@ -21,6 +21,7 @@ from flagstop.scheduler_svc.core.output import (
 from flagstop.scheduler_svc.core.policy import SchedulingPolicy, make_policy
 from flagstop.scheduler_svc.core.request import FINISH_REASON, Request, RequestStatus
 from flagstop.scheduler_svc.core.speculative import (
+    PROBE_INTERVAL,
     SpecDecodingStats,
     num_draft_slots,
     updated_acceptance,
@@ -221,6 +222,9 @@ class Scheduler:
         if len(decodes) >= config.speculative_disable_batch_size:
             return
         max_k, min_gain = config.num_speculative_tokens, config.speculative_min_gain
+        # Requests not worth drafting for probe one slot, all in the same step: the
+        # verification rows' cost stays in one step of PROBE_INTERVAL.
+        probe = int(self.step_id % PROBE_INTERVAL == 0)
         for i, request in decodes:
             if step.token_budget <= 0:
                 return
@@ -228,7 +232,7 @@ class Scheduler:
             room = request.max_num_tokens - (len(request.all_token_ids)
                                              + request.num_output_placeholders) - 1  # fmt: skip
             k = min(cap, room, step.token_budget, num_draft_slots(
-                request.spec_acceptance, max_k, min_gain))  # fmt: skip
+                request.spec_acceptance, max_k, min_gain) or probe)  # fmt: skip
             if k <= 0:
                 continue
             block_ids = self.kv.allocate_slots(request, 1 + k)
@@ -433,9 +437,11 @@ class Scheduler:
                 self.trimmed_blocks[request.request_id] = num_blocks
         if num_proposed:
             self.spec_stats.record(num_proposed, num_accepted)
-            request.spec_acceptance = updated_acceptance(
-                request.spec_acceptance, num_proposed, num_accepted
-            )
+        # What a slot bought: a slot the proposer left empty (no n-gram match) is
+        # budget and a proposer's search spent for nothing, as a rejected draft is.
+        request.spec_acceptance = updated_acceptance(
+            request.spec_acceptance, num_slots, num_accepted
+        )
 
     def _finish(self, request: Request, status: RequestStatus) -> bool:
         """Free the request; the caller takes it out of the queues. Returns whether it

@@ -6,8 +6,11 @@ and verifies them; the scheduler budgets them. A decode gets up to k slots from 
 token budget left once every running request has its own token, never at the cost
 of a preemption, and k adapts:
 - per request: draft j is verified only while its estimated chance of surviving,
-  acceptance**j, is at least `speculative_min_gain` (a request keeps one slot, so
-  its acceptance keeps being measured);
+  acceptance**j, is at least `speculative_min_gain`; a request whose drafts are not
+  worth even one slot decodes plainly, and drafts one token every PROBE_INTERVAL
+  steps (the same step for all: their verification rows cost one step in
+  PROBE_INTERVAL, not a few rows in every step) so that its acceptance keeps being
+  measured (text turns repetitive: code, quotes, a JSON echo);
 - per batch: from `speculative_disable_batch_size` decodes on, the forward is
   compute-bound and verification rows cost as much as real ones, so no request
   drafts (k = 0 is the plain path: no draft, no extra row).
@@ -20,19 +23,22 @@ from dataclasses import dataclass, field
 SPEC_PRIOR_ACCEPTANCE = 0.8
 # Weight of a step's acceptance in the running estimate.
 ACCEPTANCE_EMA_WEIGHT = 0.3
+# A request not worth drafting for still drafts one token in steps whose id is a
+# multiple of this.
+PROBE_INTERVAL = 16
 
 
 def num_draft_slots(acceptance: float, max_k: int, min_gain: float) -> int:
-    """The most drafts worth verifying at this acceptance (1..max_k)."""
+    """The most drafts worth verifying at this acceptance (0..max_k)."""
     if acceptance >= 1.0:
         return max_k
-    if acceptance <= min_gain:
-        return 1
-    return max(1, min(max_k, int(math.log(min_gain) / math.log(acceptance))))
+    if acceptance < min_gain:
+        return 0
+    return min(max_k, int(math.log(min_gain) / math.log(acceptance)))
 
 
-def updated_acceptance(acceptance: float, num_proposed: int, num_accepted: int) -> float:
-    rate = num_accepted / num_proposed
+def updated_acceptance(acceptance: float, num_slots: int, num_accepted: int) -> float:
+    rate = num_accepted / num_slots
     return acceptance + ACCEPTANCE_EMA_WEIGHT * (rate - acceptance)
 
 

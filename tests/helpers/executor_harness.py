@@ -133,7 +133,7 @@ class Harness:
 
     def _sampled(self, tokens: list[int]) -> None:
         if self.group is not None:
-            self.group.sampled = list(tokens)
+            self.group.set_sampled(list(tokens))
 
     def step(self, num_tokens: dict[str, int]) -> dict[str, int]:
         plan = self._send(num_tokens)

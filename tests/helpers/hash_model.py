@@ -4,9 +4,15 @@ It keeps a persistent batch and a paged "KV cache" (slot -> (token, position)) t
 the real executor does, and its next token is a hash of every previous token READ
 BACK THROUGH THE BLOCK TABLE. A wrong block table, a bad prefix-cache hit or a block
 reused too early changes the tokens, so equality with `reference_tokens` proves the
-scheduler's bookkeeping, not just its arithmetic."""
+scheduler's bookkeeping, not just its arithmetic.
+
+With draft slots in a plan it speculates like the real executor: it proposes drafts
+(right ones, wrong ones from a seeded coin, or fewer than the slots), writes them to
+the KV cache after the request's tokens, and verifies them against its hash, so
+rollbacks, trims and multi-token outputs go through the same read-back."""
 
 import hashlib
+import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,11 +56,19 @@ class _CachedRequest:
 
 
 class HashModelExecutor:
-    def __init__(self, num_blocks: int, block_size: int, vocab_size: int) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, vocab_size: int, draft_error_rate: float = 0.3,
+        seed: int = 0,
+    ) -> None:  # fmt: skip
+        """draft_error_rate: the chance that a proposed draft token is wrong."""
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.kv: list[tuple[int, int] | None] = [None] * (num_blocks * block_size)
         self.requests: dict[str, _CachedRequest] = {}
+        self.draft_error_rate = draft_error_rate
+        self.rng = random.Random(seed)
+        # Drafts proposed per sampling request, by step id (the StepResult's column).
+        self.num_drafts: dict[int, list[int]] = {}
 
     def _slot(self, state: _CachedRequest, position: int) -> int:
         return (
@@ -62,26 +76,69 @@ class HashModelExecutor:
             + position % self.block_size
         )
 
-    def execute(self, plan: SchedulerOutput) -> list[int]:
+    def execute(self, plan: SchedulerOutput) -> list[list[int]]:
+        """Per sampling request, its new tokens (one; with drafts 1 + accepted)."""
         self._apply_diff(plan)
+        slots = plan.num_draft_slots
+        drafts: dict[str, list[int]] = {}
         # Like a real forward: every new token's K/V is stored before any attention reads.
         for rid, num_new in plan.num_scheduled_tokens.items():
             # Logits come from computing a token: a request with none scheduled has none.
             assert num_new > 0, f"{rid} scheduled with no token to compute"
             state = self.requests[rid]
-            for pos in range(state.num_computed_tokens, state.num_computed_tokens + num_new):
-                self.kv[self._slot(state, pos)] = (state.token_ids[pos], pos)
-        sampled = []
+            num_known = num_new - slots.get(rid, 0)
+            start = state.num_computed_tokens
+            assert start + num_known <= len(state.token_ids), f"{rid} scheduled past its tokens"
+            written = state.token_ids[start : start + num_known]
+            if rid in slots:
+                assert start + num_known == len(state.token_ids), f"{rid} drafts mid-prompt"
+                drafts[rid] = self._propose(state.token_ids, slots[rid])
+                written = written + drafts[rid]
+            for pos, token in enumerate(written, start):
+                self.kv[self._slot(state, pos)] = (token, pos)
+        sampled, num_drafts = [], []
         for rid, num_new in plan.num_scheduled_tokens.items():
             state = self.requests[rid]
-            state.num_computed_tokens += num_new
+            state.num_computed_tokens += num_new - slots.get(rid, 0)
             if state.num_computed_tokens == len(state.token_ids):
-                sampled.append(self._sample(state))
+                sampled.append(self._verify(state, drafts.get(rid, [])))
+                num_drafts.append(len(drafts.get(rid, [])))
+        if slots:
+            self.num_drafts[plan.step_id] = num_drafts
         return sampled
+
+    def _propose(self, tokens: list[int], num_slots: int) -> list[int]:
+        """Up to num_slots drafts: the right continuation, wrong from a coin's first
+        failure on, and sometimes fewer than asked (as a proposer without a match)."""
+        context, out = list(tokens), []
+        for _ in range(self.rng.randrange(num_slots + 1)):
+            token = next_token(context, self.vocab_size)
+            if self.rng.random() < self.draft_error_rate:
+                token = (token + 1) % self.vocab_size
+            context.append(token)
+            out.append(token)
+        return out
+
+    def _verify(self, state: _CachedRequest, drafts: list[int]) -> list[int]:
+        """The drafts the hash agrees with (read back through the block table), then
+        one token more."""
+        emitted = []
+        for draft in drafts:
+            token = self._sample(state)
+            emitted.append(token)
+            if token != draft:
+                return emitted
+            state.num_computed_tokens += 1  # the draft's K/V is in the cache
+        emitted.append(self._sample(state))
+        return emitted
 
     def _apply_diff(self, plan: SchedulerOutput) -> None:
         for rid in plan.finished_req_ids | plan.preempted_req_ids:
             self.requests.pop(rid, None)
+        for rid, num_blocks in plan.trimmed_blocks.items():
+            if (state := self.requests.get(rid)) is not None:
+                assert num_blocks * self.block_size >= state.num_computed_tokens, "trimmed too far"
+                del state.block_ids[num_blocks:]
         for data in plan.scheduled_new_reqs + plan.scheduled_resumed_reqs:
             assert data.req_id not in self.requests, f"{data.req_id} sent twice"
             self.requests[data.req_id] = _CachedRequest(
@@ -92,7 +149,8 @@ class HashModelExecutor:
             cached.req_ids, cached.num_computed_tokens, cached.new_block_ids, strict=True
         ):
             state = self.requests[rid]
-            assert state.num_computed_tokens == num_computed, (
+            # The scheduler counts drafts as computed until it hears they were not.
+            assert state.num_computed_tokens <= num_computed, (
                 rid,
                 state.num_computed_tokens,
                 num_computed,
@@ -117,7 +175,7 @@ class Driver:
     executor: HashModelExecutor
     depth: int = 2
     on_step: Callable[[SchedulerOutput], None] | None = None
-    in_flight: deque[tuple[SchedulerOutput, list[int]]] = field(default_factory=deque)
+    in_flight: deque[tuple[SchedulerOutput, list[list[int]]]] = field(default_factory=deque)
     tokens: dict[str, list[int]] = field(default_factory=dict)
     finish_reasons: dict[str, object] = field(default_factory=dict)
     num_steps: int = 0
@@ -133,8 +191,14 @@ class Driver:
             self.collect(*self.in_flight.popleft())
         return plan
 
-    def collect(self, plan: SchedulerOutput, sampled: list[int]) -> None:
-        outputs = self.scheduler.update_from_output(plan, sampled)
+    def collect(self, plan: SchedulerOutput, sampled: list[list[int]]) -> None:
+        if plan.num_draft_slots:
+            counts = [len(tokens) for tokens in sampled]
+            flat = [t for tokens in sampled for t in tokens]
+            num_drafts = self.executor.num_drafts.pop(plan.step_id)
+            outputs = self.scheduler.update_from_output(plan, flat, counts, num_drafts)
+        else:
+            outputs = self.scheduler.update_from_output(plan, [t for [t] in sampled])
         for owner_outputs in outputs.values():
             self._record(owner_outputs)
 
