@@ -11,6 +11,7 @@ read fastest, with no transpose (10-30 % of the decode attention, at 64-256 deco
 import itertools
 import math
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -262,14 +263,17 @@ def paged_attention_prefill(
 SHORT_QUERY = 8
 
 
+@dataclass(slots=True)
 class ShortQueries:
     """Which sequences attend batched, and the index tensors to do it."""
 
-    __slots__ = ("members", "rows", "max_len", "seqs", "row_index", "visible", "valid")
-
-    def __init__(self, members, rows, max_len, seqs, row_index, visible, valid) -> None:
-        self.members, self.rows, self.max_len, self.seqs = members, rows, max_len, seqs
-        self.row_index, self.visible, self.valid = row_index, visible, valid
+    members: set[int]  # their indices among the step's prefill sequences
+    rows: torch.Tensor  # their query rows, flattened in order
+    max_len: int  # the longest of their sequences
+    seqs: torch.Tensor  # members, as a tensor
+    row_index: torch.Tensor  # [S, longest query]: query rows, padded by repeating the last
+    visible: torch.Tensor  # [S, longest query, max_len]: the keys each query sees
+    valid: torch.Tensor  # [S, longest query]: which of row_index are real
 
 
 def short_queries(query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> ShortQueries | None:

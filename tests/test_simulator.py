@@ -147,3 +147,25 @@ def test_two_thousand_streams_at_gpu_step_rates(model_dir, tmp_path):
             assert second[name] - first[name] < 16 * 1024, (name, rss)
     finally:
         assert set(stack.stop().values()) == {0}
+
+
+def test_the_simulators_drafts_give_the_same_tokens_in_fewer_steps(model_dir):
+    """With a speculative config it accepts drafts by its acceptance rate: each request
+    emits the tokens it would have emitted one a step, several a step."""
+    from flagstop.scheduler_svc.core.config import SchedulerConfig
+    from tools.inprocess import Job, run_engine
+
+    jobs = [Job(prompt(i, 9, 512), 30) for i in range(4)]
+    runs = {}
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 3}):
+        runner = SimulatedRunner(ExecutorConfig(
+            model=str(model_dir), num_blocks=256, block_size=4, max_num_seqs=8,
+            speculative_config=spec, simulate_acceptance_rate=0.7,
+        ))  # fmt: skip
+        config = SchedulerConfig(max_num_batched_tokens=64, max_model_len=512, block_size=4,
+                                 num_speculative_tokens=runner.num_speculative_tokens)  # fmt: skip
+        runs[spec is None] = run_engine(runner, jobs, config)
+    assert runs[False].outputs == runs[True].outputs
+    assert runs[False].num_steps < 0.8 * runs[True].num_steps
+    stats = runs[False].scheduler.spec_stats
+    assert 0.4 < stats.num_accepted_tokens / stats.num_draft_tokens < 0.95

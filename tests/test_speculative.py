@@ -247,6 +247,21 @@ def _jobs(n: int = 6, workload: int = 0, **sampling) -> list[Job]:
                 SamplingParams(**sampling)) for i in range(n)]  # fmt: skip
 
 
+# A gain no acceptance estimate falls below within a test: every decode drafts.
+ALWAYS_DRAFT = 1e-12
+
+
+def _repeating_jobs(n: int = 6, workload: int = 0) -> list[Job]:
+    """Prompts that repeat a span: prompt lookup and suffix trees find matches (the
+    drafts are proposed; a random model rarely continues the span)."""
+    rng = random.Random(workload)
+    jobs = []
+    for i in range(n):
+        span = prompt(workload * 100 + i, rng.randrange(6, 14))[1:]
+        jobs.append(Job([0, *span, *span, *span[:3]], rng.randrange(10, 40), SamplingParams()))
+    return jobs
+
+
 def _engine(runner: ModelRunner, jobs, **config):
     base = dict(max_num_batched_tokens=256, max_num_seqs=16, max_model_len=512, block_size=4,
                 num_speculative_tokens=runner.num_speculative_tokens)  # fmt: skip
@@ -270,8 +285,8 @@ def _engine(runner: ModelRunner, jobs, **config):
 def test_greedy_outputs_with_each_proposer_equal_transformers(llama, spec):
     path, reference = llama
     spec = {**spec, "model": str(path)} if spec.get("model") == "SELF" else spec
-    jobs = _jobs()
-    run = _engine(_runner(path, spec), jobs)
+    jobs = _repeating_jobs()
+    run = _engine(_runner(path, spec), jobs, speculative_min_gain=ALWAYS_DRAFT)
     for job, out in zip(jobs, run.outputs, strict=True):
         assert out == reference_generate(reference, job.prompt, job.max_tokens)
     assert run.scheduler.spec_stats.num_drafts > 0
@@ -341,7 +356,8 @@ def test_a_json_schema_request_with_drafts_stays_valid(llama):
         runner = _runner(path, spec)
         eos = frozenset(runner.model_config.eos_token_ids)
         base = dict(max_num_batched_tokens=256, max_num_seqs=16, max_model_len=512,
-                    block_size=4, num_speculative_tokens=runner.num_speculative_tokens)  # fmt: skip
+                    block_size=4, num_speculative_tokens=runner.num_speculative_tokens,
+                    speculative_min_gain=ALWAYS_DRAFT)  # fmt: skip
         run = run_engine(runner, jobs, SchedulerConfig(**base), eos_token_ids=eos)
         outputs[bool(spec)], drafted[bool(spec)] = run.outputs, run.scheduler.spec_stats
     assert outputs[True] == outputs[False]

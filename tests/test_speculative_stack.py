@@ -18,7 +18,7 @@ from tests.helpers.streams import (
     run_concurrently,
     short_greedy_workload,
 )
-from tools.stack import generate, start_stack
+from tools.stack import free_port, generate, spawn, start_stack
 
 pytestmark = pytest.mark.processes
 
@@ -118,15 +118,26 @@ def test_n_choices_and_stop_strings_with_drafts_equal_without(tp_spec_stack):
     stop = probe.choices[0].text[9:13]  # somewhere past a few multi-token steps
     replies = [
         client.completions.create(
-            model="flagstop-tiny", prompt="The scheduler", max_tokens=24, temperature=0, n=2,
-            stop=[stop], logprobs=1, extra_body={"num_speculative_tokens": k},
-        )  # fmt: skip
+            model="flagstop-tiny",
+            prompt="The scheduler",
+            max_tokens=24,
+            temperature=0,
+            n=2,
+            stop=[stop],
+            logprobs=1,
+            extra_body={"num_speculative_tokens": k},
+        )
         for k in (None, 0)
     ]
     spec, plain = ([(c.text, c.finish_reason, c.logprobs.tokens) for c in r.choices]
                    for r in replies)  # fmt: skip
     assert spec == plain
     assert spec[0][1] == "stop" and stop not in spec[0][0]
+    # Each emitted token's logprob is its own row's, as a plain step reports it.
+    for with_drafts, without in zip(replies[0].choices, replies[1].choices, strict=True):
+        assert with_drafts.logprobs.token_logprobs == pytest.approx(
+            without.logprobs.token_logprobs, abs=1e-4
+        )
 
 
 @pytest.mark.parametrize(
@@ -146,7 +157,9 @@ def test_greedy_streams_with_each_proposer_equal_transformers(model_dir, tmp_pat
         assert stack.stop() == {"router": 0, "scheduler": 0, "executor": 0}, stack.logs()
 
 
-def test_a_killed_executor_with_drafts_is_replaced_token_exact(model_dir, tmp_path, reference):
+def test_killed_executor_then_scheduler_with_drafts_streams_stay_token_exact(
+    model_dir, tmp_path, reference
+):
     spec = _spec(method="draft_model", model=str(model_dir), num_speculative_tokens=3)
     stack = start_stack(model_dir, tmp_path, executor_args=["--num-blocks", "512", *spec])
     try:
@@ -154,6 +167,43 @@ def test_a_killed_executor_with_drafts_is_replaced_token_exact(model_dir, tmp_pa
         streams.wait_for_tokens(10)
         stack.kill("executor")
         stack.restart("executor")
+        streams.wait_for_tokens(60)
+        stack.kill("scheduler")
+        stack.restart("scheduler")
         assert_token_exact(reference, streams)
     finally:
         stack.stop(10)
+
+
+@pytest.mark.parametrize(
+    ("config", "code", "line"),
+    [
+        (
+            {"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+            2,
+            "prompt_lookup_min 4 exceeds prompt_lookup_max 2",
+        ),  # a bad setting: usage
+        (
+            {"method": "draft_model", "model": "OTHER_VOCAB"},
+            1,
+            "has vocab_size 509, the target 512",
+        ),
+    ],
+    ids=["bad-config", "draft-of-another-vocabulary"],
+)
+def test_a_bad_speculative_config_stops_start_up_with_one_line(
+    model_dir, tmp_path, config, code, line
+):
+    if config.get("model") == "OTHER_VOCAB":
+        from tests.helpers.checkpoints import write_checkpoint
+
+        config = {
+            **config,
+            "model": str(write_checkpoint("qwen2-tied-odd-vocab", tmp_path / "other")),
+        }
+    process = spawn("executor", ["-m", "flagstop.executor", "--model", str(model_dir),
+                                 "--port", str(free_port()), "--metrics-port", "0",
+                                 *_spec(**config)], tmp_path)  # fmt: skip
+    assert process.wait(120) == code
+    last = (tmp_path / "executor.log").read_text().strip().splitlines()[-1]
+    assert last.startswith("flagstop-executor: ") and line in last, last

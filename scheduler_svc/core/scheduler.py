@@ -79,6 +79,7 @@ class Scheduler:
         self.kv = KVCacheManager(num_blocks, config.block_size, not config.no_prefix_caching)
         # The longest sequence this engine can hold: the model's limit or the whole pool.
         self.max_model_len = min(config.max_model_len, num_blocks * config.block_size)
+        self.block_size = config.block_size  # read per token
         self.requests: dict[str, Request] = {}
         self.waiting = self.policy.new_waiting_queue()
         # Oldest first: they are served first and the FCFS victim is popped from the end.
@@ -372,15 +373,35 @@ class Scheduler:
                 f"{len(sampling)} sampling requests"
             )
         outputs: dict[str, OwnerOutputs] = {}
-        queued_ids: set[str] | None = None  # None: nothing finished
-        drafts = plan.num_draft_slots
-        start = 0
-        for i, request in enumerate(sampling):
-            num_tokens = 1 if counts is None else counts[i]
+        ended: list[tuple[Request, RequestStatus]] = []
+        if counts is None:  # the plain path: a token per request
+            append, owner, out = self._append_token, None, OwnerOutputs()
+            for request, token_id in zip(sampling, sampled_token_ids, strict=True):
+                if request.status.is_finished:
+                    continue  # finished or aborted while this step was in flight
+                request.num_output_placeholders -= 1
+                if request.owner != owner:  # mostly one router: one lookup a step
+                    owner = request.owner
+                    out = outputs.get(owner) or outputs.setdefault(owner, OwnerOutputs())
+                status = append(request, token_id, out)
+                if status is not None:
+                    ended.append((request, status))
+        else:
+            self._apply_drafted(plan, sampled_token_ids, counts, num_draft_tokens, outputs, ended)
+        if ended:
+            self._end(ended, outputs)
+        return outputs
+
+    def _apply_drafted(self, plan, sampled_token_ids, counts, num_draft_tokens, outputs, ended):
+        """update_from_output with drafts: request i took counts[i] tokens; the rest of
+        its optimistic advance rolls back, and its tokens stop at the first stop."""
+        drafts, start = plan.num_draft_slots, 0
+        for i, request in enumerate(plan.sampling_requests):
+            num_tokens = counts[i]
             start += num_tokens
             if request.status.is_finished:
-                continue  # finished or aborted while this step was in flight
-            num_slots = drafts.get(request.request_id, 0) if drafts else 0
+                continue
+            num_slots = drafts.get(request.request_id, 0)
             request.num_output_placeholders -= 1 + num_slots
             if num_slots:
                 num_proposed = num_draft_tokens[i] if num_draft_tokens else num_slots
@@ -391,18 +412,18 @@ class Scheduler:
             for token_id in sampled_token_ids[start - num_tokens : start]:
                 status = self._append_token(request, token_id, out)
                 if status is not None:
+                    ended.append((request, status))
                     break
-            else:
-                continue
+
+    def _end(self, ended: list[tuple[Request, RequestStatus]], outputs) -> None:
+        queued_ids = set()
+        for request, status in ended:
+            out = outputs[request.owner]
             out.finished[request.request_id] = FINISH_REASON[status]
             out.num_cached_tokens.append(max(0, request.num_cached_tokens))
-            if queued_ids is None:
-                queued_ids = set()
             if not self._finish(request, status):
                 queued_ids.add(request.request_id)  # preempted: its late token ended it
-        if queued_ids is not None:
-            self._drop_finished(queued_ids)
-        return outputs
+        self._drop_finished(queued_ids)
 
     def _append_token(
         self, request: Request, token_id: int, out: OwnerOutputs
@@ -412,7 +433,7 @@ class Scheduler:
             return ERROR
         tokens = request.all_token_ids
         tokens.append(token_id)
-        if len(tokens) % self.config.block_size == 0:
+        if len(tokens) % self.block_size == 0:
             self.kv.update_block_hashes(request)
         out.req_ids.append(request.request_id)
         out.new_token_ids.append(token_id)
