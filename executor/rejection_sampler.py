@@ -6,12 +6,20 @@ Each sampling request has 1 + d logits rows: row j is the distribution of the to
 after its known tokens and drafts 1..j, processed as a plain step's would be (bans,
 bias, penalties counting the drafts before it, a grammar's mask at that position;
 then temperature, min_p, top-k, top-p). Draft j is checked against row j:
-- greedy (temperature 0): accepted while it is the row's argmax;
-- sampled: accepted with probability min(1, p(d) / q(d)), q the draft's own
-  distribution (one-hot for greedy drafting, as vLLM's runner does for every method).
-The first rejected position emits a token from norm(max(p - q, 0)) instead; when all
-d are accepted, row d gives a bonus token. A request thus emits 1..d+1 tokens, and
-logprobs are each emitted token's at its row, as a plain step reports them."""
+- drafts without a distribution (every proposer, and a draft model drafting
+  greedily): each row draws its token as the plain sampler would at that position
+  (greedy: the argmax; sampled: the exponential race with the request's noise there,
+  seeded by (seed, position) when it has a seed), and a draft is accepted while it is
+  that token. This is rejection sampling with a one-hot q (accepted with probability
+  p(d), the rest resampled from p without d) realised with the plain sampler's own
+  draws, so a seeded request emits the very tokens it would without drafts, however
+  its steps were drafted, batched, preempted or moved to another replica;
+- drafts sampled from a draft model's q: accepted with probability min(1, p(d) /
+  q(d)), the first rejected position resampled from norm(max(p - q, 0)) (Leviathan
+  et al.): more accepted than one-hot when q is close to p, but a seeded request's
+  tokens then depend on where drafts were.
+When all d are accepted, row d gives a bonus token. A request emits 1..d+1 tokens,
+and logprobs are each emitted token's at its row, as a plain step reports them."""
 
 import numpy as np
 import torch
@@ -41,18 +49,33 @@ def verify(logits: torch.Tensor, meta: SamplingMetadata, drafts: Drafts) -> Samp
     device = logits.device
     draft_ids = torch.from_numpy(drafts.token_ids.astype(np.int64)).to(device)
     rows_t = torch.from_numpy(draft_rows).to(device)
+    if drafts.probs is None:  # the plain sampler's token at every row
+        plain = greedy
+        if not meta.all_greedy:
+            probs = probabilities(raw, meta)
+            sampled = (probs / noise(probs, meta.seeded)).argmax(dim=-1)
+            plain = torch.where(meta.temperature == 0, greedy, sampled)
+        num_accepted = _leading((plain[rows_t] == draft_ids).cpu().numpy(), drafts.num_drafts)
+        final_rows = starts + num_accepted
+        final = plain[torch.from_numpy(final_rows.astype(np.int64)).to(device)]
+        return _output(raw, meta, drafts, starts, num_accepted, final)
     probs = None
     accepted = greedy[rows_t] == draft_ids
     if not meta.all_greedy:
         probs = probabilities(raw, meta)
         p = probs[rows_t, draft_ids]
-        q = torch.ones_like(p) if drafts.probs is None else drafts.probs[
-            torch.arange(len(draft_ids), device=device), draft_ids]  # fmt: skip
+        q = drafts.probs[torch.arange(len(draft_ids), device=device), draft_ids]
         by_ratio = (q > 0) & (_uniforms(meta, draft_rows, device) * q <= p)
         accepted = torch.where(meta.temperature[rows_t] == 0, accepted, by_ratio)
     num_accepted = _leading(accepted.cpu().numpy(), drafts.num_drafts)
     final_rows = starts + num_accepted
     final = _final_tokens(greedy, probs, meta, drafts, final_rows, num_accepted, draft_ids)
+    return _output(raw, meta, drafts, starts, num_accepted, final)
+
+
+def _output(raw, meta, drafts: Drafts, starts, num_accepted, final) -> SampleOutput:
+    """Each request's accepted drafts and its last token, with their logprobs."""
+    device = raw.device
     emitted_rows = np.concatenate(
         [s + np.arange(a + 1) for s, a in zip(starts, num_accepted, strict=True)]
     )
@@ -111,10 +134,7 @@ def _final_tokens(greedy, probs, meta, drafts, final_rows, num_accepted, draft_i
             rejected]  # fmt: skip
         which = torch.from_numpy(rejected).to(device)
         index = torch.from_numpy(draft_index.astype(np.int64)).to(device)
-        if drafts.probs is None:  # q one-hot at the draft: p without it
-            residual = p[which].scatter(1, draft_ids[index].unsqueeze(1), 0.0)
-        else:
-            residual = (p[which] - drafts.probs[index]).clamp(min=0)
+        residual = (p[which] - drafts.probs[index]).clamp(min=0)
         # p == q leaves nothing (the draft was rejected with probability 0 then).
         empty = residual.sum(dim=1, keepdim=True) <= 0
         p[which] = torch.where(empty, p[which], residual)

@@ -328,6 +328,19 @@ def test_seeded_sampling_with_drafts_is_reproducible(llama):
     assert len({tuple(o) for o in runs[0]}) > 1
 
 
+def test_seeded_sampling_with_drafts_emits_what_it_would_without(llama):
+    """Drafts without a distribution are checked against the plain sampler's own draw
+    at each position: a seeded request's tokens do not depend on its drafts."""
+    path, _ = llama
+    jobs = _jobs(5, 7, temperature=0.9, top_k=40, seed=99)
+    plain = _engine(_runner(path, None), jobs).outputs
+    spec = {"method": "draft_model", "num_speculative_tokens": 3, "model": str(path)}
+    run = _engine(_runner(path, spec), jobs, speculative_min_gain=ALWAYS_DRAFT)
+    assert run.outputs == plain
+    stats = run.scheduler.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # some drafts lost the draw
+
+
 def test_preemption_with_drafts_keeps_greedy_outputs(llama):
     path, reference = llama
     spec = {"method": "draft_model", "num_speculative_tokens": 3, "model": str(path)}
