@@ -99,8 +99,9 @@ def test_every_router_process_streams_to_every_replica(replicas):
 LOSS = {"executor_args": ["--num-blocks", "512"], "router_args": ["--replica-grace-s", "1"]}
 
 
-# Speculative decoding on both replicas: a stream moved mid-way (its seeded tokens
-# too) continues exactly, whatever was drafted where.
+# With speculative decoding (suffix) on both replicas: a stream moved mid-way (its
+# seeded tokens too) continues exactly, whatever was drafted where. Random weights
+# rarely repeat, so most steps take the plain path: both paths are exercised.
 LOSS_SPEC = {
     **LOSS,
     "executor_args": [
@@ -111,7 +112,7 @@ LOSS_SPEC = {
 }
 
 
-@pytest.mark.parametrize("replicas", [LOSS, LOSS_SPEC], indirect=True, ids=["plain", "drafts"])
+@pytest.mark.parametrize("replicas", [LOSS_SPEC], indirect=True)
 def test_a_lost_replica_hands_its_streams_to_the_other_token_exact(replicas, reference):
     # Seeded sampling: the same noise per position wherever the stream ends up.
     seeded = [([0, 5 + i, 9, 11], 7 + i) for i in range(4)]
