@@ -15,6 +15,9 @@ ROUTERS ?= 1
 # Speculative decoding: `make serve SPEC='{"method":"ngram","num_speculative_tokens":3}'`
 # (docs/speculative.md; `make up SPEC=...` too).
 SPEC ?=
+# The router's client-facing gRPC server: `make serve GRPC_SERVER=native` (pygrpc-native,
+# plaintext only; docs/load_testing.md). `make up GRPC_SERVER=native` too.
+GRPC_SERVER ?= grpcio
 # tool_choice "auto": the embedded model's template writes Hermes tool calls; for
 # another model, TOOL_CALL_PARSER=hermes where its template does too.
 TOOL_CALL_PARSER ?= $(if $(filter $(MODEL_DIR),$(MODEL)),hermes)
@@ -33,7 +36,7 @@ COMPOSE := $(if $(strip $(PROFILES)),COMPOSE_PROFILES=$(subst $() ,$(comma),$(st
 	$(if $(POLICY),SCHEDULER_POLICY=remote POLICY_STRATEGY=$(POLICY)) \
 	$(if $(filter 2,$(REPLICAS)),ROUTER_SCHEDULERS=scheduler:50052$(comma)scheduler-2:50052) \
 	$(if $(filter-out 1,$(TP)),TP=$(TP)) $(if $(filter-out 1,$(ROUTERS)),ROUTERS=$(ROUTERS)) \
-	$(if $(SPEC),SPEC='$(SPEC)') \
+	$(if $(SPEC),SPEC='$(SPEC)') $(if $(filter-out grpcio,$(GRPC_SERVER)),GRPC_SERVER=$(GRPC_SERVER)) \
 	$(DOCKER_COMPOSE) -f compose/compose.yaml $(if $(GPU),-f compose/compose.gpu.yaml)
 
 .PHONY: venv test test-fast lint bench bench-executor bench-replicas bench-structured model proto serve up down logs ps clean
@@ -83,7 +86,7 @@ serve: $(STAMP) $(if $(filter $(MODEL_DIR),$(MODEL)),$(MODEL_DIR)/config.json)
 	$(VENV)/bin/flagstop-scheduler --executor 127.0.0.1:50053 --port 50052 & s=$$!; \
 	$(VENV)/bin/flagstop-router --model $(MODEL) --scheduler 127.0.0.1:50052 --port 50051 \
 		--processes $(ROUTERS) $(if $(TOOL_CALL_PARSER),--tool-call-parser $(TOOL_CALL_PARSER)) \
-		& r=$$!; \
+		--grpc-server $(GRPC_SERVER) & r=$$!; \
 	wait
 
 up:
@@ -106,7 +109,7 @@ bench-replicas: $(STAMP)
 	$(PY) bench/replica_bench.py
 	$(PY) bench/report.py
 
-# The default set, about 17 minutes on a 2-core machine; bench/RESULTS.md gathers them.
+# The default set, about 23 minutes on a 2-core machine; bench/RESULTS.md gathers them.
 bench: $(STAMP)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
 	$(PY) bench/scheduler_bench.py
@@ -118,6 +121,9 @@ bench: $(STAMP)
 	$(PY) bench/tracing_bench.py
 	$(PY) bench/overhead_bench.py --variant '1 router process||' \
 		--variant '2 router processes||--processes 2'
+	$(PY) bench/overhead_bench.py --step-ms 8 --floor grpcio native --front grpc openai \
+		--variant 'grpcio server||' --variant 'native server||--grpc-server native' \
+		--profile /tmp/flagstop-profile --out bench/results/overhead_router.md
 	$(PY) bench/spec_bench.py
 	$(PY) bench/overhead_bench.py --streams 64 256 --step-ms 8 --out bench/results/overhead_spec.md \
 		--variant 'no speculation|||' \

@@ -28,9 +28,11 @@ per token, reported apart.
 import argparse
 import asyncio
 import contextlib
+import json
 import math
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,12 +43,13 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import profile_split
 from bench.output import write_result
 from bench.serve_bench import cpu_seconds
 from flagstop.server import CHANNEL_OPTIONS
 from flagstop.v1 import generation_pb2, generation_pb2_grpc
 from tools.make_model import write_model
-from tools.stack import ROOT, start_stack
+from tools.stack import ROOT, free_port, python, start_stack
 
 PROMPT_TOKENS, MAX_TOKENS = 32, 256
 RESULTS = Path(__file__).parent / "results"
@@ -59,6 +62,7 @@ class Window:
     start: float = math.inf
     end: float = math.inf
     tokens: int = 0
+    messages: int = 0
     ttfts: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
@@ -82,9 +86,54 @@ async def stream_loop(stub, window: Window, stop: asyncio.Event, seed: int) -> N
                 first = False
                 if window.open(now):
                     window.tokens += len(chunk.token_ids)
+                    window.messages += 1
         except grpc.aio.AioRpcError as e:
             window.errors.append(e.code().name)
             await asyncio.sleep(0.1)
+
+
+async def sse_loop(http: str, model: str, window: Window, stop: asyncio.Event, seed: int) -> None:
+    """The same closed loop through the OpenAI front: /v1/completions streamed as SSE
+    over a kept-alive HTTP/1.1 connection, read with asyncio's own streams (a client
+    library would cost the shared machine more than the router does). Each event
+    carries the usage so far (vLLM's continuous_usage_stats): its tokens, exactly."""
+    rng, (host, port) = random.Random(seed), http.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        while not stop.is_set():
+            prompt = [0] + [rng.randrange(3, 500) for _ in range(PROMPT_TOKENS - 1)]
+            options = {"include_usage": True, "continuous_usage_stats": True}
+            body = json.dumps({"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS,
+                               "temperature": 0, "ignore_eos": True, "stream": True,
+                               "stream_options": options}).encode()  # fmt: skip
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: bench\r\n"
+                         b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                         % (len(body), body))  # fmt: skip
+            await read_sse(reader, window, time.monotonic())
+    finally:
+        writer.close()
+
+
+async def read_sse(reader: asyncio.StreamReader, window: Window, sent: float) -> None:
+    head = await reader.readuntil(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.1 200"):
+        window.errors.append(head.split(b"\r\n", 1)[0].decode())
+        raise ConnectionError(head[:200])
+    seen, first = 0, True
+    while size := int((await reader.readuntil(b"\r\n"))[:-2], 16):  # chunked
+        data = await reader.readexactly(size + 2)
+        now = time.monotonic()
+        if first and window.open(sent):
+            window.ttfts.append(now - sent)
+        first = False
+        for event in data.split(b"\n\n"):
+            if event.startswith(b"data: {") and b'"choices":[]' not in event:
+                so_far = json.loads(event[6:])["usage"]["completion_tokens"]
+                if window.open(now):
+                    window.tokens += so_far - seen
+                    window.messages += 1
+                seen = so_far
+    await reader.readexactly(2)
 
 
 async def drive(router: str, streams: int, args):
@@ -95,8 +144,12 @@ async def drive(router: str, streams: int, args):
     channels = [grpc.aio.insecure_channel(router, options=options)
                 for _ in range(min(args.connections, streams))]  # fmt: skip
     stubs = [generation_pb2_grpc.GenerationStub(c) for c in channels]
-    tasks = [asyncio.create_task(stream_loop(stubs[i % len(stubs)], window, stop, i))
-             for i in range(streams)]  # fmt: skip
+    if args.front_now == "openai":
+        tasks = [asyncio.create_task(sse_loop(router, args.model_name, window, stop, i))
+                 for i in range(streams)]  # fmt: skip
+    else:
+        tasks = [asyncio.create_task(stream_loop(stubs[i % len(stubs)], window, stop, i))
+                 for i in range(streams)]  # fmt: skip
     warmup, duration = args.warmup, args.duration
     await asyncio.sleep(warmup)
     window.start = time.monotonic()
@@ -131,37 +184,97 @@ def tree_cpu_seconds(pid: int) -> float:
 
 
 def counters(stack) -> dict:
+    floor = isinstance(stack, FloorStack)
     return {
         "routers": tree_cpu_seconds(stack.processes["router"].pid),
-        "scheduler": cpu_seconds(stack.processes["scheduler"].pid),
+        "scheduler": 0.0 if floor else cpu_seconds(stack.processes["scheduler"].pid),
         "client": time.process_time(),
-        "steps": stack.stats().step_id,
+        "steps": stack.steps() if floor else stack.stats().step_id,
     }
 
 
+class FloorStack:
+    """bench/grpc_floor.py in a stack's place: its CPU is the router column, its steps
+    come on a timer."""
+
+    def __init__(self, kind: str, step_ms: float, checkout: Path) -> None:
+        port = free_port()
+        self.router, self.step_s = f"127.0.0.1:{port}", step_ms / 1000
+        command = [python(checkout), str(ROOT / "bench" / "grpc_floor.py"),
+                   "--server", kind, "--port", str(port), "--step-ms", str(step_ms)]  # fmt: skip
+        self.processes = {"router": subprocess.Popen(command)}
+        channel = grpc.insecure_channel(self.router)
+        grpc.channel_ready_future(channel).result(timeout=60)
+        channel.close()
+
+    def steps(self) -> int:
+        return int(time.monotonic() / self.step_s)
+
+    def wait_idle(self, timeout: float) -> None:
+        time.sleep(0.5)
+
+    def stop(self) -> None:
+        self.processes["router"].terminate()
+        self.processes["router"].wait(30)
+
+
 async def measure(stack, variant: str, streams: int, args) -> dict:
-    agen = drive(stack.router, streams, args)
+    agen = drive(stack.http if args.front_now == "openai" else stack.router, streams, args)
     window = await agen.__anext__()
     before = counters(stack)
+    spies = profile(stack, variant, streams, args)
     await agen.__anext__()
     after = counters(stack)
+    for spy in spies.values():
+        spy.wait()
     with_errors = list(window.errors)
     await agen.aclose()
     spent = {k: after[k] - before[k] for k in after}
     tokens = max(window.tokens, 1)
     ttfts = sorted(window.ttfts) or [math.nan]
     return {
-        "variant": variant, "streams": streams, "step_ms": args.step_ms_now,
+        "variant": variant, "front": args.front_now, "streams": streams,
+        "step_ms": args.step_ms_now,
         "tok_s": window.tokens / args.duration,
         "ideal_tok_s": streams * 1000 / args.step_ms_now,
         "tokens_per_step": window.tokens / max(spent["steps"], 1),
+        "tokens_per_message": window.tokens / max(window.messages, 1),
         "router_us_per_token": spent["routers"] * 1e6 / tokens,
         "scheduler_us_per_token": spent["scheduler"] * 1e6 / tokens,
         "client_us_per_token": spent["client"] * 1e6 / tokens,
         "ttft_p50_ms": statistics.median(ttfts) * 1e3,
         "ttft_p99_ms": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] * 1e3,
         "errors": len(with_errors),
+        **({"profile": {name: profile_split.split(profile_files(variant, streams, args)[name],
+                                                 PARTS[name]) for name in spies}}
+           if spies else {}),
     }  # fmt: skip
+
+
+PARTS = {"router": profile_split.ROUTER_PARTS, "scheduler": profile_split.SCHEDULER_PARTS}
+
+
+def profile_files(variant: str, streams: int, args) -> dict[str, Path]:
+    slug = "".join(c if c.isalnum() else "-" for c in variant)
+    return {name: Path(args.profile) / f"{slug}-{streams}-{args.step_ms_now:g}ms.{name}.txt"
+            for name in PARTS}  # fmt: skip
+
+
+def profile(stack, variant: str, streams: int, args) -> dict:
+    """--profile: py-spy on the router and the scheduler for the window."""
+    if not args.profile:
+        return {}
+    Path(args.profile).mkdir(parents=True, exist_ok=True)
+    files = profile_files(variant, streams, args)
+    return {name: profile_split.record(stack.processes[name].pid, args.duration - 0.5, path)
+            for name, path in files.items() if name in stack.processes}  # fmt: skip
+
+
+def profile_rows(rows: list[dict]) -> list[dict]:
+    us = {"router": "router_us_per_token", "scheduler": "scheduler_us_per_token"}
+    return [{"variant": r["variant"], "streams": r["streams"], "process": name,
+             "us_per_token": r[us[name]], "split": shares}
+            for r in rows for name, shares in r.get("profile", {}).items()]  # fmt: skip
 
 
 def start(
@@ -187,13 +300,14 @@ def start(
 
 def table(rows: list[dict]) -> str:
     head = ("| variant | step (ms) | streams | tok/s | ideal tok/s | tokens / step | "
-            "router CPU µs / token | scheduler CPU µs / token | TTFT p50 / p99 (ms) | "
-            "client CPU µs / token | errors |")  # fmt: skip
-    lines = [head, "|---|" + "---:|" * 10]
+            "tokens / message | router CPU µs / token | scheduler CPU µs / token | "
+            "TTFT p50 / p99 (ms) | client CPU µs / token | errors |")  # fmt: skip
+    lines = [head, "|---|" + "---:|" * 11]
     for r in rows:
         lines.append(
             f"| {r['variant']} | {r['step_ms']:g} | {r['streams']} | {r['tok_s']:.0f} | "
             f"{r['ideal_tok_s']:.0f} | {r['tokens_per_step']:.1f} | "
+            f"{r.get('tokens_per_message', math.nan):.2f} | "
             f"{r['router_us_per_token']:.1f} | {r['scheduler_us_per_token']:.1f} | "
             f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
             f"{r['client_us_per_token']:.1f} | {r['errors']} |"
@@ -223,6 +337,27 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=3.0)
     parser.add_argument("--duration", type=float, default=8.0)
     parser.add_argument("--label", default="", help="a name for this run in the output")
+    parser.add_argument(
+        "--front",
+        nargs="+",
+        default=["grpc"],
+        choices=["grpc", "openai"],
+        help="the load through the gRPC API, the OpenAI HTTP API or both",
+    )
+    parser.add_argument(
+        "--floor",
+        nargs="*",
+        default=[],
+        choices=["grpcio", "native"],
+        help="rows of bench/grpc_floor.py on these servers, same client",
+    )
+    parser.add_argument(
+        "--profile",
+        default="",
+        metavar="DIR",
+        help="py-spy the router and scheduler in each window: raw stacks "
+        "in DIR, the split by part under the table",
+    )
     parser.add_argument("--out", default=str(RESULTS / "overhead.md"))
     args = parser.parse_args()
     model_dir = ROOT / "models" / "flagstop-tiny"
@@ -231,9 +366,15 @@ def main() -> None:
     rows = []
     for step_ms in args.step_ms:
         args.step_ms_now = step_ms
+        args.front_now = "grpc"
+        for kind in args.floor:
+            rows += run_floor(kind, args)
         for label, checkout, flags, executor, scheduler in variants(args):
             rows += run_variant(model_dir, label, checkout, flags, args, executor, scheduler)
     text = table(rows)
+    if split := profile_rows(rows):
+        text += "\n\nWhere the CPU per token goes (py-spy, bench/profile_split.py):\n\n"
+        text += profile_split.table(split)
     print(text)
     write_result(
         args.out, f"Router and scheduler overhead{f': {args.label}' if args.label else ''}",
@@ -242,6 +383,18 @@ def main() -> None:
         f"connections, {args.warmup:g} s warm-up, {args.duration:g} s window.",
         text, {"args": vars(args), "rows": rows},
     )  # fmt: skip
+
+
+def run_floor(kind: str, args) -> list:
+    stack, rows = FloorStack(kind, args.step_ms_now, ROOT), []
+    try:
+        for streams in args.streams:
+            rows.append(asyncio.run(measure(stack, f"grpc floor ({kind})", streams, args)))
+            print(table(rows[-1:]).splitlines()[-1], flush=True)
+            stack.wait_idle(timeout=60)
+    finally:
+        stack.stop()
+    return rows
 
 
 def run_variant(
@@ -257,10 +410,15 @@ def run_variant(
                   executor_extra, scheduler_extra)  # fmt: skip
     rows = []
     try:
-        for streams in args.streams:
-            rows.append(asyncio.run(measure(stack, label, streams, args)))
-            print(table(rows[-1:]).splitlines()[-1], flush=True)
-            stack.wait_idle(timeout=60)
+        info = stack.generation().GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=10)
+        args.model_name = info.model.model_name
+        for front in args.front:
+            args.front_now = front
+            for streams in args.streams:
+                name = label if front == "grpc" else f"{label} (OpenAI SSE)"
+                rows.append(asyncio.run(measure(stack, name, streams, args)))
+                print(table(rows[-1:]).splitlines()[-1], flush=True)
+                stack.wait_idle(timeout=60)
     finally:
         stack.stop()
     return rows

@@ -6,10 +6,11 @@ bench/overhead_bench.py, drawn with matplotlib (the bench extra).
 occupancy.png: batch slots over forward steps, static batching (transformers
 generate()) above continuous batching (ours), from the same workload's real runs;
 one colour per request, grey for an idle slot. serving.png: output throughput and
-p99 TTFT against the request rate. overhead.png (and overhead_levers.png,
-overhead_spec.png): delivered tokens/s and the router's CPU per token against the
-number of streams, a line per variant. spec.png: speculative decoding's tok/s against
-speculation off and its tokens per forward, a line per proposer.
+p99 TTFT against the request rate. overhead.png (and overhead_router.png,
+overhead_levers.png, overhead_spec.png): delivered tokens/s and the router's CPU per
+token against the number of streams, a line per variant. spec.png: speculative
+decoding's tok/s against speculation off and its tokens per forward, a line per
+proposer.
 """
 
 import argparse
@@ -180,7 +181,7 @@ def main() -> None:
                   args.results / "serving.png")  # fmt: skip
     if (args.results / "spec.json").exists():
         spec_chart(json.loads((args.results / "spec.json").read_text()), args.results / "spec.png")
-    for name in ("overhead", "overhead_levers", "overhead_spec"):
+    for name in ("overhead", "overhead_router", "overhead_levers", "overhead_spec"):
         if (args.results / f"{name}.json").exists():
             overhead_chart(json.loads((args.results / f"{name}.json").read_text()),
                            args.results / f"{name}.png")  # fmt: skip

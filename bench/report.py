@@ -15,7 +15,8 @@ import transformers
 
 HERE = Path(__file__).parent
 ORDER = [
-    "peers", "serve", "serve_backends", "overhead", "overhead_levers", "replicas", "scheduler",
+    "peers", "serve", "serve_backends", "overhead", "overhead_router", "overhead_levers",
+    "replicas", "scheduler",
     "detokenizer", "tracing", "executor", "tp", "structured", "spec", "overhead_spec",
 ]  # fmt: skip
 

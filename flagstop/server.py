@@ -9,7 +9,7 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import grpc
 import uvloop
@@ -89,6 +89,19 @@ def channel(address: str, tls: TLSConfig | None = None) -> grpc.aio.Channel:
     return grpc.aio.secure_channel(address, tls.channel_credentials(), options=CHANNEL_OPTIONS)
 
 
+GrpcServerKind = Literal["grpcio", "native"]
+
+
+def _server(kind: GrpcServerKind, tls: TLSConfig | None, options, interceptors):
+    if kind == "grpcio":
+        return grpc.aio.server(options=options, interceptors=interceptors)
+    if tls is not None:  # refused by the settings already (RouterSettings)
+        raise ValueError("pygrpc-native serves plaintext only")
+    import pygrpc_native.aio  # only where chosen: a young library, kept off the default
+
+    return pygrpc_native.aio.server(options=options, interceptors=interceptors)
+
+
 def new_server(
     port: int,
     host: str = "127.0.0.1",
@@ -98,14 +111,17 @@ def new_server(
     max_receive_bytes: int = MAX_MESSAGE_BYTES,
     interceptors: tuple[grpc.aio.ServerInterceptor, ...] = (),
     reuse_port: bool = False,
+    kind: GrpcServerKind = "grpcio",
 ) -> grpc.aio.Server:
     """A larger message than max_receive_bytes is refused with RESOURCE_EXHAUSTED.
-    reuse_port: share the port with the processes of the same user bound to it."""
+    reuse_port: share the port with the processes of the same user bound to it.
+    kind: grpcio's own server, or native (pygrpc-native: its HTTP/2 in Rust, the
+    same servicers; plaintext only, so TLS is refused)."""
     replaced = {"grpc.max_receive_message_length", "grpc.so_reuseport"}
     options = [o for o in SERVER_OPTIONS if o[0] not in replaced]
     options += [("grpc.max_receive_message_length", max_receive_bytes),
                 ("grpc.so_reuseport", int(reuse_port))]  # fmt: skip
-    server = grpc.aio.server(options=options, interceptors=interceptors)
+    server = _server(kind, tls, options, interceptors)
     address = f"{host}:{port}"
     try:
         if tls is None:

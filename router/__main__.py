@@ -6,8 +6,6 @@ import logging
 import signal
 import sys
 
-from transformers import AutoTokenizer
-
 from flagstop import logs
 from flagstop.health import Health
 from flagstop.router.auth import ApiKeyCheck, BearerKey
@@ -17,6 +15,7 @@ from flagstop.router.http import HttpServer, create_app
 from flagstop.router.processes import supervise
 from flagstop.router.service import SERVICE_NAME, GenerationService, add_to_server
 from flagstop.router.settings import RouterSettings
+from flagstop.router.tokenizer import load_tokenizer
 from flagstop.server import (
     StartupError,
     TLSConfig,
@@ -33,7 +32,7 @@ log = logging.getLogger("flagstop.router")
 
 async def serve(settings: RouterSettings) -> None:
     try:
-        tokenizer = AutoTokenizer.from_pretrained(settings.model)
+        tokenizer = load_tokenizer(settings.model)
         chat = ChatTemplate(tokenizer, settings.chat_template)
     except (OSError, ValueError) as e:
         raise StartupError(f"cannot load the tokenizer of {settings.model}: {e}") from None
@@ -43,6 +42,7 @@ async def serve(settings: RouterSettings) -> None:
         require_client_cert=settings.tls_require_client_cert,
         max_receive_bytes=settings.max_request_bytes,
         interceptors=(ApiKeyCheck(key),) if key else (), reuse_port=settings.reuse_port,
+        kind=settings.grpc_server,
     )  # fmt: skip
     health = Health(server, [SERVICE_NAME])
     engine = RouterEngine(tokenizer, settings, health, Telemetry("flagstop-router"))

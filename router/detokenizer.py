@@ -2,10 +2,12 @@
 multi-byte character, and stop strings matched across token boundaries.
 
 Fast tokenizers stream through `tokenizers`' own DecodeStream (Rust: it keeps the
-offsets and holds back incomplete UTF-8 itself; 0.9 CPU µs per token against 6.5 for
-decoding windows from Python, bench/detokenizer_bench.py); slow (pure-Python)
-tokenizers fall back to the windowed decode of IncrementalDetokenizer."""
+offsets and holds back incomplete UTF-8 itself; ~2 CPU µs per token against ~6.5 for
+decoding windows from Python, bench/detokenizer_bench.py), byte-level ones through a
+table of each token's own text for as long as every token has one; slow
+(pure-Python) tokenizers fall back to the windowed decode of IncrementalDetokenizer."""
 
+import functools
 from dataclasses import dataclass, field
 
 from tokenizers.decoders import DecodeStream
@@ -13,42 +15,111 @@ from tokenizers.decoders import DecodeStream
 # Context tokens decoded before the new ones, so that merges and leading spaces come
 # out as in a full decode.
 CONTEXT_TOKENS = 5
+# Tokens in a row, each ending a character, after which a DecodeStream hands back to
+# the tokens' own texts.
+WHOLE_TO_RETURN = 16
 
 
 def new_detokenizer(tokenizer, prompt_token_ids: list[int]):
     """The fastest detokenizer the tokenizer allows; both have add(ids, final)."""
     if getattr(tokenizer, "is_fast", False):
-        return StreamDetokenizer(tokenizer, prompt_token_ids)
+        return StreamDetokenizer(tokenizer, prompt_token_ids, own_texts(tokenizer))
     return IncrementalDetokenizer(tokenizer, prompt_token_ids)
 
 
+class OwnTexts(dict):
+    """A byte-level tokenizer's tokens whose text is their own: a ByteLevel decoder
+    turns tokens into bytes and the bytes into text, so a token that decodes alone to
+    whole characters (most do) adds exactly that text after any run of such tokens.
+    None for the others (part of a character, a stray byte). Filled as tokens come:
+    a dict lookup per token, where DecodeStream's step costs ~2 µs (the router's
+    costliest per-token call, bench/detokenizer_bench.py)."""
+
+    def __init__(self, tokenizer) -> None:
+        super().__init__()
+        self.backend = tokenizer.backend_tokenizer
+
+    def __missing__(self, token_id: int) -> str | None:
+        text = self.backend.decode([token_id], skip_special_tokens=True)
+        own = None if "\ufffd" in text else text  # U+FFFD: bytes of a partial character
+        self[token_id] = own
+        return own
+
+
+@functools.cache
+def own_texts(tokenizer) -> OwnTexts | None:
+    """The tokenizer's OwnTexts where its decoder is byte-level alone, else None."""
+    if type(tokenizer.backend_tokenizer.decoder).__name__ != "ByteLevel":
+        return None
+    return OwnTexts(tokenizer)
+
+
 class StreamDetokenizer:
-    """A fast tokenizer's DecodeStream, primed with the end of the prompt."""
+    """A fast tokenizer's DecodeStream, primed with the end of the prompt. With a
+    byte-level tokenizer, between character boundaries where every token has a text of
+    its own (see OwnTexts), those texts are the deltas, exactly what DecodeStream
+    gives: a token without one starts a DecodeStream, primed with the tokens before
+    it (a boundary, as a prompt's end is), until the character it began is complete."""
 
-    __slots__ = ("backend", "held", "stream", "tokenizer")
+    __slots__ = ("backend", "held", "num_whole", "own", "recent", "stream", "tokenizer")
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], own: OwnTexts | None = None):
         self.tokenizer = tokenizer
         self.backend = tokenizer.backend_tokenizer
-        self.stream = DecodeStream(
-            ids=list(prompt_token_ids[-CONTEXT_TOKENS:]), skip_special_tokens=True
-        )
+        self.recent = list(prompt_token_ids[-CONTEXT_TOKENS:])
+        self.own = own
+        self.stream: DecodeStream | None = None
+        if own is None or any(own[t] is None for t in self.recent):
+            self._start_stream()
         self.held: list[int] = []  # tokens of an incomplete character, not yet text
+
+    def _start_stream(self) -> None:
+        self.stream = DecodeStream(ids=self.recent[-CONTEXT_TOKENS:], skip_special_tokens=True)
+        self.num_whole = 0  # tokens in a row since, each ending a character
 
     def add(self, token_ids: list[int], final: bool = False) -> str:
         """The text the new tokens complete; at the end (final) an incomplete UTF-8
         character comes out as U+FFFD rather than being lost."""
-        pieces = []
+        if self.stream is None:
+            own = self.own
+            if len(token_ids) == 1 and (text := own[token_ids[0]]) is not None:
+                self._seen(token_ids)
+                return text  # the common call: one step's token, whole characters
+            texts = [own[t] for t in token_ids]
+            if None not in texts:
+                self._seen(token_ids)
+                return "".join(texts)
+            cut = texts.index(None)
+            self._seen(token_ids[:cut])
+            self._start_stream()
+            return "".join(texts[:cut]) + self._step(token_ids[cut:], final)
+        return self._step(token_ids, final)
+
+    def _seen(self, token_ids: list[int]) -> None:
+        recent = self.recent
+        recent += token_ids
+        if len(recent) > 8 * CONTEXT_TOKENS:
+            del recent[:-CONTEXT_TOKENS]
+
+    def _step(self, token_ids: list[int], final: bool) -> str:
+        """Through DecodeStream; back to own texts after WHOLE_TO_RETURN tokens in a
+        row that each ended a character (stray bytes would start a stream per token)."""
+        pieces, own = [], self.own
         for token_id in token_ids:
             text = self.stream.step(self.backend, token_id)
             if text is None:
                 self.held.append(token_id)
+                self.num_whole = 0
             else:
                 self.held.clear()
                 pieces.append(text)
+                self.num_whole += 1
         if final and self.held:
             pieces.append(self.tokenizer.decode(self.held, skip_special_tokens=True))
             self.held = []
+        self._seen(token_ids)
+        if own is not None and not self.held and self.num_whole >= WHOLE_TO_RETURN:
+            self.stream = None
         return "".join(pieces)
 
 

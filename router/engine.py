@@ -3,7 +3,7 @@ admission, the fan-out of each step's tokens and the client streams.
 
 A request is validated against the model, given a replica (router/replicas.py) and
 queued there; its scheduler's steps come back as one message per step whose tokens
-the fan-out leaves in each request's mailbox; the client stream turns them into
+the fan-out appends to each request's Pending; the client stream turns them into
 chunks (router/output.py). A front calls submit(), iterates stream() and the stream
 releases the request however it ends; a request that cannot be served raises
 RequestFailed with a gRPC status code, which the HTTP front maps to its own."""
@@ -18,7 +18,7 @@ import grpc
 from flagstop.health import Health
 from flagstop.router.admission import AdmissionBudget
 from flagstop.router.detokenizer import StopStringMatcher, new_detokenizer
-from flagstop.router.output import ChunkBuilder, Pending, RequestFailed, StepToken
+from flagstop.router.output import ChunkBuilder, Pending, RequestFailed
 from flagstop.router.replicas import ReplicaSet
 from flagstop.router.settings import RouterSettings
 from flagstop.router.telemetry import RequestTrace
@@ -114,6 +114,8 @@ class RouterEngine:
             add.num_speculative_tokens = request.num_speculative_tokens
         replica = self.replicas.choose(token_ids, self.replicas.routable())
         pending = Pending(request_id, request, token_ids, trace, add, replica)
+        if request.HasField("logprobs"):
+            pending.logprobs = []
         self.requests[request_id] = pending
         replica.admission.push(add)
         replica.flush.set()
@@ -133,34 +135,37 @@ class RouterEngine:
             replica.abort(pending.request_id)
 
     def fan_out(self, msg: scheduler_pb2.SchedulerMessage) -> None:
-        """One scheduler message: each token to its stream's mailbox, then the
-        requests that ended without a token, then the failed ones."""
+        """One scheduler message: each token to its request (a request's tokens of a
+        step are consecutive: speculative decoding's 1 + accepted drafts), then the
+        ends, then the failures; each waiting stream woken once it has news. The
+        per-token loop is the router's hottest: an append and a waiter check."""
         requests = self.requests
-        finished = dict(zip(msg.finished_ids, msg.finish_reasons, strict=True))
         if msg.num_cached_tokens or msg.prompt_logprobs:
             self._prefill_facts(msg)
-        logprobs, request_ids = msg.logprobs, msg.request_ids
-        last = len(request_ids) - 1
-        for i, (request_id, token_id) in enumerate(zip(request_ids, msg.token_ids, strict=True)):
+        if msg.logprobs:
+            self._logprobs(msg)
+        for request_id, token_id in zip(msg.request_ids, msg.token_ids, strict=True):
             pending = requests.get(request_id)
-            if pending is None:
-                continue
-            # A request's tokens of a step are consecutive (speculative decoding: 1 +
-            # its accepted drafts); it ends after the last of them.
-            reason = 0
-            if finished and (i == last or request_ids[i + 1] != request_id):
-                reason = finished.pop(request_id, 0)
-            pending.finished = bool(reason)
-            pending.generated.append(token_id)
-            pending.mailbox.put(StepToken(token_id, reason, logprobs[i] if logprobs else None))
-        for request_id, reason in finished.items():
+            if pending is not None:
+                pending.generated.append(token_id)
+                if (waiter := pending.waiter) is not None:  # Pending.wake, inlined
+                    pending.waiter = None
+                    if not waiter.done():
+                        waiter.set_result(None)
+        for request_id, reason in zip(msg.finished_ids, msg.finish_reasons, strict=True):
             if (pending := requests.get(request_id)) is not None:
-                pending.finished = True
-                pending.mailbox.put(StepToken(None, reason, None))
+                pending.end(reason)
         for error in msg.errors:
             if (pending := requests.get(error.request_id)) is not None:
-                pending.finished = True
-                pending.mailbox.put(error)
+                pending.failed(error)
+
+    def _logprobs(self, msg: scheduler_pb2.SchedulerMessage) -> None:
+        """Each token's logprob entry beside it (the requests that asked for them)."""
+        requests = self.requests
+        for request_id, entry in zip(msg.request_ids, msg.logprobs, strict=True):
+            pending = requests.get(request_id)
+            if pending is not None and pending.logprobs is not None:
+                pending.logprobs.append(entry)
 
     def _prefill_facts(self, msg: scheduler_pb2.SchedulerMessage) -> None:
         """What a message tells of prefills: prompt logprobs (before the tokens they
@@ -174,31 +179,33 @@ class RouterEngine:
                 pending.num_cached_tokens = num_cached
 
     async def stream(self, pending: Pending) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        """The request's chunks, the last with its finish reason and usage; released
-        when the stream ends, however it ends. Raises RequestFailed."""
+        """The request's chunks, one per wake-up holding everything new, the last with
+        its finish reason and usage; released when the stream ends, however it ends.
+        Raises RequestFailed. One generator, its wait inline: a resumed generator or
+        coroutine per message is what the router's own CPU per token is made of."""
         try:
-            async for chunk in self._chunks(pending):
-                yield chunk
+            detokenizer = new_detokenizer(self.tokenizer, pending.prompt_token_ids)
+            stops = StopStringMatcher(list(pending.request.stop))
+            builder = ChunkBuilder(pending, detokenizer, stops)
+            interval = self.settings.stream_interval_ms / 1000
+            loop = asyncio.get_running_loop()
+            while True:
+                if not builder.has_news:
+                    pending.waiter = loop.create_future()
+                    await pending.waiter
+                chunk, failure = builder.build()
+                if chunk is not None:
+                    yield chunk
+                if failure is not None:
+                    raise failure
+                if builder.done:
+                    return
+                if interval:
+                    # At most a message per interval after the first: the tokens of the
+                    # steps meanwhile go out together (fewer, larger writes).
+                    await asyncio.sleep(interval)
         finally:
             self.release(pending)
-
-    async def _chunks(self, pending: Pending):
-        """One chunk per wake-up, holding every token the mailbox had."""
-        detokenizer = new_detokenizer(self.tokenizer, pending.prompt_token_ids)
-        stream = ChunkBuilder(pending, detokenizer, StopStringMatcher(list(pending.request.stop)))
-        interval = self.settings.stream_interval_ms / 1000
-        while True:
-            chunk, failure = stream.build(await pending.mailbox.take())
-            if chunk is not None:
-                yield chunk
-            if failure is not None:
-                raise failure
-            if stream.done:
-                return
-            if interval:
-                # At most a message per interval after the first: the tokens of the
-                # steps meanwhile go out together (fewer, larger writes).
-                await asyncio.sleep(interval)
 
     # -- shutdown --------------------------------------------------------------
 

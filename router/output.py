@@ -1,14 +1,15 @@
 """One client stream's side of the router: the request as the router holds it
-(Pending), the mailbox the fan-out fills, and the chunks built from it.
+(Pending), which the fan-out fills, and the chunks built from it.
 
-The fan-out (RouterEngine.fan_out) leaves a StepToken (or the scheduler's
-RequestError) in the request's Mailbox for every token of a step; the client's stream
-takes whatever is there on each wake-up and ChunkBuilder turns it into one
-GenerateResponse: text, token ids, logprobs and, at the end, finish reason and usage."""
+The fan-out (RouterEngine.fan_out) appends every token of a step to its request's
+Pending (and, at the end, the finish reason or the scheduler's RequestError); the
+client's stream takes whatever is new on each wake-up and ChunkBuilder turns it into
+one GenerateResponse: text, token ids, logprobs and, at the end, finish reason and
+usage."""
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -34,49 +35,16 @@ class RequestFailed(Exception):
         self.code, self.message, self.param = code, message, param
 
 
-class StepToken(NamedTuple):
-    """What one step brought one stream: a token (None when the request ended without
-    one), the scheduler's finish reason (0 while it runs) and the token's logprob
-    entry, if asked for. A tuple: the fan-out makes one per token per step."""
-
-    token_id: int | None
-    finish_reason: int
-    logprob: generation_pb2.TokenLogprob | None
-
-
-MailboxItem = StepToken | scheduler_pb2.RequestError
-
-
-class Mailbox:
-    """What the fan-out leaves for one client stream. The stream takes everything there
-    at once: a stream that fell behind (a slow client, a busy router) gets the tokens
-    of several steps in one message, never reordered or dropped, and the router writes
-    fewer messages exactly when it is short of time (vLLM's stream interval, adaptive)."""
-
-    __slots__ = ("items", "waiter")
-
-    def __init__(self) -> None:
-        self.items: list[MailboxItem] = []
-        self.waiter: asyncio.Future | None = None
-
-    def put(self, item: MailboxItem) -> None:
-        self.items.append(item)
-        waiter, self.waiter = self.waiter, None
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def take(self) -> list[MailboxItem]:
-        if not self.items:
-            self.waiter = asyncio.get_running_loop().create_future()
-            await self.waiter
-        items, self.items = self.items, []
-        return items
-
-
 @dataclass(slots=True, eq=False)
 class Pending:
     """One client stream's request, from submit() to release(): what the fan-out
-    hands its stream."""
+    leaves for its stream. The fan-out appends each step's tokens to generated, sets
+    finish_reason or error at the end and wakes the stream if it waits; the stream
+    takes everything past what it sent at once. So a stream that fell behind (a slow
+    client, a busy router) gets the tokens of several steps in one message, never
+    reordered or dropped, and the router writes fewer messages exactly when it is
+    short of time (vLLM's stream interval, adaptive). State, not a queue of items:
+    the common step costs one append and, for a waiting stream, one wake-up."""
 
     request_id: str
     request: generation_pb2.GenerateRequest
@@ -84,13 +52,29 @@ class Pending:
     trace: RequestTrace
     add: scheduler_pb2.AddRequest  # as first sent: kept to resubmit to a new scheduler
     replica: "Replica"  # where it is queued or served
-    mailbox: Mailbox = field(default_factory=Mailbox)
-    generated: list[int] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)  # every token, in order
+    # With logprobs: generated's entries, index for index.
+    logprobs: list[generation_pb2.TokenLogprob] | None = None
+    finish_reason: int = 0  # the scheduler's, once it ended the request
+    error: scheduler_pb2.RequestError | None = None  # a failure, after the tokens
+    waiter: asyncio.Future | None = None  # the stream's, while it waits
     sent: bool = False  # released to the scheduler
     finished: bool = False  # the scheduler holds nothing of it any more
     num_cached_tokens: int = 0  # prefix-cache hits, told when it finishes
     # With prompt_logprobs: prompt tokens 1.. as their chunks arrive.
     prompt_logprobs: list[generation_pb2.TokenLogprob | None] | None = None
+
+    def wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def end(self, finish_reason: int) -> None:
+        """The scheduler ended it (after its last tokens, if any)."""
+        self.finished, self.finish_reason = True, finish_reason
+        self.wake()
 
     def add_prompt_logprobs(self, first_token: int, entries) -> None:
         """A prefill chunk's prompt logprobs. A recomputed prefill (preemption, a new
@@ -118,97 +102,128 @@ class Pending:
 
     def fail(self, code: grpc.StatusCode, message: str) -> None:
         """End the stream with an error the client can act on (once)."""
+        self.failed(
+            scheduler_pb2.RequestError(request_id=self.request_id, code=code.value[0],
+                                       message=message)
+        )  # fmt: skip
+
+    def failed(self, error: scheduler_pb2.RequestError) -> None:
+        """The scheduler's (or the router's) failure ends the stream, once."""
         if not self.finished:
-            self.finished = True
-            self.mailbox.put(
-                scheduler_pb2.RequestError(
-                    request_id=self.request_id, code=code.value[0], message=message
-                )
-            )
+            self.finished, self.error = True, error
+            self.wake()
 
 
 class ChunkBuilder:
-    """Turns a stream's tokens into GenerateResponse chunks: text (detokenized, held
-    back at a possible stop string), logprobs, and at the end the finish reason and
-    usage."""
+    """Turns what the fan-out left a stream into GenerateResponse chunks: text
+    (detokenized, held back at a possible stop string), logprobs, and at the end the
+    finish reason and usage."""
 
-    __slots__ = ("detokenizer", "done", "num_generated", "pending", "stops")
+    __slots__ = ("detokenizer", "done", "num_sent", "pending", "stops")
 
     def __init__(self, pending: Pending, detokenizer, stops: StopStringMatcher) -> None:
         self.pending, self.detokenizer, self.stops = pending, detokenizer, stops
-        self.num_generated, self.done = 0, False
+        self.num_sent, self.done = 0, False
 
-    def build(self, items: list[MailboxItem]):
-        """(chunk or None, RequestFailed or None) for what the mailbox held."""
-        failure, end = None, len(items)
-        for i, item in enumerate(items):
-            failure = self._failure(item)
-            if failure is not None:
-                end = i
-                break
-        chunk = generation_pb2.GenerateResponse()
+    @property
+    def has_news(self) -> bool:
+        pending = self.pending
+        return (len(pending.generated) > self.num_sent or pending.finished) and not self.done
+
+    def build(self) -> tuple[generation_pb2.GenerateResponse | None, RequestFailed | None]:
+        """(chunk or None, RequestFailed or None) for what arrived since the last."""
+        pending = self.pending
+        start, end = self.num_sent, len(pending.generated)
+        self.num_sent = end
+        if not (pending.finished or self.stops.stop):  # the common chunk: tokens only
+            token_ids = pending.generated[start:end]
+            chunk = generation_pb2.GenerateResponse(
+                token_ids=token_ids, text=self.detokenizer.add(token_ids)
+            )
+            if not start or pending.logprobs is not None:
+                self._extras(chunk, start, end)
+            return chunk, None
+        reason, failure = pending.finish_reason, self._failure(pending)
+        if failure is not None:
+            reason = 0  # the tokens before it go out; the stream ends in the failure
         if self.stops.stop:
-            self._add_one_by_one(chunk, items[:end])
+            chunk = self._one_by_one(start, end, reason)
         else:
-            self._add_all(chunk, items[:end])
-        if self.done:  # ended by a stop string before the failure: it happened after
-            failure = None
-        if not (chunk.token_ids or chunk.text or chunk.finish_reason):
-            return None, failure
-        return chunk, failure
+            chunk = self._all(start, end, reason)
+        if failure is not None and not self.done:
+            self.done = True
+            return chunk, failure
+        return chunk, None
 
     @staticmethod
-    def _failure(item: MailboxItem) -> RequestFailed | None:
-        if isinstance(item, scheduler_pb2.RequestError):
-            return RequestFailed(STATUS.get(item.code, grpc.StatusCode.UNKNOWN), item.message)
-        reason = item.finish_reason
+    def _failure(pending: Pending) -> RequestFailed | None:
+        if (error := pending.error) is not None:
+            return RequestFailed(STATUS.get(error.code, grpc.StatusCode.UNKNOWN), error.message)
+        reason = pending.finish_reason
         if reason and reason not in CLIENT_FINISH:
             return RequestFailed(grpc.StatusCode.INTERNAL, "the request failed in the engine")
         return None
 
-    def _add_all(self, chunk, items: list[StepToken]) -> None:
+    def _all(self, start: int, end: int, reason: int) -> generation_pb2.GenerateResponse | None:
         """No stop strings: the tokens of several steps in one go (one detokenizer call,
         the costly part per token otherwise)."""
-        token_ids = [item.token_id for item in items if item.token_id is not None]
-        reason = items[-1].finish_reason if items else 0
+        if start == end and not reason:
+            return None
+        token_ids = self.pending.generated[start:end]
+        chunk = generation_pb2.GenerateResponse(
+            token_ids=token_ids, text=self.detokenizer.add(token_ids, final=bool(reason))
+        )
         if token_ids:
-            if not self.num_generated:
-                self._first_token(chunk)
-            self.num_generated += len(token_ids)
-            chunk.token_ids.extend(token_ids)
-            chunk.logprobs.extend(item.logprob for item in items if item.logprob is not None)
-        chunk.text = self.detokenizer.add(token_ids, final=bool(reason))
+            self._extras(chunk, start, end)
         if reason:
-            last = items[-1].token_id
-            self._finish(chunk, reason, last if token_ids and last is not None else None)
+            self._finish(chunk, reason, end)
+        return chunk
 
-    def _add_one_by_one(self, chunk, items: list[StepToken]) -> None:
-        texts: list[str] = []
-        for item in items:
-            if self._add(chunk, texts, item):
-                break
-        chunk.text = "".join(texts)
+    def _extras(self, chunk, start: int, end: int) -> None:
+        """What a chunk of tokens may carry beside them: the first token's facts, the
+        tokens' logprobs."""
+        if not start:
+            self._first_token(chunk)
+        if (logprobs := self.pending.logprobs) is not None:
+            chunk.logprobs.extend(logprobs[start:end])
 
-    def _add(self, chunk, texts: list[str], item: StepToken) -> bool:
-        """Add one token (or a bare finish); whether the stream ended."""
-        token_id, reason, logprob = item
-        text = ""
-        if token_id is not None:
-            if not self.num_generated:
+    def _one_by_one(self, start: int, end: int, reason: int):
+        """With stop strings: token by token, the matcher cutting the text at a match."""
+        pending, chunk, texts = self.pending, generation_pb2.GenerateResponse(), []
+        logprobs = pending.logprobs
+        for i in range(start, end):
+            if not i:
                 self._first_token(chunk)
-            self.num_generated += 1
+            token_id, final = pending.generated[i], bool(reason) and i == end - 1
             chunk.token_ids.append(token_id)
-            text = self.detokenizer.add([token_id], final=bool(reason))
-            if logprob is not None:
-                chunk.logprobs.append(logprob)
-        emitted, matched = self.stops.feed(text, final=bool(reason))
+            if logprobs is not None:
+                chunk.logprobs.append(logprobs[i])
+            if self._feed(chunk, texts, self.detokenizer.add([token_id], final=final), final):
+                self._finish(chunk, generation_pb2.FINISH_REASON_STOP, i + 1)
+                break
+        else:
+            # A finish after the last token: what the detokenizer and the matcher held.
+            if (
+                reason
+                and start == end
+                and self._feed(chunk, texts, self.detokenizer.add([], final=True), True)
+            ):
+                reason = generation_pb2.FINISH_REASON_STOP
+            if reason:
+                self._finish(chunk, reason, end)
+        chunk.text = "".join(texts)
+        if not (chunk.token_ids or chunk.text or chunk.finish_reason):
+            return None
+        return chunk
+
+    def _feed(self, chunk, texts: list[str], text: str, final: bool) -> bool:
+        """The matcher's share of text; whether a stop string matched."""
+        emitted, matched = self.stops.feed(text, final=final)
         texts.append(emitted)
         if matched is not None:
             chunk.stop_reason = matched
-            self._finish(chunk, generation_pb2.FINISH_REASON_STOP, None)
-        elif reason:
-            self._finish(chunk, reason, token_id)
-        return self.done
+            return True
+        return False
 
     def _first_token(self, chunk) -> None:
         """The first chunk with a token: by then its prefill's prompt logprobs are in
@@ -218,12 +233,17 @@ class ChunkBuilder:
             empty = generation_pb2.TokenLogprob()
             chunk.prompt_logprobs.extend(lp or empty for lp in prompt_logprobs)
 
-    def _finish(self, chunk, reason: int, last_token: int | None) -> None:
+    def _finish(self, chunk, reason: int, num_generated: int) -> None:
+        """The last chunk. A stop at a stop token names it (a stop string has)."""
         chunk.finish_reason = reason  # the same values (FinishReason)
-        if last_token is not None and last_token in self.pending.request.stop_token_ids:
-            chunk.stop_reason = str(last_token)
-        chunk.usage.prompt_tokens = len(self.pending.prompt_token_ids)
-        chunk.usage.completion_tokens = self.num_generated
-        chunk.usage.cached_tokens = self.pending.num_cached_tokens
-        self.pending.trace.finish(chunk.finish_reason, self.num_generated)
+        pending = self.pending
+        stop = reason == generation_pb2.FINISH_REASON_STOP and num_generated
+        if stop and not chunk.stop_reason:
+            last = pending.generated[num_generated - 1]
+            if last in pending.request.stop_token_ids:
+                chunk.stop_reason = str(last)
+        chunk.usage.prompt_tokens = len(pending.prompt_token_ids)
+        chunk.usage.completion_tokens = num_generated
+        chunk.usage.cached_tokens = pending.num_cached_tokens
+        pending.trace.finish(chunk.finish_reason, num_generated)
         self.done = True

@@ -18,6 +18,7 @@ from pydantic_settings import SettingsConfigDict
 
 from flagstop.router.discovery import parse_targets
 from flagstop.router.routing import Routing
+from flagstop.server import GrpcServerKind
 from flagstop.settings import Port, ServiceSettings
 
 
@@ -92,6 +93,10 @@ class RouterSettings(ServiceSettings):
     """--processes: a router process that ends sooner than this after starting is not
     started again (it would only end again: a taken port, a model that does not
     load); the router exits instead"""
+    grpc_server: GrpcServerKind = "grpcio"
+    """the client-facing gRPC server: grpcio, or native (pygrpc-native: HTTP/2 in Rust,
+    about a third of grpcio's CPU per streamed message; plaintext only, so TLS is
+    refused; docs/router.md#grpc-server says when to choose it)"""
     reuse_port: bool = False
     """share --port and --http-port with other router processes of this user (set by
     --processes on the processes it starts)"""
@@ -108,4 +113,13 @@ class RouterSettings(ServiceSettings):
     def _shared_ports_are_known(self) -> Self:
         if self.processes > 1 and self.port == 0:
             raise ValueError("--processes needs a fixed --port (not 0) to share")
+        return self
+
+    @model_validator(mode="after")
+    def _native_server_is_plaintext(self) -> Self:
+        if self.grpc_server == "native" and self.tls_cert is not None:
+            raise ValueError(
+                "--grpc-server native serves plaintext only: unset --tls-cert, --tls-key "
+                "and --tls-ca, or use --grpc-server grpcio"
+            )
         return self

@@ -33,11 +33,16 @@ LOAD_REPORT_INTERVAL_S = 0.25
 EMPTY_LOGPROB = generation_pb2.TokenLogprob()
 
 
+# Credits a router may hold beyond its queued requests while the waiting queue has room.
+SPARE_CREDITS = 8
+
+
 @dataclass(slots=True, eq=False)
 class RouterConnection:
     router_id: str
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
-    credits: int = 0  # granted, not yet used by an add
+    credits: int = 0  # granted, not yet sent
+    held: int = 0  # sent, not yet used by an add (standing credits, or on their way)
     num_queued: int = 0  # requests waiting at the router, as it last said
     load_sent_at: float = 0.0  # monotonic time of the last load report to it
 
@@ -197,27 +202,33 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     # -- credits ---------------------------------------------------------------
 
     def _grant_credits(self) -> None:
-        """Keep the waiting queue short: hand out room for more requests only to the
-        routers that have some queued, one at a time in turn."""
+        """Keep the waiting queue short: hand out room for more requests to the routers
+        that have some queued, one at a time in turn; then, while room is left, a few
+        standing credits each (SPARE_CREDITS), so that a request arriving at a router
+        goes out at once in one message, instead of asking for a credit and waiting a
+        round trip for it (two messages more each way per request)."""
         if self.scheduler is None or not self.accepting:
             return
-        outstanding = sum(c.credits for c in self.routers.values())
+        outstanding = sum(c.credits + c.held for c in self.routers.values())
         waiting = len(self.scheduler.waiting) + len(self.compiling)
         room = self.settings.max_waiting_requests - waiting - outstanding
-        wanting = [c for c in self.routers.values() if c.num_queued > c.credits]
-        while room > 0 and wanting:
-            for conn in list(wanting):
-                if room == 0:
-                    break
-                conn.credits += 1
-                room -= 1
-                if conn.credits >= conn.num_queued:
-                    wanting.remove(conn)
+        for spare in (0, SPARE_CREDITS):
+            wanting = [c for c in self.routers.values()
+                       if c.num_queued + spare > c.credits + c.held]  # fmt: skip
+            while room > 0 and wanting:
+                for conn in list(wanting):
+                    if room == 0:
+                        break
+                    conn.credits += 1
+                    room -= 1
+                    if conn.credits + conn.held >= conn.num_queued + spare:
+                        wanting.remove(conn)
 
     @staticmethod
     def _take_credits(conn: RouterConnection) -> int:
-        # Credits are sent once; the router spends them and we count its adds down.
+        # Credits are sent once and held at the router until its adds spend them.
         sent, conn.credits = conn.credits, 0
+        conn.held += sent
         conn.num_queued = max(0, conn.num_queued - sent)
         return sent
 
@@ -255,18 +266,22 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def _apply(self, conn: RouterConnection, msg: scheduler_pb2.RouterMessage) -> None:
         conn.num_queued = msg.num_queued
         scheduler = self.scheduler
+        # While steps run, each step's message carries the credits (dispatch): only a
+        # router with requests waiting for them, or an idle engine, gets them at once.
+        stepping = scheduler is not None and scheduler.has_unfinished_requests()
         errors = []
         if msg.aborts and scheduler is not None:
             self._cancel_compiles(msg.aborts)
             scheduler.abort(msg.aborts)
             for request_id in msg.aborts:
                 self.telemetry.on_finish(request_id, FinishReason.ABORT)
+        conn.held = max(0, conn.held - len(msg.adds))
         for add in msg.adds:
             error = self._add(conn, add)
             if error is not None:
                 errors.append(error)
         self._grant_credits()
-        if errors or conn.credits:
+        if errors or (conn.credits and (conn.num_queued or not stepping)):
             conn.outbox.put_nowait(
                 scheduler_pb2.SchedulerMessage(errors=errors, credits=self._take_credits(conn))
             )

@@ -1,10 +1,10 @@
 """Coalescing: a stream that falls behind gets the tokens of several steps in one
-message (the router's mailbox, --stream-interval-ms), never reordered, dropped or
-doubled, with the same text, stop-string cut, finish and usage as one by one."""
+message (all the fan-out left since the stream last woke; --stream-interval-ms),
+never reordered, dropped or doubled, with the same text, stop-string cut, finish
+and usage as one by one."""
 
 import asyncio
 import time
-from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from flagstop.router.detokenizer import StopStringMatcher, new_detokenizer
-from flagstop.router.output import ChunkBuilder, Mailbox, StepToken
+from flagstop.router.output import ChunkBuilder, Pending
 from flagstop.server import CHANNEL_OPTIONS
 from flagstop.v1 import generation_pb2, generation_pb2_grpc, scheduler_pb2
 from tools.make_model import write_model
@@ -35,18 +35,26 @@ class Trace:
         pass
 
 
-def stream(tokenizer, items: list, takes: list[int], stop: list[str]) -> dict:
-    """What a client sees when the mailbox holds takes[0] items, then takes[1], ..."""
-    pending = SimpleNamespace(
-        trace=Trace(), prompt_token_ids=[0, 5, 9], prompt_logprobs=None, num_cached_tokens=0,
-        request=generation_pb2.GenerateRequest(stop=stop, stop_token_ids=[7]),
+# What the fan-out can leave a stream: a token (with its logprob entry), the end, or
+# the scheduler's failure.
+Token = tuple[int, generation_pb2.TokenLogprob]
+
+
+def stream(tokenizer, events: list, takes: list[int], stop: list[str]) -> dict:
+    """What a client sees when the fan-out left takes[0] events before the stream woke,
+    then takes[1], ..."""
+    pending = Pending(
+        "r", generation_pb2.GenerateRequest(stop=stop, stop_token_ids=[7]), [0, 5, 9],
+        Trace(), scheduler_pb2.AddRequest(), None, logprobs=[],
     )  # fmt: skip
     builder = ChunkBuilder(pending, new_detokenizer(tokenizer, [0, 5, 9]), StopStringMatcher(stop))
     seen = {"token_ids": [], "text": "", "logprobs": [], "finish": None, "failed": None}
     start = 0
     for take in takes:
-        chunk, failure = builder.build(items[start : start + take])
+        for event in events[start : start + take]:
+            leave(pending, event)
         start += take
+        chunk, failure = builder.build()
         if chunk is not None:
             seen["token_ids"] += chunk.token_ids
             seen["text"] += chunk.text
@@ -56,9 +64,19 @@ def stream(tokenizer, items: list, takes: list[int], stop: list[str]) -> dict:
                 seen["finish"] = (chunk.finish_reason, chunk.stop_reason, usage)
         if failure is not None:
             seen["failed"] = str(failure)
-        if builder.done or failure is not None:
+        if builder.done:
             break
     return seen
+
+
+def leave(pending: Pending, event) -> None:
+    if isinstance(event, scheduler_pb2.RequestError):
+        pending.failed(event)
+    elif isinstance(event, int):
+        pending.end(event)
+    else:
+        pending.generated.append(event[0])
+        pending.logprobs.append(event[1])
 
 
 @settings(max_examples=200, deadline=None)
@@ -70,56 +88,85 @@ def stream(tokenizer, items: list, takes: list[int], stop: list[str]) -> dict:
 )
 def test_any_coalescing_gives_what_one_by_one_gives(tokenizer, token_ids, end, cut, stop_at):
     logprob = generation_pb2.TokenLogprob
-    items = [StepToken(t, 0, logprob(token_id=t, logprob=-i)) for i, t in enumerate(token_ids)]
+    events: list = [(t, logprob(token_id=t, logprob=-i)) for i, t in enumerate(token_ids)]
     if end == "stop token":
-        items[-1] = items[-1]._replace(token_id=7, finish_reason=STOP)
-    elif end == "length":
-        items[-1] = items[-1]._replace(finish_reason=LENGTH)
-    elif end == "bare finish":
-        items.append(StepToken(None, STOP, None))
+        events[-1] = (7, events[-1][1])
+        events.append(STOP)  # the end comes with the step's last token, or after
+    elif end in ("length", "bare finish"):
+        events.append(LENGTH if end == "length" else STOP)
     else:
-        items.append(scheduler_pb2.RequestError(code=14, message="the scheduler went away"))
+        events.append(scheduler_pb2.RequestError(code=14, message="the scheduler went away"))
     stop = []
     if stop_at is not None:  # a stop string cut from the text itself, so it can match
         text = tokenizer.decode(token_ids, skip_special_tokens=True)
         start = min(stop_at[0], max(len(text) - 1, 0))
         stop = [s for s in [text[start : start + stop_at[1]]] if s.strip()]
-    takes = (cut * len(items))[: len(items)]  # cover every item
-    one_by_one = stream(tokenizer, items, [1] * len(items), stop)
-    assert stream(tokenizer, items, takes, stop) == one_by_one
-    assert stream(tokenizer, items, [len(items)], stop) == one_by_one
+    takes = (cut * len(events))[: len(events)]  # cover every event
+    one_by_one = stream(tokenizer, events, [1] * len(events), stop)
+    assert stream(tokenizer, events, takes, stop) == one_by_one
+    assert stream(tokenizer, events, [len(events)], stop) == one_by_one
     if not stop:
-        assert one_by_one["token_ids"] == [i[0] for i in items if isinstance(i, tuple) and i[0]]
+        assert (
+            one_by_one["token_ids"]
+            == [7 if t == 7 else t for t, _ in events[:-1]][: len(token_ids)]
+        )
+        assert (one_by_one["failed"] is not None) == (end == "error")
+        if end == "stop token":
+            assert one_by_one["finish"] == (STOP, "7", len(token_ids))
 
 
-def test_the_mailbox_hands_over_everything_in_order():
-    async def run() -> list:
-        mailbox, taken = Mailbox(), []
+def test_a_stream_wakes_for_every_token_and_takes_them_in_order():
+    """The fan-out appends while the stream is busy elsewhere; each wake-up takes
+    everything new: 100 tokens, in order, none twice, in fewer takes than tokens."""
+
+    async def run() -> tuple[list, int]:
+        pending = Pending("r", generation_pb2.GenerateRequest(), [0], Trace(),
+                          scheduler_pb2.AddRequest(), None)  # fmt: skip
+        builder = ChunkBuilder(pending, Echo(), StopStringMatcher([]))
+        taken, takes = [], 0
 
         async def slow_reader():
-            while len(taken) < 100:
-                taken.extend(await mailbox.take())
+            nonlocal takes
+            while not builder.done:
+                if not builder.has_news:
+                    pending.waiter = asyncio.get_running_loop().create_future()
+                    await pending.waiter
+                chunk, _ = builder.build()
+                taken.extend(chunk.token_ids)
+                takes += 1
                 await asyncio.sleep(0.003)
 
         reader = asyncio.create_task(slow_reader())
         for i in range(100):
-            mailbox.put(i)
+            pending.generated.append(i)
+            pending.wake()
             if i % 7 == 0:
                 await asyncio.sleep(0.001)
+        pending.end(LENGTH)
         await reader
-        return taken
+        return taken, takes
 
-    assert asyncio.run(run()) == list(range(100))
+    taken, takes = asyncio.run(run())
+    assert taken == list(range(100)) and takes < 100
+
+
+class Echo:
+    def add(self, token_ids: list[int], final: bool = False) -> str:
+        return "".join(f"<{t}>" for t in token_ids)
 
 
 @pytest.mark.processes
-def test_a_slow_client_gets_every_token_once_in_order(model_dir, tmp_path):
+@pytest.mark.parametrize("server", ["grpcio", "native"])
+def test_a_slow_client_gets_every_token_once_in_order(model_dir, tmp_path, server):
     """A client reading one message per 40 ms of a stream stepping every 5 ms, with
-    --stream-interval-ms 20: the same tokens and text as a client that keeps up, and
-    both in fewer messages than tokens."""
+    --stream-interval-ms 20, on either client-facing server: the same tokens and text
+    as a client that keeps up, and both in fewer messages than tokens. (Without an
+    interval a slow client gets one message per token all the same: on loopback both
+    servers buffer megabytes before a write waits, so what coalesces is what the
+    router itself fell behind on.)"""
     stack = start_stack(
         model_dir, tmp_path, executor_args=["--simulate", "--simulate-base-ms", "5"],
-        router_args=["--stream-interval-ms", "20"],
+        router_args=["--stream-interval-ms", "20", "--grpc-server", server],
     )  # fmt: skip
     try:
         request = generation_pb2.GenerateRequest(prompt_token_ids=[0, 11, 12, 13], max_tokens=120,

@@ -66,6 +66,31 @@ def test_both_stream_what_a_full_decode_gives(tokenizer, prompt, generated, chun
         assert head + "".join(deltas) == full, Detokenizer.__name__
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    prompt=st.lists(st.integers(0, 511), min_size=1, max_size=8),
+    # (True, i): the i-th token of English text (whole characters); (False, i): id i.
+    drawn=st.lists(st.tuples(st.booleans(), st.integers(0, 511)), min_size=1, max_size=60),
+    chunks=st.lists(st.integers(1, 4), min_size=1, max_size=8),
+)
+def test_own_texts_give_each_delta_decode_stream_gives(tokenizer, prompt, drawn, chunks):
+    """A byte-level tokenizer's tokens with texts of their own, between any others
+    (partial characters, stray bytes, special tokens), in calls of any size: every
+    call returns what DecodeStream alone returns, the last (final) included."""
+    english = tokenizer(" the quick brown fox jumps over the lazy dog").input_ids
+    generated = [english[i % len(english)] if whole else i for whole, i in drawn]
+    table = new_detokenizer(tokenizer, prompt)
+    assert table.own is not None
+    alone = StreamDetokenizer(tokenizer, prompt)
+    start, sizes = 0, (chunks * len(generated))[: len(generated)]
+    for size in sizes:
+        ids, start = generated[start : start + size], start + size
+        final = start >= len(generated)
+        assert table.add(ids, final=final) == alone.add(ids, final=final), ids
+        if final:
+            break
+
+
 @pytest.mark.parametrize(
     ("pieces", "stop", "expected"),
     [

@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -251,6 +252,14 @@ def test_a_full_admission_queue_is_resource_exhausted_at_once(queue_stack):
         time.sleep(0.3)
         assert "admission queue is full" in refused([0, 9])
         assert all(len(f.result()[0]) == 300 for f in admitted)
+
+
+def test_the_router_never_loads_torch(stack):
+    """The embedded checkpoint's tokenizer loads without transformers' configuration
+    code, which imports torch (router/tokenizer.py): 5 s less of every start-up."""
+    generate(stack, prompt="hello", max_tokens=3)
+    maps = Path(f"/proc/{stack.processes['router'].pid}/maps").read_text()
+    assert "libtorch" not in maps
 
 
 def test_model_info(stack):

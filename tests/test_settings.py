@@ -84,6 +84,22 @@ def test_a_bad_flag_is_named(argv, expected):
         SchedulerSettings.load(argv)
 
 
+def test_the_native_grpc_server_with_tls_is_refused_in_one_line(tmp_path):
+    pem = tmp_path / "c.pem"
+    pem.write_text("not read")
+    tls = ["--tls-cert", str(pem), "--tls-key", str(pem), "--tls-ca", str(pem)]
+    with pytest.raises(SettingsInvalid) as refused:
+        RouterSettings.load(["--grpc-server", "native", *tls])
+    assert str(refused.value).endswith(
+        "--grpc-server native serves plaintext only: unset --tls-cert, --tls-key and "
+        "--tls-ca, or use --grpc-server grpcio"
+    )
+    assert "\n" not in str(refused.value)
+    assert RouterSettings.load(["--grpc-server", "grpcio", *tls]).grpc_server == "grpcio"
+    with pytest.raises(SettingsInvalid, match="--grpc-server h2o: Input should be 'grpcio'"):
+        RouterSettings.load(["--grpc-server", "h2o"])
+
+
 @pytest.mark.parametrize(
     ("name", "text", "expected"),
     [
