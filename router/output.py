@@ -196,7 +196,7 @@ class ChunkBuilder:
                 self._first_token(chunk)
             token_id, final = pending.generated[i], bool(reason) and i == end - 1
             chunk.token_ids.append(token_id)
-            if logprobs is not None:
+            if logprobs is not None and i < len(logprobs):
                 chunk.logprobs.append(logprobs[i])
             if self._feed(chunk, texts, self.detokenizer.add([token_id], final=final), final):
                 self._finish(chunk, generation_pb2.FINISH_REASON_STOP, i + 1)

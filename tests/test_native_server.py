@@ -40,12 +40,11 @@ def request(max_tokens: int, **fields) -> generation_pb2.GenerateRequest:
 
 
 def test_two_thousand_streams_complete_and_free_every_block(stack):
-    for _ in range(2):
-        started = time.monotonic()
-        assert asyncio.run(many_streams(stack.router, 2000)) == [4] * 2000
-        assert time.monotonic() - started < 60
-        stats = stack.wait_idle()
-        assert stats.num_free_blocks == stats.num_total_blocks
+    """As tests/test_simulator.py's load on grpcio (which also watches memory)."""
+    started = time.monotonic()
+    assert asyncio.run(many_streams(stack.router, 2000)) == [4] * 2000
+    assert time.monotonic() - started < 60
+    assert stack.wait_idle().num_free_blocks == stack.stats().num_total_blocks
 
 
 def test_a_cancelled_stream_is_aborted_within_a_few_steps(stack):
