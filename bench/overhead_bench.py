@@ -5,6 +5,12 @@ model), which answers each step after a fixed simulated step time.
     python bench/overhead_bench.py [--streams 64 256 1024] [--step-ms 8 30]
         [--routers 1] [--duration 8] [--out bench/results/overhead.md]
         [--variant 'LABEL|CHECKOUT|ROUTER FLAGS|EXECUTOR FLAGS|SCHEDULER FLAGS' ...]
+        [--front grpc openai] [--floor grpcio native] [--profile DIR]
+
+--front openai drives the same load through the OpenAI API (SSE; each event with the
+usage so far, which costs the router a little per event); --floor adds rows of
+bench/grpc_floor.py (the transport alone, same client); --profile splits the router's
+and the scheduler's CPU by part (py-spy, bench/profile_split.py).
 
 Each --variant is a stack of its own, measured in the same run for a side-by-side
 table: CHECKOUT another checkout of flagstop with its own .venv (a commit before a

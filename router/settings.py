@@ -96,7 +96,7 @@ class RouterSettings(ServiceSettings):
     grpc_server: GrpcServerKind = "grpcio"
     """the client-facing gRPC server: grpcio, or native (pygrpc-native: HTTP/2 in Rust,
     about a third of grpcio's CPU per streamed message; plaintext only, so TLS is
-    refused; docs/router.md#grpc-server says when to choose it)"""
+    refused; docs/load_testing.md says when to choose it)"""
     reuse_port: bool = False
     """share --port and --http-port with other router processes of this user (set by
     --processes on the processes it starts)"""
