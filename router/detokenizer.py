@@ -117,9 +117,10 @@ class StreamDetokenizer:
         if final and self.held:
             pieces.append(self.tokenizer.decode(self.held, skip_special_tokens=True))
             self.held = []
-        self._seen(token_ids)
-        if own is not None and not self.held and self.num_whole >= WHOLE_TO_RETURN:
-            self.stream = None
+        if own is not None:  # the tail that primes the next DecodeStream
+            self._seen(token_ids)
+            if not self.held and self.num_whole >= WHOLE_TO_RETURN:
+                self.stream = None
         return "".join(pieces)
 
 

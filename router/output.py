@@ -136,13 +136,7 @@ class ChunkBuilder:
         start, end = self.num_sent, len(pending.generated)
         self.num_sent = end
         if not (pending.finished or self.stops.stop):  # the common chunk: tokens only
-            token_ids = pending.generated[start:end]
-            chunk = generation_pb2.GenerateResponse(
-                token_ids=token_ids, text=self.detokenizer.add(token_ids)
-            )
-            if not start or pending.logprobs is not None:
-                self._extras(chunk, start, end)
-            return chunk, None
+            return self._all(start, end, 0), None
         reason, failure = pending.finish_reason, self._failure(pending)
         if failure is not None:
             reason = 0  # the tokens before it go out; the stream ends in the failure
@@ -173,7 +167,7 @@ class ChunkBuilder:
         chunk = generation_pb2.GenerateResponse(
             token_ids=token_ids, text=self.detokenizer.add(token_ids, final=bool(reason))
         )
-        if token_ids:
+        if token_ids and (not start or self.pending.logprobs is not None):
             self._extras(chunk, start, end)
         if reason:
             self._finish(chunk, reason, end)

@@ -205,8 +205,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         """Keep the waiting queue short: hand out room for more requests to the routers
         that have some queued, one at a time in turn; then, while room is left, a few
         standing credits each (SPARE_CREDITS), so that a request arriving at a router
-        goes out at once in one message, instead of asking for a credit and waiting a
-        round trip for it (two messages more each way per request)."""
+        goes out at once in one message, instead of being announced, waiting a round
+        trip for its credit and then sent (three messages)."""
         if self.scheduler is None or not self.accepting:
             return
         outstanding = sum(c.credits + c.held for c in self.routers.values())

@@ -70,9 +70,9 @@ def test_a_deadline_ends_the_stream_and_frees_its_blocks(stack):
     stack.wait_idle(timeout=5)
 
 
-def test_metadata_reaches_the_request_and_errors_keep_their_status(stack):
-    """A traceparent travels in the call's metadata; a refusal is a status with its
-    message, as on grpcio."""
+def test_a_call_with_metadata_is_served_and_refusals_keep_their_status(stack):
+    """A call carrying metadata (a W3C traceparent) streams as any other; a refusal
+    is a status with its message, as on grpcio."""
     stub, traceparent = stack.generation(), f"00-{'ab' * 16}-{'cd' * 8}-01"
     metadata = (("traceparent", traceparent),)
     chunks = list(stub.Generate(request(3), metadata=metadata, timeout=30))
