@@ -5,12 +5,17 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 SIZE ?= tiny
-MODEL_DIR := models/flagstop-$(SIZE)
+# `make model ARCH=qwen3_moe` (or mixtral) writes a Mixture-of-Experts one of the size;
+# `make serve ARCH=qwen3_moe` serves it.
+ARCH ?= llama
+MODEL_DIR := models/flagstop-$(SIZE)$(if $(filter-out llama,$(ARCH)),-$(ARCH))
 # `make serve MODEL=DIR` serves any local checkpoint of a supported architecture;
-# `make serve TP=2` splits it over two tensor-parallel ranks (gloo on the CPU);
+# `make serve TP=2` splits it over two tensor-parallel ranks (gloo on the CPU), and
+# `make serve TP=2 EP=1` places an MoE model's whole experts on them (--expert-parallel);
 # `make serve ROUTERS=2` runs two router processes on the router's ports (SO_REUSEPORT).
 MODEL ?= $(MODEL_DIR)
 TP ?= 1
+EP ?=
 ROUTERS ?= 1
 # Speculative decoding: `make serve SPEC='{"method":"ngram","num_speculative_tokens":3}'`
 # (docs/speculative.md; `make up SPEC=...` too).
@@ -35,7 +40,8 @@ PROFILES := $(if $(POLICY),policy) $(if $(filter 2,$(REPLICAS)),replicas)
 COMPOSE := $(if $(strip $(PROFILES)),COMPOSE_PROFILES=$(subst $() ,$(comma),$(strip $(PROFILES)))) \
 	$(if $(POLICY),SCHEDULER_POLICY=remote POLICY_STRATEGY=$(POLICY)) \
 	$(if $(filter 2,$(REPLICAS)),ROUTER_SCHEDULERS=scheduler:50052$(comma)scheduler-2:50052) \
-	$(if $(filter-out 1,$(TP)),TP=$(TP)) $(if $(filter-out 1,$(ROUTERS)),ROUTERS=$(ROUTERS)) \
+	$(if $(filter-out 1,$(TP)),TP=$(TP)) $(if $(EP),EP=$(EP)) \
+	$(if $(filter-out 1,$(ROUTERS)),ROUTERS=$(ROUTERS)) \
 	$(if $(SPEC),SPEC='$(SPEC)') $(if $(filter-out grpcio,$(GRPC_SERVER)),GRPC_SERVER=$(GRPC_SERVER)) \
 	$(DOCKER_COMPOSE) -f compose/compose.yaml $(if $(GPU),-f compose/compose.gpu.yaml)
 
@@ -74,15 +80,15 @@ proto: $(STAMP)
 model: $(MODEL_DIR)/config.json
 
 $(MODEL_DIR)/config.json: $(STAMP) tools/make_model.py
-	$(PY) -m tools.make_model --size $(SIZE) --out $(MODEL_DIR)
+	$(PY) -m tools.make_model --size $(SIZE) --arch $(ARCH) --out $(MODEL_DIR)
 
 # Ctrl-C (SIGINT) reaches all three, and each drains and exits 0.
 serve: $(STAMP) $(if $(filter $(MODEL_DIR),$(MODEL)),$(MODEL_DIR)/config.json)
 	@echo "router 127.0.0.1:50051 (OpenAI HTTP :8000), scheduler :50052, executor :50053" \
-		"on $(MODEL), tensor parallel $(TP), $(ROUTERS) router process(es); Ctrl-C stops"
+		"on $(MODEL), tensor parallel $(TP)$(if $(filter 1,$(EP)), (expert parallel)), $(ROUTERS) router process(es); Ctrl-C stops"
 	@trap 'kill -INT $$e $$s $$r 2>/dev/null; wait' INT TERM; \
 	$(VENV)/bin/flagstop-executor --model $(MODEL) --port 50053 --tensor-parallel-size $(TP) \
-		$(if $(SPEC),--speculative-config '$(SPEC)') & e=$$!; \
+		$(if $(filter 1,$(EP)),--expert-parallel) $(if $(SPEC),--speculative-config '$(SPEC)') & e=$$!; \
 	$(VENV)/bin/flagstop-scheduler --executor 127.0.0.1:50053 --port 50052 & s=$$!; \
 	$(VENV)/bin/flagstop-router --model $(MODEL) --scheduler 127.0.0.1:50052 --port 50051 \
 		--processes $(ROUTERS) $(if $(TOOL_CALL_PARSER),--tool-call-parser $(TOOL_CALL_PARSER)) \
@@ -131,10 +137,14 @@ bench: $(STAMP)
 	$(PY) bench/plots.py
 	$(PY) bench/report.py
 
-# Executor step time vs transformers, per batch size and context, and one rank vs two
-# tensor-parallel ranks (about 7 minutes).
+# Executor step time vs transformers, per batch size and context (dense and MoE
+# models), an MoE layer's experts three ways, and one rank vs two tensor-parallel
+# ranks (about 15 minutes).
 bench-executor: $(STAMP)
 	$(PY) bench/executor_bench.py
+	$(PY) bench/executor_bench.py --sizes tiny-qwen3_moe small-qwen3_moe tiny-mixtral \
+		--out bench/results/executor_moe.md
+	$(PY) bench/moe_bench.py
 	$(PY) bench/tp_bench.py
 	$(PY) bench/report.py
 

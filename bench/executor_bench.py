@@ -40,9 +40,13 @@ sys.path.insert(0, str(ROOT))
 from bench.output import write_result  # noqa: E402 (needs the path above)
 
 BLOCK_SIZE = 16
-CASES = {  # model size -> (contexts, batch sizes)
+CASES = {  # model (size, or size-ARCH: tools/make_model.py) -> (contexts, batch sizes)
     "tiny": ((128, 512, 1536), (1, 4, 16, 64, 256)),
     "small": ((128, 512), (1, 4, 16, 64, 256)),
+    # Mixture of experts: 8 experts, 2 a token (make model ARCH=...).
+    "tiny-qwen3_moe": ((512,), (1, 16, 64)),
+    "small-qwen3_moe": ((512,), (1, 16, 64)),
+    "tiny-mixtral": ((512,), (1, 16, 64)),
 }
 MIXED = (15, 128, 497)  # decodes, their context, prompt chunk: a full 512-token step
 Timer = Callable[[], float]  # runs once, returns the seconds that count
@@ -223,7 +227,8 @@ def worker(size: str, num_rounds: int, repeats: int) -> None:
 
     model_dir = ROOT / "models" / f"flagstop-{size}"
     if not (model_dir / "config.json").exists():
-        write_model(model_dir, size)
+        dims, _, arch = size.partition("-")
+        write_model(model_dir, dims, arch=arch or "llama")
     contexts, batches = CASES[size]
     runner = new_runner(model_dir, max(batches), max(contexts) + 64)
     hf = load_hf(model_dir)

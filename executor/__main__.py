@@ -25,18 +25,20 @@ def load_runner(settings: ExecutorConfig, membership):
 
     from flagstop.executor.distributed import GroupDriver, join, start_group
     from flagstop.executor.model_runner import ModelRunner
-    from flagstop.executor.models.config import ModelConfig
+    from flagstop.executor.models.config import ConfigError, ModelConfig
     from flagstop.executor.parallel import check_divisible
 
-    if settings.tensor_parallel_size == 1:
-        return ModelRunner(settings), None
     try:
         mc = ModelConfig.from_pretrained(settings.model)
+    except ConfigError as e:  # read, and names what it cannot run
+        raise StartupError(f"{settings.model}/config.json: {e}") from None
     except (OSError, ValueError, KeyError) as e:
         raise StartupError(f"cannot read {settings.model}/config.json: {e}") from None
-    if why := check_divisible(mc.num_heads, mc.num_kv_heads, mc.intermediate_size,
-                              settings.tensor_parallel_size):  # fmt: skip
-        raise StartupError(f"--tensor-parallel-size {settings.tensor_parallel_size}: {why}")
+    size = settings.tensor_parallel_size
+    if why := check_divisible(mc, size, settings.expert_parallel):
+        raise StartupError(f"--tensor-parallel-size {size}: {why}")
+    if size == 1:
+        return ModelRunner(settings), None
     # One thread per rank unless told otherwise: ranks share the machine's cores.
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     group = start_group(settings, membership)

@@ -51,6 +51,10 @@ class ExecutorConfig(BaseModel):
     tensor_parallel_size: PositiveInt = 1
     """ranks the model is split over (this process is rank 0 and starts the others on
     this machine, unless torchrun started them all)"""
+    expert_parallel: bool = False
+    """Mixture-of-Experts models under tensor parallelism: place whole experts on the
+    ranks (num_experts split N ways) instead of slicing every expert; attention
+    stays tensor-parallel"""
     tp_timeout: PositiveFloat = 30.0
     """seconds a rank waits for the others in a collective before the group is lost"""
     speculative_config: SpeculativeConfig | None = None

@@ -63,11 +63,10 @@ class ModelRunner:
         self.device = resolve_device(device or config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
-        self.model = load_model(config.model, self.dtype, self.device, tp)
+        self.attention_backend = attention_backend(config.attention_backend, self.device)
+        self.model = load_model(config.model, self.dtype, self.device, tp, self.attention_backend)
         if after_load is not None:
             after_load()
-        self.attention_backend = attention_backend(config.attention_backend, self.device)
-        self.model.set_attention_backend(self.attention_backend)
         self.model_config = mc = self.model.config
         self.num_kv_heads = tp.shard.kv_heads(mc.num_kv_heads)[1]  # this rank's
         self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
@@ -167,6 +166,7 @@ class ModelRunner:
         self.batch = self._new_batch()
         self.compute_logits(warmup_plan(num_tokens, self.block_size, self.model_config.vocab_size))
         self.batch = self._new_batch()
+        self.model.take_expert_tokens()  # the warm-up's are no step's
         kv_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
         torch.cuda.synchronize()
         self.kv_caches = []
@@ -348,6 +348,9 @@ class ModelRunner:
         slower on the CPU (measured with bench/peers.py), its threads contending with
         the loop."""
         return self.execute(plan)
+
+    def take_expert_tokens(self) -> list[int] | None:
+        return self.model.take_expert_tokens()
 
     @property
     def tensor_parallel_size(self) -> int:

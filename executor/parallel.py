@@ -6,15 +6,24 @@ heads (or one KV head, replicated, when N > the model's KV heads), of the MLP's 
 size (column-parallel gate/up), of the padded vocabulary (embedding and LM head); the
 row-parallel o_proj and down_proj end in one all-reduce each, the embedding in one,
 and the LM head's logits are gathered to rank 0, which samples. With N = 1 nothing
-is split and no collective runs: the single-process path is the same code."""
+is split and no collective runs: the single-process path is the same code.
+
+A Mixture-of-Experts layer's experts are sliced like the MLP (each rank holds its
+N-th of every expert's inner size), or, with expert parallelism, placed whole (each
+rank holds N-th of the experts); either way the router is replicated, every rank
+routes every token identically, and one all-reduce per layer sums the ranks' parts."""
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from flagstop.utils import cdiv
+
+if TYPE_CHECKING:
+    from flagstop.executor.models.config import ModelConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +32,7 @@ class Shard:
 
     rank: int = 0
     size: int = 1
+    expert_parallel: bool = False
 
     def heads(self, num_heads: int) -> tuple[int, int]:
         """(first head, heads) of the query heads."""
@@ -41,20 +51,41 @@ class Shard:
         per = size // self.size
         return self.rank * per, per
 
+    def experts(self, num_experts: int) -> tuple[int, int]:
+        """(first expert, experts) this rank runs: all of them unless expert-parallel."""
+        return self.split(num_experts) if self.expert_parallel else (0, num_experts)
+
+    def expert_inner(self, size: int) -> tuple[int, int]:
+        """(first, length) of each expert's inner size: whole under expert parallelism."""
+        return (0, size) if self.expert_parallel else self.split(size)
+
     def vocab(self, vocab_size: int) -> tuple[int, int]:
         """(first row, rows) of the vocabulary padded to a multiple of the ranks."""
         per = cdiv(vocab_size, self.size)
         return self.rank * per, per
 
 
-def check_divisible(num_heads: int, num_kv_heads: int, intermediate_size: int, size: int):
+def check_divisible(c: "ModelConfig", size: int, expert_parallel: bool = False) -> str:
     """Why the model cannot be split `size` ways, or "" when it can."""
-    if num_heads % size:
-        return f"{num_heads} attention heads do not split into {size} ranks"
-    if num_kv_heads % size and size % num_kv_heads:
-        return f"{num_kv_heads} KV heads neither split into nor divide {size} ranks"
-    if intermediate_size % size:
-        return f"the MLP size {intermediate_size} does not split into {size} ranks"
+    if expert_parallel and c.moe is None:
+        return f"--expert-parallel: {c.architecture} has no experts"
+    if c.num_heads % size:
+        return f"{c.num_heads} attention heads do not split into {size} ranks"
+    if c.num_kv_heads % size and size % c.num_kv_heads:
+        return f"{c.num_kv_heads} KV heads neither split into nor divide {size} ranks"
+    moe = c.moe
+    if (moe is None or not all(moe.sparse_layers)) and c.intermediate_size % size:
+        return f"the MLP size {c.intermediate_size} does not split into {size} ranks"
+    if moe is None:
+        return ""
+    if expert_parallel and moe.num_experts % size:
+        return f"num_experts={moe.num_experts} does not split into {size} ranks (--expert-parallel)"
+    if not expert_parallel and moe.intermediate_size % size:
+        return (f"the experts' size {moe.intermediate_size} does not split into {size} ranks "
+                "(--expert-parallel places whole experts instead)")  # fmt: skip
+    if moe.shared_expert_intermediate_size % size:
+        return (f"shared_expert_intermediate_size={moe.shared_expert_intermediate_size} "
+                f"does not split into {size} ranks")  # fmt: skip
     return ""
 
 

@@ -37,6 +37,11 @@ class Runner(Protocol):
         of the requests that sample, in plan order."""
         ...
 
+    def take_expert_tokens(self) -> list[int] | None:
+        """A Mixture-of-Experts model: the (token, expert) pairs each expert took over
+        its sparse layers since the last call (the step span's); None otherwise."""
+        ...
+
     def prepare_grammar(self, spec: GrammarSpec) -> float:
         """Compile a request's output constraint ahead of it (called on a thread);
         the seconds it took. Raises GrammarError."""

@@ -27,6 +27,12 @@ STEP_SECONDS = Histogram(
     "flagstop:executor_step_seconds", "Input preparation, forward and sampling of one step",
     ["model_name"], buckets=LATENCY_BUCKETS,
 )  # fmt: skip
+EXPERT_IMBALANCE = Histogram(
+    "flagstop:executor_moe_expert_imbalance",
+    "A Mixture-of-Experts step's busiest expert's tokens over the mean expert's "
+    "(1: balanced; under expert parallelism the busiest rank waits for its experts)",
+    ["model_name"], buckets=(1, 1.25, 1.5, 2, 3, 4, 6, 8, 16, 32),
+)  # fmt: skip
 
 
 class ExecutorService(executor_pb2_grpc.ExecutorServicer):
@@ -101,10 +107,12 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
             with self.tracer.start_as_current_span(
                 "executor.step", context=extract(step.traceparent),
                 attributes={"flagstop.step": step.step_id},
-            ):  # fmt: skip
+            ) as span:  # fmt: skip
                 started = time.perf_counter()
                 output = await self.runner.step(plan)
                 STEP_SECONDS.labels(self.model_name).observe(time.perf_counter() - started)
+                if (expert_tokens := self.runner.take_expert_tokens()) is not None:
+                    self._record_expert_tokens(span, expert_tokens)
             if self.group is not None:
                 self.group.sampled(output.token_ids, output.num_sampled_tokens)
         except Exception as e:  # the batch state is now unknown: end the stream
@@ -113,6 +121,17 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
             log.exception("step %d failed", step.step_id)
             await context.abort(grpc.StatusCode.INTERNAL, f"step {step.step_id} failed: {e}")
         return result_to_proto(step.step_id, output)
+
+    def _record_expert_tokens(self, span, expert_tokens: list[int]) -> None:
+        """The step's tokens per expert (summed over the sparse layers) on its span, and
+        how unevenly they fell: the busiest expert's over the mean."""
+        total = sum(expert_tokens)
+        if not total:
+            return
+        imbalance = max(expert_tokens) * len(expert_tokens) / total
+        span.set_attribute("flagstop.moe.expert_tokens", expert_tokens)
+        span.set_attribute("flagstop.moe.imbalance", round(imbalance, 3))
+        EXPERT_IMBALANCE.labels(self.model_name).observe(imbalance)
 
     async def keep_group_alive(self) -> None:
         if self.group is not None:

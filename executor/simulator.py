@@ -98,6 +98,9 @@ class SimulatedRunner:
     def reset(self) -> None:
         self.batch = self._new_batch()
 
+    def take_expert_tokens(self) -> None:
+        return None  # the simulator routes nothing
+
     def prepare_grammar(self, spec: GrammarSpec) -> float:
         """Nothing to compile: the simulator's tokens are not sampled from a model, so
         a constrained request runs unconstrained here (a load-test tool)."""

@@ -10,6 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
+# The triton backend's experts' kernel (a backend has torch_ref's functions).
+from flagstop.kernels.triton_moe import fused_moe  # noqa: F401
+
 # Tokens of context one decode program reduces before the partial results are merged
 # (flash-decoding): long contexts spread over more programs than there are sequences.
 DECODE_PARTITION = 512

@@ -94,9 +94,12 @@ def localize(value: str, ports: dict[str, int], models: Path, otlp: str) -> str:
 
 def applied(parsed, value: str) -> bool:
     """A setting as parsed is the variable's value: a JSON one (a nested config such
-    as --speculative-config) compared as the config it makes, an empty one unset."""
+    as --speculative-config) compared as the config it makes, a boolean one as the
+    flag it sets, an empty one unset."""
     if isinstance(parsed, BaseModel):
         return parsed == type(parsed).model_validate_json(value)
+    if isinstance(parsed, bool):  # a flag: EP=1 on, its default 0 off
+        return parsed == (value.lower() in {"1", "true", "yes", "on"})
     return str(parsed) == value or (parsed is None and value == "")
 
 

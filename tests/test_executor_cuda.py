@@ -24,10 +24,11 @@ def test_kv_capacity_is_measured_and_greedy_decoding_runs_in_bf16(tmp_path):
     assert len(set(tokens)) > 4
 
 
-def test_greedy_decoding_on_the_gpu_with_triton_kernels_equals_generate(tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])  # MoE: the fused experts' kernel
+def test_greedy_decoding_on_the_gpu_with_triton_kernels_equals_generate(tmp_path, arch):
     from tests.helpers.checkpoints import load_reference, prompt, reference_generate
 
-    model_dir = write_model(tmp_path / "tiny", "tiny")
+    model_dir = write_model(tmp_path / "tiny", "tiny", arch=arch)
     config = ExecutorConfig(
         model=str(model_dir), num_blocks=256, dtype="float32", attention_backend="triton"
     )

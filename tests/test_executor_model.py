@@ -1,10 +1,12 @@
 """Our forward on the paged cache against transformers on the same weights."""
 
 import pytest
+import torch
 
 from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.model_runner import ModelRunner
 from tests.helpers.checkpoints import (
+    MOE_VARIANTS,
     assert_matches,
     load_reference,
     prompt,
@@ -13,7 +15,7 @@ from tests.helpers.checkpoints import (
 )
 from tests.helpers.executor_harness import Harness
 
-ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "llama3-rope-tied"]
+ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "llama3-rope-tied", *MOE_VARIANTS]
 
 
 @pytest.fixture(scope="module", params=ARCHITECTURES)
@@ -118,3 +120,21 @@ def test_greedy_requests_joining_and_leaving_equal_generate(checkpoint):
         assert outputs[req_id] == expected, req_id
     every = [t for tokens in outputs.values() for t in tokens]
     assert len(set(every)) > 0.5 * len(every), "degenerate reference: the test could not fail"
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2-moe"])
+def test_moe_experts_on_onednn_prepacked_weights_match_transformers(name, tmp_path, monkeypatch):
+    """The test models' experts are too small to be packed by default (they run
+    torch_ref.fused_moe): here every weight is, as a real model's experts are."""
+    from flagstop.executor.models import onednn
+
+    if not onednn.usable(torch.device("cpu"), torch.float32):
+        pytest.skip("no oneDNN in this torch")
+    monkeypatch.setattr(onednn, "PACK_MIN_ELEMENTS", 0)
+    path = write_checkpoint(name, tmp_path / name)
+    harness, reference = make_harness(path), load_reference(path)
+    assert all(block.experts.packed is not None for block in harness.runner.model.moe_blocks)
+    harness.add("a", prompt(1, 13))
+    harness.add("b", prompt(2, 3))
+    assert_matches(reference, harness, harness.logits({"a": 13, "b": 3}))
+    assert_matches(reference, harness, harness.logits({"a": 1, "b": 1}))

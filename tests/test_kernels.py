@@ -4,7 +4,7 @@ the device when a GPU is present."""
 import pytest
 import torch
 
-from flagstop.kernels import torch_ref, triton_attention
+from flagstop.kernels import torch_ref, triton_attention, triton_moe
 from flagstop.utils import cdiv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -121,19 +121,22 @@ def test_paged_attention_prefill(
     assert_close(got, expected, dtype)
 
 
-def test_the_model_on_triton_kernels_matches_transformers(tmp_path):
+@pytest.mark.parametrize("checkpoint", ["llama", "qwen2-moe"])
+def test_the_model_on_triton_kernels_matches_transformers(tmp_path, checkpoint):
     from flagstop.executor.config import ExecutorConfig
     from flagstop.executor.model_runner import ModelRunner
     from tests.helpers.checkpoints import assert_matches, load_reference, prompt, write_checkpoint
     from tests.helpers.executor_harness import Harness
 
-    path = write_checkpoint("llama", tmp_path / "tiny")
+    path = write_checkpoint(checkpoint, tmp_path / checkpoint)
     config = ExecutorConfig(
         model=str(path), num_blocks=64, block_size=16, attention_backend="triton",
         device=DEVICE, dtype="float32",
     )  # fmt: skip
     harness, reference = Harness(ModelRunner(config)), load_reference(path)
     assert harness.runner.attention_backend is triton_attention
+    for layer in harness.runner.model.moe_blocks:  # the fused kernel, not oneDNN's
+        assert layer.experts.fused is triton_moe.fused_moe and layer.experts.packed is None
     harness.add("a", prompt(1, 20))
     harness.add("b", prompt(2, 5))
     assert_matches(reference, harness, harness.logits({"a": 20, "b": 5}))
@@ -181,3 +184,59 @@ def test_short_queries_attend_batched_as_one_by_one(monkeypatch):
     monkeypatch.setattr(torch_ref, "SHORT_QUERY", 0)
     one_by_one = torch_ref.paged_attention_prefill(*[a.clone() for a in args[:-1]], args[-1])
     torch.testing.assert_close(batched, one_by_one, atol=1e-5, rtol=1e-5)
+
+
+def routing(num_tokens: int, num_experts: int, top_k: int, skip: int | None, seed=0):
+    """Random distinct top-k choices per token (never expert `skip`), and their
+    softmax-like weights."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(num_tokens, num_experts, generator=g)
+    if skip is not None:
+        scores[:, skip] = -1.0
+    weights, ids = scores.topk(top_k, dim=-1)
+    return (weights / weights.sum(-1, keepdim=True)).to(DEVICE), ids.to(DEVICE)
+
+
+# (tokens, experts, top-k, first expert of this rank, an expert that gets no token)
+MOE_SHAPES = [(1, 4, 1, 0, None), (7, 8, 2, 0, 5), (33, 8, 3, 0, 0), (70, 16, 4, 0, 9),
+              (20, 4, 2, 2, 3)]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("num_tokens", "num_experts", "top_k", "first", "skip"), MOE_SHAPES)
+def test_fused_moe(num_tokens, num_experts, top_k, first, skip, dtype):
+    hidden, inner = 96, 40  # neither a multiple of the kernel's blocks
+    local = num_experts - first  # first > 0: this rank holds the last experts only
+    x = randn(num_tokens, hidden, dtype=dtype)
+    w13 = randn(local, 2 * inner, hidden, dtype=dtype, seed=1) / hidden**0.5
+    w2 = randn(local, hidden, inner, dtype=dtype, seed=2) / inner**0.5
+    weights, ids = routing(num_tokens, num_experts, top_k, skip)
+    expected = torch_ref.fused_moe(x, w13, w2, weights, ids, first)
+    got = triton_moe.fused_moe(x, w13, w2, weights, ids, first)
+    assert_close(got, expected, dtype)
+    if first:  # the tokens routed only to other ranks' experts add nothing here
+        only_other = (ids < first).all(dim=1)
+        assert only_other.any() and not got[only_other].any()
+
+
+def test_align_by_expert_pads_each_experts_run_to_whole_blocks():
+    ids = torch.tensor([[2, 0], [2, 1], [0, 2]], device=DEVICE)  # expert 3: no tokens
+    sorted_ids, block_experts, num_padded = triton_moe.align_by_expert(ids, 0, 4, block_m=4)
+    pad = ids.numel()
+    assert int(num_padded) == 12  # three runs of one block each
+    assert sorted_ids[:12].tolist() == [1, 4, pad, pad, 3, pad, pad, pad, 0, 2, 5, pad]
+    assert block_experts[:4].tolist() == [0, 1, 2, -1]
+
+
+def test_grouped_experts_equals_every_expert_on_every_token_masked():
+    """The grouped CPU path against the dense definition of a sparse layer."""
+    x = randn(9, 32, dtype=torch.float32)
+    w13 = randn(6, 48, 32, dtype=torch.float32, seed=1)
+    w2 = randn(6, 32, 24, dtype=torch.float32, seed=2)
+    weights, ids = routing(9, 6, 2, skip=4)
+    dense = torch.zeros_like(x)
+    for e in range(6):
+        gate, up = (x @ w13[e].T).chunk(2, dim=-1)
+        chosen = (weights * (ids == e)).sum(-1, keepdim=True)
+        dense += chosen * ((torch.nn.functional.silu(gate) * up) @ w2[e].T)
+    torch.testing.assert_close(torch_ref.fused_moe(x, w13, w2, weights, ids), dense)

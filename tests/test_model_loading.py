@@ -7,9 +7,11 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
 from flagstop.executor.models import onednn
-from flagstop.executor.models.config import ModelConfig
+from flagstop.executor.models.config import ConfigError, ModelConfig
 from flagstop.executor.models.loader import load_model
+from flagstop.executor.parallel import Shard, TensorParallel
 from flagstop.kernels.torch_ref import gather_kv, store_kv
+from tests.helpers.checkpoints import write_checkpoint
 from tools.make_model import write_model
 
 
@@ -89,7 +91,52 @@ def test_the_cpu_model_runs_on_packed_weights_equal_to_f_linear_at_every_row_cou
     with torch.no_grad():
         fresh.weight.copy_(weight)
     reference = [fresh(torch.ones(n, 24)) for n in (1, 17, 33)]
-    assert onednn.pack(fresh, shared=set()) == 1
+    assert onednn.pack(fresh, shared=set()) == 0  # too small to pay: F.linear
+    assert onednn.pack(fresh, shared=set(), min_elements=0) == 1
     for n, expected in zip((1, 17, 33), reference, strict=True):
         torch.testing.assert_close(fresh(torch.ones(n, 24)), expected, rtol=1e-5, atol=1e-5)
     assert [onednn.padded_rows(n) for n in (16, 17, 33, 512, 513)] == [16, 18, 36, 512, 576]
+
+
+def test_an_expert_parallel_rank_reads_only_its_own_experts(tmp_path):
+    """Rank 1 of 2 holds experts 4-7: a checkpoint without expert 0 loads there (its
+    tensors are never read) and is refused on rank 0, naming the expert."""
+    path = write_checkpoint("mixtral", tmp_path / "mixtral")
+    weights = load_file(path / "model.safetensors")
+    for name in [n for n in weights if ".experts.0." in n]:
+        del weights[name]
+    save_file(weights, path / "model.safetensors")
+    cpu = torch.device("cpu")
+    model = load_model(path, torch.float32, cpu, TensorParallel(Shard(1, 2, True)))
+    experts = model.layers[0].mlp.experts
+    assert (experts.first_expert, experts.num_experts) == (4, 4)
+    with pytest.raises(ValueError, match=r"lacks 6 tensors.*experts\.w13#0 of expert 0"):
+        load_model(path, torch.float32, cpu, TensorParallel(Shard(0, 2, True)))
+
+
+def test_moe_configs_flagstop_cannot_run_are_refused_naming_the_field():
+    base = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+            "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}  # fmt: skip
+    assert ModelConfig.from_hf(base).moe.num_experts == 4
+    assert ModelConfig.from_hf({**base, "num_local_experts": 4, "num_experts": None}).moe
+    refusals = {
+        "scoring_func": ({"scoring_func": "sigmoid"}, "routing scheme flagstop does not run"),
+        "topk_method": ({"topk_method": "noaux_tc"}, "routing scheme"),
+        "num_experts_per_tok": ({"num_experts_per_tok": 5}, "must be 1..4 experts"),
+        "moe_intermediate_size": ({"moe_intermediate_size": None}, "positive integer"),
+        "hidden_act": ({"hidden_act": "gelu"}, "MLPs run silu"),
+    }
+    for field, (change, message) in refusals.items():
+        with pytest.raises(ConfigError, match=rf"^{field}=.*{message}"):
+            ModelConfig.from_hf({**base, **change})
+
+
+def test_qwen_moe_layers_are_sparse_by_mlp_only_layers_and_the_sparse_step():
+    hf = {"architectures": ["Qwen2MoeForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+          "intermediate_size": 64, "num_hidden_layers": 6, "num_attention_heads": 4,
+          "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+          "decoder_sparse_step": 2, "mlp_only_layers": [3]}  # fmt: skip
+    moe = ModelConfig.from_hf(hf).moe
+    assert moe.sparse_layers == (False, True, False, False, False, True)
+    assert moe.shared_expert_intermediate_size == 0 and not moe.renormalize

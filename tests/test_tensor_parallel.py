@@ -1,12 +1,14 @@
 """Tensor parallelism over gloo on the CPU: two ranks' logits against one rank's and
 against transformers, on checkpoints that exercise the shard arithmetic."""
 
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -34,20 +36,28 @@ from tests.helpers.streams import (
 from tests.helpers.streams import long_greedy_workload as fault_workload
 from tests.helpers.streams import short_greedy_workload as workload
 from tests.helpers.tp_scenarios import config, run_scenarios
+from tools.make_model import model_config, train_tokenizer
 from tools.stack import ROOT, free_port, generate, spawn, start_stack, wait_serving
 
-CHECKPOINTS = ["llama", "qwen2", "qwen2-tied-odd-vocab", "llama-1kv"]
+# (checkpoint, --expert-parallel): MoE experts sliced over the ranks, or placed whole.
+# A dense config.json's fields, for the arithmetic tests.
+DENSE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 128,
+         "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4}  # fmt: skip
+CHECKPOINTS = [("llama", False), ("qwen2", False), ("qwen2-tied-odd-vocab", False),
+               ("llama-1kv", False), ("mixtral", True),
+               ("qwen2-moe", False), ("qwen2-moe", True), ("qwen3-moe", True)]  # fmt: skip
 
 
 @pytest.mark.processes
-@pytest.mark.parametrize("name", CHECKPOINTS)
-def test_two_ranks_give_the_logits_of_one_and_of_transformers(name, tmp_path):
+@pytest.mark.parametrize(("name", "expert_parallel"), CHECKPOINTS,
+                         ids=[n + "-ep" * ep for n, ep in CHECKPOINTS])  # fmt: skip
+def test_two_ranks_give_the_logits_of_one_and_of_transformers(name, expert_parallel, tmp_path):
     path = write_checkpoint(name, tmp_path / name)
     vocab = ModelConfig.from_pretrained(path).vocab_size
     single = run_scenarios(Harness(ModelRunner(config(path))), vocab)
     # Keyed by context: the ranks run each plan in its wire order (cached requests,
     # then new ones), so a step's samples come in another order than in one process.
-    parallel = run_group(path, tmp_path / "tp2.pt", 2)
+    parallel = run_group(path, tmp_path / "tp2.pt", 2, expert_parallel)
     reference = load_reference(path)
     assert len(parallel) == len(single) >= 10
     for context, one in single:
@@ -57,10 +67,10 @@ def test_two_ranks_give_the_logits_of_one_and_of_transformers(name, tmp_path):
         torch.testing.assert_close(two, reference_logits(reference, context), atol=TOL, rtol=0)
 
 
-def run_group(path: Path, out: Path, size: int) -> dict:
+def run_group(path: Path, out: Path, size: int, expert_parallel: bool = False) -> dict:
     done = subprocess.run(
         [sys.executable, "-m", "tests.helpers.tp_scenarios", str(path), str(out),
-         "--tensor-parallel-size", str(size)],
+         "--tensor-parallel-size", str(size), *["--expert-parallel"] * expert_parallel],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -84,9 +94,28 @@ def test_shards_cover_heads_kv_heads_and_a_padded_vocabulary():
     assert [s.kv_heads(8) for s in shards] == [(0, 2), (2, 2), (4, 2), (6, 2)]
     assert [s.kv_heads(2) for s in shards] == [(0, 1), (0, 1), (1, 1), (1, 1)]  # replicated
     assert [s.vocab(509) for s in shards] == [(0, 128), (128, 128), (256, 128), (384, 128)]
-    assert check_divisible(8, 2, 256, 4) == ""
-    assert "heads" in check_divisible(6, 2, 256, 4)
-    assert "KV heads" in check_divisible(8, 3, 256, 4)
+    dense = ModelConfig.from_hf({**DENSE, "num_attention_heads": 8, "num_key_value_heads": 2})
+    assert check_divisible(dense, 4) == ""
+    assert "heads" in check_divisible(replace(dense, num_heads=6), 4)
+    assert "KV heads" in check_divisible(replace(dense, num_kv_heads=3), 4)
+    assert "--expert-parallel: LlamaForCausalLM has no experts" in check_divisible(dense, 4, True)
+
+
+def test_experts_split_whole_under_expert_parallelism_and_sliced_without():
+    sliced, whole = [Shard(r, 4) for r in range(4)], [Shard(r, 4, True) for r in range(4)]
+    assert [s.experts(8) for s in sliced] == [(0, 8)] * 4
+    assert [s.expert_inner(64) for s in sliced] == [(0, 16), (16, 16), (32, 16), (48, 16)]
+    assert [s.experts(8) for s in whole] == [(0, 2), (2, 2), (4, 2), (6, 2)]
+    assert [s.expert_inner(64) for s in whole] == [(0, 64)] * 4
+    moe = ModelConfig.from_hf({**DENSE, "architectures": ["Qwen3MoeForCausalLM"],
+                               "num_experts": 6, "num_experts_per_tok": 2,
+                               "moe_intermediate_size": 48})  # fmt: skip
+    assert check_divisible(moe, 4) == "" and check_divisible(moe, 2, True) == ""
+    assert check_divisible(moe, 4, True) == (
+        "num_experts=6 does not split into 4 ranks (--expert-parallel)")  # fmt: skip
+    odd = replace(moe, moe=replace(moe.moe, intermediate_size=42))
+    assert "experts' size 42 does not split into 4 ranks" in check_divisible(odd, 4)
+    assert check_divisible(odd, 2, True) == ""  # whole experts: their size is not split
 
 
 def children_of(pid: int) -> list[int]:
@@ -238,6 +267,27 @@ def test_heads_that_do_not_split_stop_start_up(model_dir, tmp_path):
     assert last_line(process, tmp_path) == (
         "flagstop-executor: --tensor-parallel-size 3: 4 attention heads do not split into 3 ranks"
     )
+
+
+@pytest.mark.processes
+def test_moe_configs_the_executor_cannot_run_stop_start_up_naming_the_field(tmp_path):
+    """Only config.json is read before the refusal: no weights are needed."""
+    moe = json.loads(json.dumps(model_config("tiny", train_tokenizer(), "qwen3_moe")))
+    cases = [
+        ({"num_experts": 3}, ["--tensor-parallel-size", "2", "--expert-parallel"],
+         "--tensor-parallel-size 2: num_experts=3 does not split into 2 ranks (--expert-parallel)"),
+        ({"scoring_func": "sigmoid"}, [],
+         "scoring_func='sigmoid': an MoE routing scheme flagstop does not run"),
+        ({"architectures": ["LlamaForCausalLM"]}, ["--expert-parallel"],
+         "--expert-parallel: LlamaForCausalLM has no experts"),
+    ]  # fmt: skip
+    for i, (change, args, message) in enumerate(cases):
+        checkpoint = tmp_path / f"moe{i}"
+        checkpoint.mkdir()
+        (checkpoint / "config.json").write_text(json.dumps({**moe, **change}))
+        process = run_executor(checkpoint, tmp_path, *args, name=f"executor{i}")
+        line = last_line(process, tmp_path, f"executor{i}")
+        assert line.startswith("flagstop-executor: ") and message in line
 
 
 @pytest.mark.processes

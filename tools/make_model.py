@@ -1,7 +1,10 @@
 """Write the embedded default model: a seeded random-weight Llama checkpoint with a
-locally trained byte-level BPE tokenizer, in the normal Hugging Face layout.
+locally trained byte-level BPE tokenizer, in the normal Hugging Face layout; with
+--arch, a Mixture-of-Experts one (Qwen3-MoE or Mixtral) of the same size class, for
+tests and benches of the sparse path.
 
-    python -m tools.make_model [--size tiny|small] [--out DIR] [--seed N]
+    python -m tools.make_model [--size tiny|small] [--arch llama|qwen3_moe|mixtral]
+                               [--out DIR] [--seed N]
 
 The default initialisation (std 0.02) makes greedy continuations collapse into short
 loops, which a broken KV cache can still reproduce; the 2-D weights are therefore drawn
@@ -59,6 +62,23 @@ SIZES = {
     ),
 }
 
+# Mixture-of-Experts variants: 8 experts of a quarter of the dense MLP's size, 2 a token
+# (about the active share of Qwen3-30B-A3B's 128 of 768 and top-8).
+ARCHS = {
+    "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama"},
+    "qwen3_moe": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                  "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                  "use_sliding_window": False},
+    "mixtral": {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                "sliding_window": None},
+}  # fmt: skip
+NUM_EXPERTS, EXPERTS_PER_TOKEN = 8, 2
+
+
+def default_out(size: str, arch: str) -> Path:
+    return Path("models") / (f"flagstop-{size}" + ("" if arch == "llama" else f"-{arch}"))
+
+
 # Training text for the tokenizer: plain English about the product, so that prompts in
 # tests and demos tokenize into a realistic mix of merged and single-byte tokens.
 CORPUS = """\
@@ -100,13 +120,13 @@ def train_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def model_config(size: str, tokenizer: Tokenizer) -> dict:
+def model_config(size: str, tokenizer: Tokenizer, arch: str = "llama") -> dict:
     dims = SIZES[size]
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        **ARCHS[arch],
         "vocab_size": tokenizer.get_vocab_size(),
         **dims,
+        **moe_fields(arch, dims["intermediate_size"] // 4),
         "head_dim": dims["hidden_size"] // dims["num_attention_heads"],
         "hidden_act": "silu",
         "max_position_embeddings": 2048,
@@ -122,8 +142,38 @@ def model_config(size: str, tokenizer: Tokenizer) -> dict:
     }
 
 
+def moe_fields(arch: str, expert_size: int) -> dict:
+    if arch == "qwen3_moe":
+        return {"num_experts": NUM_EXPERTS, "num_experts_per_tok": EXPERTS_PER_TOKEN,
+                "moe_intermediate_size": expert_size}  # fmt: skip
+    if arch == "mixtral":  # Mixtral's intermediate_size is each expert's
+        return {"num_local_experts": NUM_EXPERTS, "num_experts_per_tok": EXPERTS_PER_TOKEN,
+                "intermediate_size": expert_size}  # fmt: skip
+    return {}
+
+
+def mlp_shapes(config: dict, prefix: str) -> dict[str, tuple[int, ...]]:
+    """A layer's MLP tensors: dense, or a router and its experts (Qwen's names, or
+    Mixtral's block_sparse_moe w1/w3/w2)."""
+    h, i = config["hidden_size"], config["intermediate_size"]
+    arch = config["model_type"]
+    if arch == "llama":
+        return {f"{prefix}mlp.{n}_proj.weight": s for n, s in
+                (("gate", (i, h)), ("up", (i, h)), ("down", (h, i)))}  # fmt: skip
+    if arch == "mixtral":
+        block, names = f"{prefix}block_sparse_moe.", ("w1", "w3", "w2")
+    else:
+        block, names = f"{prefix}mlp.", ("gate_proj", "up_proj", "down_proj")
+        i = config["moe_intermediate_size"]
+    shapes = {f"{block}gate.weight": (NUM_EXPERTS, h)}
+    for e in range(NUM_EXPERTS):
+        for name, shape in zip(names, ((i, h), (i, h), (h, i)), strict=True):
+            shapes[f"{block}experts.{e}.{name}.weight"] = shape
+    return shapes
+
+
 def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    h, v, i = config["hidden_size"], config["vocab_size"], config["intermediate_size"]
+    h, v = config["hidden_size"], config["vocab_size"]
     d = config["head_dim"]
     q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
     shapes = {
@@ -140,10 +190,10 @@ def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (kv, h),
             p + "self_attn.v_proj.weight": (kv, h),
             p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (i, h),
-            p + "mlp.up_proj.weight": (i, h),
-            p + "mlp.down_proj.weight": (h, i),
+            **mlp_shapes(config, p),
         }
+        if config["model_type"] == "qwen3_moe":  # Qwen3's per-head q/k RMSNorm
+            shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
     return shapes
 
 
@@ -159,10 +209,10 @@ def random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
     return weights
 
 
-def write_model(out: Path, size: str = "tiny", seed: int = 0) -> Path:
+def write_model(out: Path, size: str = "tiny", seed: int = 0, arch: str = "llama") -> Path:
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer()
-    config = model_config(size, tokenizer)
+    config = model_config(size, tokenizer, arch)
     save_file(
         random_weights(config, seed), str(out / "model.safetensors"), metadata={"format": "pt"}
     )
@@ -201,7 +251,10 @@ def write_json(path: Path, data: dict) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m tools.make_model", description=__doc__)
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
-    parser.add_argument("--out", type=Path, default=None, help="default: models/flagstop-SIZE")
+    parser.add_argument("--arch", choices=sorted(ARCHS), default="llama")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="default: models/flagstop-SIZE[-ARCH]"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--if-missing", action="store_true", help="keep a complete model as is")
     return parser.parse_args(argv)
@@ -209,11 +262,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    out = args.out or Path("models") / f"flagstop-{args.size}"
+    out = args.out or default_out(args.size, args.arch)
     if args.if_missing and (out / "config.json").exists():
         print(f"{out} is there")
         return
-    print(f"wrote {write_model(out, args.size, args.seed)}")
+    print(f"wrote {write_model(out, args.size, args.seed, args.arch)}")
 
 
 if __name__ == "__main__":

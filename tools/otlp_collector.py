@@ -47,7 +47,8 @@ def attributes(span) -> dict:
         value = a.value
         kind = value.WhichOneof("value")
         out[a.key] = (
-            [v.string_value for v in value.array_value.values] if kind == "array_value"
+            [getattr(v, v.WhichOneof("value")) for v in value.array_value.values]
+            if kind == "array_value"
             else getattr(value, kind)
         )  # fmt: skip
     return out

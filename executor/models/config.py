@@ -3,14 +3,95 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# architecture -> (q/k/v always biased, per-head q/k RMSNorm); otherwise the
-# config's attention_bias applies to q/k/v and o alike.
+# architecture -> (q/k/v always biased, per-head q/k RMSNorm, MoE family or None);
+# otherwise the config's attention_bias applies to q/k/v and o alike. The MoE
+# families' attention is the dense one's.
 ARCHITECTURES = {
-    "LlamaForCausalLM": (False, False),
-    "MistralForCausalLM": (False, False),
-    "Qwen2ForCausalLM": (True, False),
-    "Qwen3ForCausalLM": (False, True),
+    "LlamaForCausalLM": (False, False, None),
+    "MistralForCausalLM": (False, False, None),
+    "Qwen2ForCausalLM": (True, False, None),
+    "Qwen3ForCausalLM": (False, True, None),
+    "MixtralForCausalLM": (False, False, "mixtral"),
+    "Qwen2MoeForCausalLM": (True, False, "qwen2_moe"),
+    "Qwen3MoeForCausalLM": (False, True, "qwen3_moe"),
 }
+# Routing fields of other MoE families (DeepSeek's grouped top-k and scaling, sigmoid
+# scoring) with the value that means "the plain softmax top-k we run":
+# a config that sets one otherwise names a routing scheme we do not know.
+PLAIN_ROUTING = {
+    "scoring_func": "softmax",
+    "topk_method": "greedy",
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 1.0,
+}
+
+
+class ConfigError(ValueError):
+    """A config.json flagstop cannot run: the message names the field."""
+
+
+@dataclass(slots=True, frozen=True)
+class MoeConfig:
+    """The sparse MLP of a Mixture-of-Experts model: each token's top_k of num_experts
+    experts by the router's softmax, their outputs weighted by those probabilities
+    (renormalised over the chosen ones when `renormalize`), plus, for Qwen2-MoE, a
+    shared expert every token takes, scaled by its own sigmoid gate."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    renormalize: bool
+    shared_expert_intermediate_size: int  # 0: none
+    sparse_layers: tuple[bool, ...]  # per layer: sparse, or a dense MLP
+
+    @classmethod
+    def from_hf(cls, family: str, hf: dict[str, Any], num_layers: int) -> "MoeConfig":
+        for name, plain in PLAIN_ROUTING.items():
+            if hf.get(name, plain) != plain:
+                raise ConfigError(
+                    f"{name}={hf[name]!r}: an MoE routing scheme flagstop does not run "
+                    f"(it runs softmax top-k, {name}={plain!r})"
+                )
+        num_experts = _field(
+            hf,
+            "num_local_experts" if family == "mixtral" else "num_experts",
+            "num_experts" if family == "mixtral" else "num_local_experts",
+        )
+        top_k = _field(hf, "num_experts_per_tok")
+        if not 0 < top_k <= num_experts:
+            raise ConfigError(f"num_experts_per_tok={top_k}: must be 1..{num_experts} experts")
+        return cls(
+            num_experts=num_experts,
+            top_k=top_k,
+            intermediate_size=_field(
+                hf, "intermediate_size" if family == "mixtral" else "moe_intermediate_size"),
+            renormalize=family == "mixtral" or bool(hf.get("norm_topk_prob", False)),
+            shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0)
+            if family == "qwen2_moe" else 0,
+            sparse_layers=_sparse_layers(family, hf, num_layers),
+        )  # fmt: skip
+
+
+def _field(hf: dict[str, Any], name: str, alias: str | None = None) -> int:
+    """A positive int field (or its alias: transformers writes Qwen's num_experts as
+    num_local_experts); its absence or a bad value names it."""
+    value = hf.get(name)
+    if value is None and alias:
+        value = hf.get(alias)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{name}={value!r}: an MoE config needs a positive integer")
+    return value
+
+
+def _sparse_layers(family: str, hf: dict[str, Any], num_layers: int) -> tuple[bool, ...]:
+    """Qwen's rule (transformers' Qwen2/3-MoE decoder layers): sparse unless listed in
+    mlp_only_layers, and then only every decoder_sparse_step-th layer."""
+    if family == "mixtral":
+        return (True,) * num_layers
+    step = _field(hf, "decoder_sparse_step") if "decoder_sparse_step" in hf else 1
+    dense = set(hf.get("mlp_only_layers") or ())
+    return tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
 
 
 @dataclass(slots=True, frozen=True)
@@ -33,6 +114,7 @@ class ModelConfig:
     qk_norm: bool
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
+    moe: MoeConfig | None
     # Sliding-window attention is not implemented: a window caps the usable length.
     max_model_len: int
 
@@ -48,10 +130,15 @@ class ModelConfig:
     def from_hf(cls, hf: dict[str, Any], eos: int | list[int] | None = None) -> "ModelConfig":
         architecture = (hf.get("architectures") or ["?"])[0]
         if architecture not in ARCHITECTURES:
-            raise ValueError(
+            raise ConfigError(
                 f"unsupported architecture {architecture!r}; supported: {sorted(ARCHITECTURES)}"
             )
-        qkv_bias, qk_norm = ARCHITECTURES[architecture]
+        qkv_bias, qk_norm, moe_family = ARCHITECTURES[architecture]
+        if (act := hf.get("hidden_act", "silu")) != "silu":
+            raise ConfigError(f"hidden_act={act!r}: flagstop's MLPs run silu")
+        num_layers = hf["num_hidden_layers"]
+        if moe_family == "qwen2_moe":  # Qwen2-MoE names its q/k/v bias qkv_bias
+            qkv_bias = hf.get("qkv_bias", True)
         num_heads = hf["num_attention_heads"]
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -64,7 +151,7 @@ class ModelConfig:
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
@@ -78,5 +165,6 @@ class ModelConfig:
             qk_norm=qk_norm,
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             eos_token_ids=tuple([] if eos is None else [eos] if isinstance(eos, int) else eos),
+            moe=MoeConfig.from_hf(moe_family, hf, num_layers) if moe_family else None,
             max_model_len=min(max_len, window) if window else max_len,
         )

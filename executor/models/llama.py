@@ -1,7 +1,9 @@
 """The Llama family on a paged KV cache: Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3
-(per-head q/k RMSNorm). One flattened varlen forward per step; q/k/v and gate/up are
-packed into one matmul each. Under tensor parallelism (executor/parallel.py) each
-rank builds the same modules at its shard's sizes."""
+(per-head q/k RMSNorm), and their Mixture-of-Experts kin, Mixtral, Qwen2-MoE and
+Qwen3-MoE, whose sparse layers' MLP is an executor/models/moe.py block. One flattened
+varlen forward per step; q/k/v and gate/up are packed into one matmul each. Under
+tensor parallelism (executor/parallel.py) each rank builds the same modules at its
+shard's sizes."""
 
 from types import ModuleType
 
@@ -18,6 +20,7 @@ from flagstop.executor.models.layers import (
     apply_rotary,
     silu_and_mul,
 )
+from flagstop.executor.models.moe import SparseMoeBlock
 from flagstop.executor.models.onednn import Linear
 from flagstop.executor.parallel import SINGLE, TensorParallel
 from flagstop.kernels import torch_ref
@@ -101,10 +104,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel, index: int) -> None:
         super().__init__()
         self.self_attn = Attention(config, tp)
-        self.mlp = MLP(config, tp)
+        sparse = config.moe is not None and config.moe.sparse_layers[index]
+        self.mlp = SparseMoeBlock(config, tp) if sparse else MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -127,7 +131,9 @@ class LlamaForCausalLM(nn.Module):
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(config, tp) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, tp, i) for i in range(config.num_layers))
+        mlps = (layer.mlp for layer in self.layers)
+        self.moe_blocks = [mlp for mlp in mlps if isinstance(mlp, SparseMoeBlock)]
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Vocabulary-parallel like the embedding (it may be the same tensor, tied).
         rows = tp.shard.vocab(config.vocab_size)[1]
@@ -159,5 +165,14 @@ class LlamaForCausalLM(nn.Module):
         return None if logits is None else logits[:, : self.config.vocab_size]
 
     def set_attention_backend(self, backend: ModuleType) -> None:
+        """The kernels module attention runs on; the experts run its fused_moe."""
         for layer in self.layers:
             layer.self_attn.backend = backend
+        for block in self.moe_blocks:
+            block.experts.fused = backend.fused_moe
+
+    def take_expert_tokens(self) -> list[int] | None:
+        """The (token, expert) pairs each expert took over the sparse layers since
+        the last call (rank 0; None for a dense model): the step span's."""
+        counts = [c for b in self.moe_blocks if (c := b.take_expert_tokens()) is not None]
+        return torch.stack(counts).sum(0).tolist() if counts else None

@@ -2,7 +2,10 @@
 tensor parallelism each rank reads only its own slice of each tensor (safetensors'
 get_slice reads the bytes of the slice, never the whole tensor)."""
 
+import re
+from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import torch
 from safetensors import safe_open
@@ -12,6 +15,7 @@ from flagstop.executor.models import onednn
 from flagstop.executor.models.config import ModelConfig
 from flagstop.executor.models.llama import LlamaForCausalLM
 from flagstop.executor.parallel import SINGLE, Shard, TensorParallel
+from flagstop.kernels import torch_ref
 
 # HF name fragment -> (our module, index of the part inside the packed tensor)
 PACKED = {
@@ -20,47 +24,79 @@ PACKED = {
     "self_attn.v_proj": ("self_attn.qkv_proj", 2),
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    "shared_expert.gate_proj": ("shared_expert.gate_up_proj", 0),
+    "shared_expert.up_proj": ("shared_expert.gate_up_proj", 1),
 }
 VOCAB = ("embed_tokens.weight", "lm_head.weight")
+# An expert's tensor, Qwen's names and Mixtral's (w1 gate, w3 up, w2 down), after
+# Mixtral's block_sparse_moe is renamed mlp -> (our stacked tensor, part).
+EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight$")
+EXPERT_PARTS = {
+    "gate_proj": ("w13", 0), "w1": ("w13", 0), "up_proj": ("w13", 1), "w3": ("w13", 1),
+    "down_proj": ("w2", None), "w2": ("w2", None),
+}  # fmt: skip
 
 
-def our_name(hf_name: str) -> tuple[str, int | None]:
-    name = hf_name.removeprefix("model.")
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where a checkpoint tensor goes: our parameter, the part of it (a packed
+    tensor's), and for an expert's tensor the expert (its global index)."""
+
+    name: str
+    part: int | None = None
+    expert: int | None = None
+
+
+def target(hf_name: str) -> Target:
+    name = hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
+    if match := EXPERT.match(name):
+        if match[3] not in EXPERT_PARTS:
+            raise ValueError(f"unexpected expert tensor {hf_name!r}")
+        ours, part = EXPERT_PARTS[match[3]]
+        return Target(f"{match[1]}.{ours}", part, int(match[2]))
     for hf, (ours, part) in PACKED.items():
         if f".{hf}." in name:
-            return name.replace(hf, ours), part
-    return name, None
+            return Target(name.replace(hf, ours), part)
+    return Target(name)
 
 
-def rank_slice(
-    name: str, part: int | None, c: ModelConfig, shard: Shard
-) -> tuple[int, int, int] | None:
+def inner_size(name: str, c: ModelConfig, shard: Shard) -> tuple[int, int]:
+    """(first, length) of this rank's slice of an MLP's inner size: a dense MLP's, the
+    shared expert's or each routed expert's."""
+    if ".experts." in name:
+        return shard.expert_inner(c.moe.intermediate_size)
+    if "shared_expert." in name:
+        return shard.split(c.moe.shared_expert_intermediate_size)
+    return shard.split(c.intermediate_size)
+
+
+def rank_slice(t: Target, c: ModelConfig, shard: Shard) -> tuple[int, int, int] | None:
     """(dim, start, length) of the checkpoint tensor this rank holds; None: all of it."""
-    d = c.head_dim
+    d, name = c.head_dim, t.name
     if "qkv_proj" in name:
-        first, count = shard.heads(c.num_heads) if part == 0 else shard.kv_heads(c.num_kv_heads)
+        first, count = shard.heads(c.num_heads) if t.part == 0 else shard.kv_heads(c.num_kv_heads)
         return 0, first * d, count * d
-    if "gate_up_proj" in name:
-        return (0, *shard.split(c.intermediate_size))
+    if "gate_up_proj" in name or name.endswith(".w13"):
+        return (0, *inner_size(name, c, shard))
     if name.endswith("o_proj.weight"):
         first, count = shard.heads(c.num_heads)
         return 1, first * d, count * d
-    if name.endswith("down_proj.weight"):
-        return (1, *shard.split(c.intermediate_size))
+    if name.endswith("down_proj.weight") or name.endswith(".w2"):
+        return (1, *inner_size(name, c, shard))
     if name in VOCAB:
         first, rows = shard.vocab(c.vocab_size)
         return 0, first, max(0, min(rows, c.vocab_size - first))
     return None
 
 
-def packed_offset(name: str, part: int | None, c: ModelConfig, shard: Shard) -> int:
+def packed_offset(t: Target, c: ModelConfig, shard: Shard) -> int:
     """Where a part starts in our packed tensor (rows)."""
-    if not part:
+    if not t.part:
         return 0
-    if "gate_up_proj" in name:
-        return shard.split(c.intermediate_size)[1]
+    if "gate_up_proj" in t.name or t.name.endswith(".w13"):
+        return inner_size(t.name, c, shard)[1]
     q, kv = shard.heads(c.num_heads)[1] * c.head_dim, shard.kv_heads(c.num_kv_heads)[1] * c.head_dim
-    return q + (part - 1) * kv
+    return q + (t.part - 1) * kv
 
 
 def read(f, hf_name: str, region: tuple[int, int, int] | None, full_rows: int | None):
@@ -77,7 +113,8 @@ def read(f, hf_name: str, region: tuple[int, int, int] | None, full_rows: int | 
 def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
     params = dict(model.named_parameters())
     config, shard = model.config, model.tp.shard
-    loaded: set[str] = set()
+    first_expert, num_experts = shard.experts(config.moe.num_experts) if config.moe else (0, 0)
+    loaded: set[Target] = set()
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
@@ -86,55 +123,67 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
             for hf_name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 if "rotary_emb.inv_freq" in hf_name:
                     continue
-                name, part = our_name(hf_name)
-                if name == "lm_head.weight" and config.tie_word_embeddings:
+                t = target(hf_name)
+                if t.name == "lm_head.weight" and config.tie_word_embeddings:
                     continue
-                if name not in params:
+                if t.name not in params:
                     raise ValueError(f"unexpected tensor {hf_name!r} in {file.name}")
-                rows = config.vocab_size if name in VOCAB else None
-                tensor = read(f, hf_name, rank_slice(name, part, config, shard), rows)
-                _copy(params[name], tensor, name, packed_offset(name, part, config, shard))
-                loaded.add(f"{name}#{part}")
-    _check_complete(model, params, loaded)
+                if t.expert is not None:  # another rank's expert: never read
+                    if not first_expert <= t.expert < first_expert + num_experts:
+                        continue
+                    t = Target(t.name, t.part, t.expert - first_expert)
+                rows = config.vocab_size if t.name in VOCAB else None
+                tensor = read(f, hf_name, rank_slice(t, config, shard), rows)
+                _copy(params[t.name], tensor, t, packed_offset(t, config, shard))
+                loaded.add(t)
+    _check_complete(model, params, loaded, num_experts)
 
 
-def _copy(param: nn.Parameter, tensor: torch.Tensor, name: str, offset: int) -> None:
+def _copy(param: nn.Parameter, tensor: torch.Tensor, t: Target, offset: int) -> None:
     with torch.no_grad():
-        if name in VOCAB:
+        target = param if t.expert is None else param[t.expert]
+        if t.name in VOCAB:
             param.zero_()  # rows past the vocabulary pad it to a multiple of the ranks
             target = param[: tensor.shape[0]]
-        elif _is_packed(name):
-            target = param[offset : offset + tensor.shape[0]]
-        else:
-            target = param
+        elif t.part is not None:
+            target = target[offset : offset + tensor.shape[0]]
         if target.shape != tensor.shape:
             raise ValueError(
-                f"{name}: checkpoint shape {tuple(tensor.shape)}, model {tuple(target.shape)}"
+                f"{t.name}: checkpoint shape {tuple(tensor.shape)}, model {tuple(target.shape)}"
             )
         target.copy_(tensor)
 
 
-def _is_packed(name: str) -> bool:
-    return any(ours in name for ours, _ in PACKED.values())
+def _parts(name: str) -> tuple[int | None, ...]:
+    if "qkv_proj.weight" in name or "qkv_proj.bias" in name:
+        return 0, 1, 2
+    if "gate_up_proj" in name or name.endswith(".w13"):
+        return 0, 1
+    return (None,)
 
 
-def _check_complete(model: LlamaForCausalLM, params: dict, loaded: set[str]) -> None:
+def _check_complete(model: LlamaForCausalLM, params: dict, loaded: set[Target], num_experts: int):
     expected = set()
     for name in params:
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
-        num_parts = 3 if "qkv_proj.weight" in name or "qkv_proj.bias" in name else 2
-        expected |= (
-            {f"{name}#{i}" for i in range(num_parts)} if _is_packed(name) else {f"{name}#None"}
-        )
-    missing = sorted(expected - loaded)
+        experts = range(num_experts) if ".experts." in name else (None,)
+        expected |= {Target(name, part, e) for part in _parts(name) for e in experts}
+    missing = sorted(expected - loaded, key=str)
     if missing:
-        raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+        shown = [f"{t.name}#{t.part}" + (f" of expert {t.expert}" if t.expert is not None else "")
+                 for t in missing[:3]]  # fmt: skip
+        raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {shown}")
 
 
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype, device: torch.device, tp: TensorParallel = SINGLE
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TensorParallel = SINGLE,
+    backend: ModuleType = torch_ref,
 ) -> LlamaForCausalLM:
+    """The model on `backend`'s kernels (attention's, and the experts' with it)."""
     config = ModelConfig.from_pretrained(model_dir)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, tp)
@@ -144,6 +193,7 @@ def load_model(
     load_weights(model, model_dir)
     model.rotary.build(device)
     model = model.to(dtype=dtype).eval()
+    model.set_attention_backend(backend)  # before packing: the experts pack for torch's
     if onednn.usable(device, dtype):
         onednn.pack(model, shared={id(model.embed_tokens.weight)})
     return model

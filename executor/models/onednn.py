@@ -5,6 +5,12 @@ read, instead of MKL's sgemm re-blocking it on every call: 1.2-3.4x per GEMM on 
 2-core AMD EPYC (768 -> 6144: 1.6 -> 0.46 ms at 1 row, 3.1 -> 1.1 ms at 16 rows,
 39 -> 24 ms at 512 rows), and the GEMMs are 50-75 % of a CPU step. The same op
 torch.compile's CPU backend emits for a frozen model's linears, without the compile.
+
+Small weights stay on F.linear: oneDNN's call costs some 70-90 µs here whatever the
+size, which MKL's small GEMMs do not (out x in = 8 x 256: 4.7 µs F.linear, 76 µs
+packed; 512 x 256: 27 vs 89 µs at 1 row, 116 vs 142 at 16; 1536 x 256: 74 vs 108 at 1
+row, 235 vs 135 at 4). A Mixture-of-Experts layer runs two GEMMs per expert a token
+chose, so its small experts and its router would pay that overhead many times a step.
 """
 
 import logging
@@ -29,12 +35,22 @@ class Linear(nn.Linear):
         bias = self.bias if with_bias else None
         if self.packed is None:
             return F.linear(x, self.weight, bias)
-        rows = x.shape[0]
-        padded = padded_rows(rows)
-        if padded != rows:
-            x = F.pad(x, (0, 0, 0, padded - rows))
-        out = torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [None], "")
-        return out[:rows]
+        return matmul(x, self.packed, bias)
+
+
+def matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None):
+    """x [rows, in] times a weight reorder() packed (plus the bias)."""
+    rows = x.shape[0]
+    padded = padded_rows(rows)
+    if padded != rows:
+        x = F.pad(x, (0, 0, 0, padded - rows))
+    out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "")
+    return out[:rows]
+
+
+def reorder(weight: torch.Tensor) -> torch.Tensor:
+    """A weight [out, in] in the blocked layout oneDNN's GEMMs read."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
 def padded_rows(rows: int) -> int:
@@ -57,19 +73,30 @@ def usable(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
-def pack(model: nn.Module, shared: set[int]) -> int:
-    """Prepack every Linear of the model; its own weight is then dropped (the packed copy
+# Weights of fewer elements than this stay on F.linear (the measurements above).
+PACK_MIN_ELEMENTS = 1 << 18
+
+
+def pack(model: nn.Module, shared: set[int], min_elements: int | None = None) -> int:
+    """Prepack every Linear of the model of at least min_elements weights (and every
+    module with a prepack(): the experts of an MoE layer; default PACK_MIN_ELEMENTS); its
+    own weight is then dropped (the packed copy
     replaces it) unless its id is in `shared` (a tied embedding still reads it). Checked
     against F.linear on the first layer: a torch without a working op keeps F.linear.
     Returns how many were packed."""
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     if not linears or not _works(linears[0]):
         return 0
+    min_elements = PACK_MIN_ELEMENTS if min_elements is None else min_elements
+    linears = [m for m in linears if m.weight.numel() >= min_elements]
     for module in linears:
         with torch.no_grad():
-            module.packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None)
+            module.packed = reorder(module.weight)
         if id(module.weight) not in shared:
             module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
+    for module in model.modules():  # a Mixture-of-Experts layer's stacked experts
+        if hasattr(module, "prepack"):
+            module.prepack(min_elements)
     return len(linears)
 
 
@@ -77,8 +104,7 @@ def _works(module: Linear) -> bool:
     x = torch.randn(3, module.in_features, dtype=module.weight.dtype)
     try:
         with torch.no_grad():
-            packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None)
-            got = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [None], "")
+            got = matmul(x, reorder(module.weight))
     except RuntimeError as error:
         log.warning("oneDNN's packed linear is unusable here, keeping F.linear: %s", error)
         return False

@@ -29,8 +29,8 @@ class DraftModelProposer:
     def __init__(self, config: SpeculativeConfig, runner) -> None:
         assert config.model is not None
         check_same_vocabulary(config.model, runner.config.model, runner.model_config.vocab_size)
-        self.model = load_model(config.model, runner.dtype, runner.device, SINGLE)
-        self.model.set_attention_backend(runner.attention_backend)
+        self.model = load_model(config.model, runner.dtype, runner.device, SINGLE,
+                                runner.attention_backend)  # fmt: skip
         self.runner = runner
         self.probabilistic = config.draft_sample_method == "probabilistic"
         self.num_computed = np.zeros(runner.config.max_num_seqs, np.int64)

@@ -11,8 +11,11 @@ from transformers import (
     GenerationConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from tools.make_model import WEIGHT_SCALE, write_model
@@ -56,6 +59,26 @@ VARIANTS = {
         },
     ),
 }
+# Mixture-of-Experts: top-k renormalised (Mixtral); a shared expert with its sigmoid
+# gate, top-k as is, an odd vocabulary (Qwen2-MoE); a dense layer among sparse ones
+# and a renormalised odd top-k (Qwen3-MoE); one KV head, every other layer sparse.
+MOE_VARIANTS = {
+    "mixtral": lambda: MixtralConfig(**COMMON, num_local_experts=8, num_experts_per_tok=2),
+    "qwen2-moe": lambda: Qwen2MoeConfig(
+        **{**COMMON, "vocab_size": 509}, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=64, shared_expert_intermediate_size=96,
+    ),
+    "qwen3-moe": lambda: Qwen3MoeConfig(
+        **{**COMMON, "num_hidden_layers": 3}, num_experts=8,
+        num_experts_per_tok=3, moe_intermediate_size=64, norm_topk_prob=True,
+        mlp_only_layers=[1],
+    ),
+    "qwen3-moe-1kv": lambda: Qwen3MoeConfig(
+        **{**COMMON, "num_key_value_heads": 1}, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=64, decoder_sparse_step=2,
+    ),
+}  # fmt: skip
+VARIANTS |= MOE_VARIANTS
 
 
 def write_checkpoint(name: str, out: Path) -> Path:
@@ -67,7 +90,7 @@ def write_checkpoint(name: str, out: Path) -> Path:
     with torch.no_grad():
         for param in model.parameters():
             # Wide weights and random biases/norms: see tools/make_model.py.
-            if param.dim() == 2:
+            if param.dim() >= 2:  # MoE experts are stacked 3-D in transformers
                 param.normal_(0, 0.02 * WEIGHT_SCALE)
             else:
                 param.copy_(

@@ -4,6 +4,7 @@ a tensor-parallel group (starting the other ranks as the executor does) and save
 what it recorded:
 
     python -m tests.helpers.tp_scenarios CHECKPOINT OUT.pt [--tensor-parallel-size 2]
+        [--expert-parallel]
 
 With --tensor-parallel-size 1 it is a group of one (NCCL on a GPU, gloo on the CPU):
 the group machinery with nothing split.
@@ -65,10 +66,13 @@ def run_scenarios(harness: Harness, vocab_size: int) -> Record:
     return out
 
 
-def config(checkpoint: Path, tensor_parallel_size: int = 1) -> ExecutorConfig:
+def config(
+    checkpoint: Path, tensor_parallel_size: int = 1, expert_parallel: bool = False
+) -> ExecutorConfig:
     # float32 on every device (CUDA's default is bf16): compared at 1e-4.
     return ExecutorConfig(model=str(checkpoint), num_blocks=64, block_size=4, max_num_seqs=16,
-                          dtype="float32", tensor_parallel_size=tensor_parallel_size)  # fmt: skip
+                          dtype="float32", tensor_parallel_size=tensor_parallel_size,
+                          expert_parallel=expert_parallel)  # fmt: skip
 
 
 def main() -> None:
@@ -76,9 +80,10 @@ def main() -> None:
     parser.add_argument("checkpoint", type=Path)
     parser.add_argument("out", type=Path)
     parser.add_argument("--tensor-parallel-size", type=int, default=2)
+    parser.add_argument("--expert-parallel", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    settings = config(args.checkpoint, args.tensor_parallel_size)
+    settings = config(args.checkpoint, args.tensor_parallel_size, args.expert_parallel)
     group = start_group(settings, None)
     try:
         runner = ModelRunner(settings, group.tp, lambda: join(group), group.device)

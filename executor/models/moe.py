@@ -1,0 +1,121 @@
+"""The sparse MLP of Mixtral, Qwen2-MoE and Qwen3-MoE: a replicated router picks each
+token's top-k experts; this rank's experts (all, a slice of each, or whole ones under
+expert parallelism: executor/parallel.py) compute their tokens' rows, and one
+all-reduce sums the ranks' parts with the shared expert's.
+
+Two kernels run the experts: on the torch backend, tokens grouped by expert with one
+GEMM pair per expert that has tokens (torch_ref.grouped_experts), on oneDNN's
+prepacked weights on the CPU; on the triton backend, the fused grouped-GEMM kernel
+(kernels/triton_moe.py)."""
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from flagstop.executor.models import onednn
+from flagstop.executor.models.config import ModelConfig
+from flagstop.executor.models.layers import silu_and_mul
+from flagstop.executor.models.onednn import Linear
+from flagstop.executor.parallel import TensorParallel
+from flagstop.kernels import torch_ref
+
+FusedMoe = Callable[..., torch.Tensor]  # torch_ref.fused_moe's signature
+
+
+class Experts(nn.Module):
+    """This rank's experts, stacked as the fused kernel reads them: w13 [E, 2I, H]
+    (each expert's gate rows, then its up rows, as the dense MLP packs them) and
+    w2 [E, H, I], for experts first_expert .. first_expert + E - 1; I is this rank's
+    slice of the expert's inner size (all of it under expert parallelism)."""
+
+    def __init__(self, first_expert: int, num_experts: int, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.first_expert, self.num_experts = first_expert, num_experts
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inner, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inner))
+        self.fused: FusedMoe = torch_ref.fused_moe
+        # oneDNN's prepacked copies, one (w13, w2) pair per expert (prepack()).
+        self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def forward(self, x, topk_weights, topk_ids) -> torch.Tensor:
+        if self.packed is None:
+            return self.fused(x, self.w13, self.w2, topk_weights, topk_ids, self.first_expert)
+        return torch_ref.grouped_experts(x, topk_weights, topk_ids, self.first_expert,
+                                         self.num_experts, self._packed_mlp)  # fmt: skip
+
+    def _packed_mlp(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        w13, w2 = self.packed[expert]
+        return onednn.matmul(silu_and_mul(onednn.matmul(rows, w13)), w2)
+
+    def prepack(self, min_elements: int) -> None:
+        """The CPU path's weights: each expert's pair reordered once for oneDNN (as
+        a Linear is, onednn.py), the stacked copies dropped; not for experts too small
+        to pay for it (their smaller matrix under min_elements), nor for another kernel
+        than torch's: it reads the stacked ones."""
+        if self.fused is not torch_ref.fused_moe or self.w2[0].numel() < min_elements:
+            return
+        with torch.no_grad():
+            self.packed = [(onednn.reorder(self.w13[e]), onednn.reorder(self.w2[e]))
+                           for e in range(self.num_experts)]  # fmt: skip
+        self.w13 = nn.Parameter(self.w13.new_empty(0), requires_grad=False)
+        self.w2 = nn.Parameter(self.w2.new_empty(0), requires_grad=False)
+
+
+class SharedExpert(nn.Module):
+    """Qwen2-MoE's expert that every token takes: a dense MLP, sliced over the ranks
+    like one, whose partial sum joins the routed experts' before the layer's one
+    all-reduce (so its down projection does not reduce)."""
+
+    def __init__(self, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(hidden, 2 * inner, bias=False)
+        self.down_proj = Linear(inner, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
+        super().__init__()
+        moe, hidden = config.moe, config.hidden_size
+        assert moe is not None
+        self.tp, self.top_k, self.renormalize = tp, moe.top_k, moe.renormalize
+        self.gate = Linear(hidden, moe.num_experts, bias=False)  # the router, on every rank
+        first, count = tp.shard.experts(moe.num_experts)
+        inner = tp.shard.expert_inner(moe.intermediate_size)[1]
+        self.experts = Experts(first, count, hidden, inner)
+        self.shared_expert = self.shared_expert_gate = None
+        if shared := moe.shared_expert_intermediate_size:
+            self.shared_expert = SharedExpert(hidden, tp.shard.split(shared)[1])
+            self.shared_expert_gate = Linear(hidden, 1, bias=False)
+        self.num_experts = moe.num_experts
+        # Rank 0: the (token, expert) pairs each expert took since take_expert_tokens()
+        # last read them, on the device (made on first use: the model is built on meta).
+        self.expert_tokens: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = self.route(x)
+        out = self.experts(x, topk_weights, topk_ids)
+        if self.shared_expert is not None:
+            out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.tp.all_reduce(out)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] float32, expert ids [T, k]): the softmax in float32 over the
+        router's logits and torch.topk's choice, as transformers computes them (the
+        same ties); renormalised over the chosen experts where the model does."""
+        probs = self.gate(x).float().softmax(dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.tp.rank == 0:
+            counts = torch.bincount(ids.flatten(), minlength=self.num_experts)
+            before = self.expert_tokens
+            self.expert_tokens = counts if before is None else before + counts
+        return weights, ids
+
+    def take_expert_tokens(self) -> torch.Tensor | None:
+        counts, self.expert_tokens = self.expert_tokens, None
+        return counts
