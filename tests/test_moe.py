@@ -11,8 +11,8 @@ import torch
 from tests.helpers.checkpoints import TOL, load_reference
 from tests.helpers.streams import assert_matches_reference, run_concurrently
 from tests.helpers.streams import short_greedy_workload as workload
-from tools.make_model import EXPERTS_PER_TOKEN, NUM_EXPERTS, write_model
-from tools.otlp_collector import attributes, start_collector
+from tools.make_model import EXPERTS_PER_TOKEN, NUM_EXPERTS, SIZES, write_model
+from tools.otlp_collector import attributes, start_collector, wait_for
 from tools.stack import generate, start_stack
 
 pytestmark = pytest.mark.processes  # every test here runs processes
@@ -53,19 +53,24 @@ def test_greedy_streams_on_two_expert_parallel_ranks_equal_transformers(traced_e
 
 
 def test_every_step_span_counts_the_tokens_each_expert_took(traced_ep_stack):
-    """Each token goes to EXPERTS_PER_TOKEN experts in each of the 4 sparse layers."""
+    """Each token goes to EXPERTS_PER_TOKEN experts in each layer (all sparse)."""
     stack, collector = traced_ep_stack
+    pairs_per_token = EXPERTS_PER_TOKEN * SIZES["tiny"]["num_hidden_layers"]
     generate(stack, prompt_token_ids=[0, 5, 6, 7, 8], max_tokens=6, ignore_eos=True)
     stack.wait_idle()
-    steps = {(s.trace_id, s.span_id): s for s in collector.named("scheduler.step")}
-    executed = [e for e in collector.named("executor.step")
-                if (e.trace_id, e.parent_span_id) in steps]  # fmt: skip
-    assert len(executed) >= 6
+
+    def executed_steps():  # spans reach the collector in batches, after the stream ends
+        steps = {(s.trace_id, s.span_id): s for s in collector.named("scheduler.step")}
+        executed = [e for e in collector.named("executor.step")
+                    if (e.trace_id, e.parent_span_id) in steps]  # fmt: skip
+        return (steps, executed) if len(executed) >= 6 else None
+
+    steps, executed = wait_for(executed_steps)
     for span in executed:
         counts = list(attributes(span)["flagstop.moe.expert_tokens"])
         scheduled = attributes(steps[(span.trace_id, span.parent_span_id)])
         assert len(counts) == NUM_EXPERTS
-        assert sum(counts) == scheduled["flagstop.scheduled_tokens"] * EXPERTS_PER_TOKEN * 4
+        assert sum(counts) == scheduled["flagstop.scheduled_tokens"] * pairs_per_token
         assert attributes(span)["flagstop.moe.imbalance"] >= 1.0
 
 

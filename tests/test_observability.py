@@ -1,7 +1,6 @@
 """Traces across the three processes into a real OTLP collector, and /metrics."""
 
 import secrets
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -9,7 +8,7 @@ import pytest
 from flagstop.v1 import generation_pb2
 from tests.helpers.metrics import scrape
 from tools.make_model import write_model
-from tools.otlp_collector import attributes, start_collector
+from tools.otlp_collector import attributes, start_collector, wait_for
 from tools.stack import start_stack
 
 pytestmark = pytest.mark.processes  # every test here runs processes
@@ -41,14 +40,6 @@ def stream(stack, max_tokens: int, metadata=()) -> list[int]:
     )
     call = stack.generation().Generate(request, timeout=60, metadata=metadata)
     return [t for chunk in call for t in chunk.token_ids]
-
-
-def wait_for(condition, timeout: float = 20.0):
-    deadline = time.monotonic() + timeout
-    while not (result := condition()):
-        assert time.monotonic() < deadline, "spans did not arrive"
-        time.sleep(0.1)
-    return result
 
 
 def test_one_trace_per_request_across_the_three_processes(traced):

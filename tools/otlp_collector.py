@@ -1,6 +1,7 @@
 """An in-process OTLP/gRPC trace collector (the real opentelemetry-proto service)."""
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -52,3 +53,13 @@ def attributes(span) -> dict:
             else getattr(value, kind)
         )  # fmt: skip
     return out
+
+
+def wait_for(condition, timeout: float = 20.0):
+    """condition()'s first truthy result: spans reach the collector in batches, some
+    time after the work that made them."""
+    deadline = time.monotonic() + timeout
+    while not (result := condition()):
+        assert time.monotonic() < deadline, "spans did not arrive"
+        time.sleep(0.1)
+    return result
