@@ -271,15 +271,14 @@ def test_heads_that_do_not_split_stop_start_up(model_dir, tmp_path):
 
 @pytest.mark.processes
 def test_moe_configs_the_executor_cannot_run_stop_start_up_naming_the_field(tmp_path):
-    """Only config.json is read before the refusal: no weights are needed."""
+    """Only config.json is read before the refusal: no weights are needed. (Each
+    refusal's message: test_model_loading and the check_divisible tests here.)"""
     moe = json.loads(json.dumps(model_config("tiny", train_tokenizer(), "qwen3_moe")))
     cases = [
         ({"num_experts": 3}, ["--tensor-parallel-size", "2", "--expert-parallel"],
          "--tensor-parallel-size 2: num_experts=3 does not split into 2 ranks (--expert-parallel)"),
         ({"scoring_func": "sigmoid"}, [],
          "scoring_func='sigmoid': an MoE routing scheme flagstop does not run"),
-        ({"architectures": ["LlamaForCausalLM"]}, ["--expert-parallel"],
-         "--expert-parallel: LlamaForCausalLM has no experts"),
     ]  # fmt: skip
     for i, (change, args, message) in enumerate(cases):
         checkpoint = tmp_path / f"moe{i}"
