@@ -335,15 +335,20 @@ def _causal_mask(num_context: int, seq_len: int, device: torch.device) -> torch.
 # -- Mixture of experts ------------------------------------------------------------
 
 
+def local_expert_ids(topk_ids: torch.Tensor, first_expert: int, num_experts: int):
+    """The flat choices as this rank's expert indices, those of other ranks' experts
+    in a bucket num_experts past the last (so one bincount or sort leaves them apart)."""
+    local = topk_ids.flatten().to(torch.int64) - first_expert
+    return local.masked_fill((local < 0) | (local >= num_experts), num_experts)
+
+
 def sort_by_expert(topk_ids: torch.Tensor, first_expert: int, num_experts: int):
     """Each (token, choice) pair of topk_ids [T, k] grouped by this rank's experts
     [first_expert, first_expert + num_experts): (order, counts), `order` the flat
     indices t * k + j sorted by expert (stable: in token order within an expert),
     `counts` the pairs of each local expert (a list: the loop over experts reads it
     once). Pairs routed to other ranks' experts are left out."""
-    local = topk_ids.flatten() - first_expert
-    outside = (local < 0) | (local >= num_experts)
-    local = local.masked_fill(outside, num_experts)  # a bucket past the last expert
+    local = local_expert_ids(topk_ids, first_expert, num_experts)
     counts = torch.bincount(local, minlength=num_experts + 1)[:num_experts].tolist()
     order = torch.argsort(local, stable=True)[: sum(counts)]
     return order, counts

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from flagstop.kernels import torch_ref
+
 BLOCK_M, BLOCK_N, BLOCK_K = 32, 64, 32
 
 
@@ -23,9 +25,7 @@ def align_by_expert(topk_ids: torch.Tensor, first_expert: int, num_experts: int,
     with T * k (a row no block writes); block_experts the local expert of each block
     of block_m rows (-1 past the end); num_padded [1] the padded rows in use."""
     num_pairs = topk_ids.numel()
-    local = topk_ids.flatten().to(torch.int64) - first_expert
-    outside = (local < 0) | (local >= num_experts)
-    local = local.masked_fill(outside, num_experts)
+    local = torch_ref.local_expert_ids(topk_ids, first_expert, num_experts)
     counts = torch.bincount(local, minlength=num_experts + 1)[:num_experts]
     padded = (counts + block_m - 1) // block_m * block_m
     padded_start = torch.cumsum(padded, 0) - padded
