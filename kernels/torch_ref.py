@@ -17,6 +17,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from flagstop.kernels.torch_quant import (  # noqa: F401 (the backend's quantized linears)
+    dequantize_int4,
+    dequantize_w8,
+    int4_linear,
+    w8_linear,
+)
 from flagstop.utils import cdiv
 
 

@@ -11,6 +11,9 @@ import triton
 import triton.language as tl
 
 # The triton backend's experts' kernel (a backend has torch_ref's functions).
+# Quantized linears run their torch kernels on either backend for now: dequantize a
+# layer, one GEMM (kernels/torch_quant.py); the Triton GEMMs are not written yet.
+from flagstop.kernels.torch_quant import int4_linear, w8_linear  # noqa: F401
 from flagstop.kernels.triton_moe import fused_moe  # noqa: F401
 
 # Tokens of context one decode program reduces before the partial results are merged

@@ -3,6 +3,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flagstop.executor.models.quantization import ConfigError, QuantConfig
+
 # architecture -> (q/k/v always biased, per-head q/k RMSNorm, MoE family or None);
 # otherwise the config's attention_bias applies to q/k/v and o alike. The MoE
 # families' attention is the dense one's.
@@ -25,10 +27,6 @@ PLAIN_ROUTING = {
     "topk_group": 1,
     "routed_scaling_factor": 1.0,
 }
-
-
-class ConfigError(ValueError):
-    """A config.json flagstop cannot run: the message names the field."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -115,6 +113,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     moe: MoeConfig | None
+    quant: QuantConfig | None  # quantized weights: the checkpoint's quantization_config
     # Sliding-window attention is not implemented: a window caps the usable length.
     max_model_len: int
 
@@ -146,6 +145,12 @@ class ModelConfig:
         window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
         if eos is None:
             eos = hf.get("eos_token_id")
+        quant = QuantConfig.from_hf(hf)
+        if quant is not None and moe_family:
+            raise ConfigError(
+                f"quantization_config on {architecture}: quantized Mixture-of-Experts "
+                "checkpoints are not run yet (dense models are)"
+            )
         return cls(
             architecture=architecture,
             vocab_size=hf["vocab_size"],
@@ -166,5 +171,6 @@ class ModelConfig:
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             eos_token_ids=tuple([] if eos is None else [eos] if isinstance(eos, int) else eos),
             moe=MoeConfig.from_hf(moe_family, hf, num_layers) if moe_family else None,
+            quant=quant,
             max_model_len=min(max_len, window) if window else max_len,
         )

@@ -20,27 +20,14 @@ from flagstop.executor.models.layers import (
     apply_rotary,
     silu_and_mul,
 )
+from flagstop.executor.models.linear import QuantLinear, make_linear
 from flagstop.executor.models.moe import SparseMoeBlock
 from flagstop.executor.models.onednn import Linear
+from flagstop.executor.models.quantization import ConfigError
 from flagstop.executor.parallel import SINGLE, TensorParallel
 from flagstop.kernels import torch_ref
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
-
-
-class RowParallelLinear(Linear):
-    """Input features split over the ranks: each rank's partial product is summed by
-    one all-reduce, and the bias, held whole, is added once after it."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel):
-        super().__init__(in_features, out_features, bias=bias)
-        self.tp = tp
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp.size == 1:
-            return super().forward(x)
-        out = self.tp.all_reduce(self.matmul(x))
-        return out if self.bias is None else out + self.bias
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -62,7 +49,7 @@ class VocabParallelEmbedding(nn.Embedding):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel, prefix: str) -> None:
         super().__init__()
         self.num_heads = tp.shard.heads(config.num_heads)[1]
         self.num_kv_heads = tp.shard.kv_heads(config.num_kv_heads)[1]
@@ -70,10 +57,13 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * config.head_dim
         self.kv_size = self.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
-        self.qkv_proj = Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+        qkv = tuple(f"{prefix}.{name}_proj" for name in "qkv")
+        self.qkv_proj = make_linear(
+            config, qkv, config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias
         )
-        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, config.o_bias, tp)
+        self.o_proj = make_linear(
+            config, (f"{prefix}.o_proj",), self.q_size, config.hidden_size, config.o_bias, tp
+        )
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.backend: ModuleType = torch_ref
@@ -93,11 +83,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel, prefix: str) -> None:
         super().__init__()
         size, inner = config.hidden_size, tp.shard.split(config.intermediate_size)[1]
-        self.gate_up_proj = Linear(size, 2 * inner, bias=config.mlp_bias)
-        self.down_proj = RowParallelLinear(inner, size, config.mlp_bias, tp)
+        gate_up = (f"{prefix}.gate_proj", f"{prefix}.up_proj")
+        self.gate_up_proj = make_linear(config, gate_up, size, 2 * inner, config.mlp_bias)
+        down = (f"{prefix}.down_proj",)
+        self.down_proj = make_linear(config, down, inner, size, config.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -106,9 +98,10 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel, index: int) -> None:
         super().__init__()
-        self.self_attn = Attention(config, tp)
+        prefix = f"model.layers.{index}"  # the checkpoint's names, which quantization uses
+        self.self_attn = Attention(config, tp, f"{prefix}.self_attn")
         sparse = config.moe is not None and config.moe.sparse_layers[index]
-        self.mlp = SparseMoeBlock(config, tp) if sparse else MLP(config, tp)
+        self.mlp = SparseMoeBlock(config, tp) if sparse else MLP(config, tp, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -137,6 +130,9 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Vocabulary-parallel like the embedding (it may be the same tensor, tied).
         rows = tp.shard.vocab(config.vocab_size)[1]
+        if config.quant and config.quant.scheme_for("lm_head"):
+            raise ConfigError("quantization_config: a quantized lm_head is not run; "
+                              "list lm_head in its ignore")  # fmt: skip
         self.lm_head = Linear(config.hidden_size, rows, bias=False)
         self.tie_weights()
 
@@ -170,6 +166,9 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.backend = backend
         for block in self.moe_blocks:
             block.experts.fused = backend.fused_moe
+        for module in self.modules():
+            if isinstance(module, QuantLinear):
+                module.kernels = backend
 
     def take_expert_tokens(self) -> list[int] | None:
         """The (token, expert) pairs each expert took over the sparse layers since

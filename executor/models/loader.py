@@ -11,8 +11,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from flagstop.executor.models import onednn
-from flagstop.executor.models.config import ModelConfig
+from flagstop.executor.models import linear, onednn, quant_formats
+from flagstop.executor.models.config import ConfigError, ModelConfig
 from flagstop.executor.models.llama import LlamaForCausalLM
 from flagstop.executor.parallel import SINGLE, Shard, TensorParallel
 from flagstop.kernels import torch_ref
@@ -118,10 +118,11 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    quantized = QuantizedLayers(model, params, loaded)
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for hf_name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if "rotary_emb.inv_freq" in hf_name:
+                if "rotary_emb.inv_freq" in hf_name or quantized.take(f, hf_name):
                     continue
                 t = target(hf_name)
                 if t.name == "lm_head.weight" and config.tie_word_embeddings:
@@ -136,7 +137,85 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
                 tensor = read(f, hf_name, rank_slice(t, config, shard), rows)
                 _copy(params[t.name], tensor, t, packed_offset(t, config, shard))
                 loaded.add(t)
+        quantized.load_complete()
+    quantized.check_none_left()
     _check_complete(model, params, loaded, num_experts)
+
+
+class QuantizedLayers:
+    """A quantized layer's checkpoint tensors, gathered by layer (a layer is read whole,
+    turned into flagstop's layout by quant_formats, then this rank's slice kept: the
+    packed formats cannot be cut before they are unpacked) and loaded once complete."""
+
+    def __init__(self, model: LlamaForCausalLM, params: dict, loaded: set[Target]) -> None:
+        self.config, self.shard = model.config, model.tp.shard
+        self.params, self.loaded = params, loaded
+        self.pending: dict[str, dict[str, torch.Tensor]] = {}
+        self.done: set[str] = set()
+        self.schemes = {layer: m.scheme for m in model.modules()
+                        if isinstance(m, linear.QuantLinear) for layer in m.layers}  # fmt: skip
+
+    def take(self, f, hf_name: str) -> bool:
+        """Whether the tensor is a quantized layer's (then read and kept)."""
+        layer, _, suffix = hf_name.rpartition(".")
+        scheme = self.schemes.get(layer)
+        if scheme is None or suffix not in quant_formats.SUFFIXES[scheme.layout]:
+            return False
+        if layer not in self.done:
+            self.pending.setdefault(layer, {})[suffix] = f.get_tensor(hf_name)
+        return True
+
+    def load_complete(self) -> None:
+        for layer, tensors in list(self.pending.items()):
+            scheme = self.schemes[layer]
+            if quant_formats.complete(scheme, tensors):
+                self._load(layer, quant_formats.read_layer(scheme, tensors, layer))
+                del self.pending[layer]
+                self.done.add(layer)
+
+    def check_none_left(self) -> None:
+        if missing := self.schemes.keys() - self.done - self.pending.keys():
+            raise ValueError(f"checkpoint lacks the quantized layer {min(missing)}")
+        if self.pending:
+            layer, tensors = next(iter(self.pending.items()))
+            raise ValueError(f"{layer}: only {sorted(tensors)} of its quantized tensors found")
+
+    def _load(self, layer: str, tensors: dict[str, torch.Tensor]) -> None:
+        t = target(layer + ".weight")
+        module, region = t.name.removesuffix(".weight"), rank_slice(t, self.config, self.shard)
+        columns = (
+            tensors["weight"].shape[1] if "weight" in tensors else tensors["qweight"].shape[1] * 8
+        )
+        for suffix, tensor in tensors.items():
+            part = Target(f"{module}.{suffix}", t.part)
+            param = self.params[part.name]
+            if suffix == "input_scale":  # q, k and v share one: the largest (as vLLM)
+                with torch.no_grad():
+                    param.copy_(torch.maximum(param, tensor))
+            else:
+                piece = quantized_slice(tensor, region, columns, part.name)
+                _copy(param, piece, part, packed_offset(t, self.config, self.shard))
+            self.loaded.add(part)
+
+
+def quantized_slice(tensor: torch.Tensor, region, columns: int, name: str) -> torch.Tensor:
+    """This rank's part of a tensor in flagstop's quantized layout (rows: outputs; its
+    columns: the weight's `columns` inputs, packed or grouped): the region is the
+    weight's, in its [out, in] elements. A per-row scale (one column) is kept whole."""
+    if region is None:
+        return tensor
+    dim, start, length = region
+    if dim == 0:
+        return tensor[start : start + length]
+    if tensor.shape[1] == 1:
+        return tensor
+    per_column = -(-columns // tensor.shape[1])  # inputs a stored column covers
+    if start % per_column or length % per_column:
+        raise ConfigError(
+            f"{name}: tensor parallelism splits its {columns} inputs at {start}, which is "
+            f"not a multiple of its {per_column}-input groups; use fewer ranks"
+        )
+    return tensor[:, start // per_column : (start + length) // per_column]
 
 
 def _copy(param: nn.Parameter, tensor: torch.Tensor, t: Target, offset: int) -> None:
@@ -155,9 +234,9 @@ def _copy(param: nn.Parameter, tensor: torch.Tensor, t: Target, offset: int) -> 
 
 
 def _parts(name: str) -> tuple[int | None, ...]:
-    if "qkv_proj.weight" in name or "qkv_proj.bias" in name:
+    if "qkv_proj." in name:
         return 0, 1, 2
-    if "gate_up_proj" in name or name.endswith(".w13"):
+    if "gate_up_proj." in name or name.endswith(".w13"):
         return 0, 1
     return (None,)
 
@@ -187,12 +266,14 @@ def load_model(
     config = ModelConfig.from_pretrained(model_dir)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, tp)
-    # Built on meta, so no memory is spent on a random init the checkpoint overwrites.
-    model = model.to_empty(device=device)
+    # Built and cast on meta, so no memory is spent on a random init the checkpoint
+    # overwrites; quantized layers get their tensors after the cast (their dtypes).
+    model = model.to(dtype=dtype).to_empty(device=device)
+    linear.materialize(model, device)
     model.tie_weights()  # to_empty gives the tied parameters separate storage
     load_weights(model, model_dir)
     model.rotary.build(device)
-    model = model.to(dtype=dtype).eval()
+    model = model.eval()
     model.set_attention_backend(backend)  # before packing: the experts pack for torch's
     if onednn.usable(device, dtype):
         onednn.pack(model, shared={id(model.embed_tokens.weight)})
