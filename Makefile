@@ -138,12 +138,13 @@ bench: $(STAMP)
 	$(PY) bench/report.py
 
 # Executor step time vs transformers, per batch size and context (dense and MoE
-# models), an MoE layer's experts three ways, and one rank vs two tensor-parallel
+# models), quantized formats against float32, an MoE layer's experts three ways, and one rank vs two tensor-parallel
 # ranks (about 15 minutes).
 bench-executor: $(STAMP)
 	$(PY) bench/executor_bench.py
 	$(PY) bench/executor_bench.py --sizes tiny-qwen3_moe small-qwen3_moe tiny-mixtral \
 		--out bench/results/executor_moe.md
+	$(PY) bench/executor_bench.py --quantized --sizes tiny small
 	$(PY) bench/moe_bench.py
 	$(PY) bench/tp_bench.py
 	$(PY) bench/report.py

@@ -2,6 +2,12 @@
 
     python bench/executor_bench.py [--sizes tiny small] [--rounds 5] [--repeats 3]
         [--variant LABEL=CHECKOUT ...] [--out bench/results/executor.md]
+    python bench/executor_bench.py --quantized [--sizes tiny] [--rounds 5]
+        [--out bench/results/executor_quant.md]
+
+--quantized: each quantized format of a size (tools/quantize_model.py) against the
+same model in float32, ours both: the weights each holds, a decode step at B=1/16/64
+(the same interleaved rounds), and the KV cache an FP8 cache fits in the same bytes.
 
 Rows. decode B x C: B requests with C tokens of context compute one token each: one
 step of ours (plan diff, inputs, forward, greedy sampling) beside one transformers
@@ -48,6 +54,9 @@ CASES = {  # model (size, or size-ARCH: tools/make_model.py) -> (contexts, batch
     "small-qwen3_moe": ((512,), (1, 16, 64)),
     "tiny-mixtral": ((512,), (1, 16, 64)),
 }
+# --quantized: the formats the CPU runs, against float32, decoding at this context.
+QUANT_SCHEMES = ("w8a8", "w4a16", "fp8-block", "fp8-hf", "gptq", "awq")
+QUANT_BATCHES, QUANT_CONTEXT = (1, 16, 64), 512
 MIXED = (15, 128, 497)  # decodes, their context, prompt chunk: a full 512-token step
 Timer = Callable[[], float]  # runs once, returns the seconds that count
 
@@ -69,14 +78,14 @@ def median_of(timer: Timer, repeats: int) -> float:
 # -- ours ---------------------------------------------------------------------------
 
 
-def new_runner(model_dir: Path, max_seqs: int, max_tokens: int):
+def new_runner(model_dir: Path, max_seqs: int, max_tokens: int, **kw):
     from flagstop.executor.config import ExecutorConfig
     from flagstop.executor.model_runner import ModelRunner
     from flagstop.utils import cdiv
 
     config = ExecutorConfig(
         model=str(model_dir), num_blocks=max_seqs * cdiv(max_tokens, BLOCK_SIZE) + 64,
-        block_size=BLOCK_SIZE, max_num_seqs=max_seqs, max_num_batched_tokens=4096,
+        block_size=BLOCK_SIZE, max_num_seqs=max_seqs, max_num_batched_tokens=4096, **kw,
     )  # fmt: skip
     return ModelRunner(config)
 
@@ -237,6 +246,102 @@ def worker(size: str, num_rounds: int, repeats: int) -> None:
         print(json.dumps({"size": size, "step": name, **row}), flush=True)
 
 
+# -- quantized formats ----------------------------------------------------------------
+
+
+def weight_bytes(runner) -> tuple[int, int]:
+    """(bytes the linear layers hold, what they would in float32)."""
+    from flagstop.executor.models.linear import QuantLinear
+
+    layers = [m for m in runner.model.layers.modules()
+              if isinstance(m, QuantLinear) or hasattr(m, "packed")]  # fmt: skip
+    dense = sum(m.in_features * m.out_features * 4 for m in layers)
+    held = sum(m.resident_bytes() if isinstance(m, QuantLinear) else
+               m.in_features * m.out_features * 4 for m in layers)  # fmt: skip
+    return held, dense
+
+
+@torch.inference_mode()
+def quant_worker(size: str, num_rounds: int, repeats: int) -> None:
+    """Prints one JSON line per (scheme, batch), then the KV cache's line."""
+    from tools.make_model import write_model
+    from tools.quantize_model import default_out, quantize
+
+    source = ROOT / "models" / f"flagstop-{size}"
+    if not (source / "config.json").exists():
+        write_model(source, size)
+    plain = new_runner(source, max(QUANT_BATCHES), QUANT_CONTEXT + 64)
+    for scheme in QUANT_SCHEMES:
+        path = default_out(source, scheme)
+        if not (path / "config.json").exists():
+            quantize(source, scheme, path)
+        runner = new_runner(path, max(QUANT_BATCHES), QUANT_CONTEXT + 64)
+        held, dense = weight_bytes(runner)
+        for batch in QUANT_BATCHES:
+            ours = timed(our_decode_step(runner, batch, QUANT_CONTEXT))
+            theirs = timed(our_decode_step(plain, batch, QUANT_CONTEXT))
+            row = rounds(ours, theirs, num_rounds, repeats)
+            print(json.dumps({"size": size, "scheme": scheme, "batch": batch, "held": held,
+                              "dense": dense, **row}), flush=True)  # fmt: skip
+    print(json.dumps({"size": size, "kv": kv_capacity(source)}), flush=True)
+
+
+def kv_capacity(model_dir: Path) -> dict:
+    """Blocks and the longest context (one request alone) in the default KV bytes."""
+    from flagstop.executor.config import ExecutorConfig
+    from flagstop.executor.model_runner import ModelRunner
+
+    out = {}
+    for dtype in ("auto", "fp8"):
+        runner = ModelRunner(ExecutorConfig(model=str(model_dir), block_size=BLOCK_SIZE,
+                                            kv_cache_dtype=dtype))  # fmt: skip
+        out[dtype] = {"blocks": runner.num_blocks, "tokens": runner.num_blocks * BLOCK_SIZE,
+                      "bytes": runner.num_blocks * runner.block_bytes,
+                      "max_model_len": runner.max_model_len}  # fmt: skip
+    return out
+
+
+def quant_table(lines: list[dict]) -> str:
+    rows = ["| model | scheme | weights held (of float32's) | B | ours (ms) | float32 (ms) "
+            "| speed-up (range) | verdict |", "|---|---|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+    for line in (x for x in lines if "scheme" in x):
+        s = summarize(line)
+        rows.append(
+            f"| {line['size']} | {line['scheme']} | {line['held'] / 1e6:.2f} MB "
+            f"({line['held'] / line['dense']:.0%} of {line['dense'] / 1e6:.2f}) | {line['batch']} "
+            f"| {s['ours_ms']:.1f} | {s['theirs_ms']:.1f} | {s['speedup']:.2f}x "
+            f"({s['low']:.2f}-{s['high']:.2f}) | {s['verdict']} |"
+        )
+    rows += ["", "| model | KV cache dtype | bytes | blocks | tokens they hold (the "
+             "longest context, the model's limit aside) |", "|---|---|---:|---:|---:|"]  # fmt: skip
+    for line in (x for x in lines if "kv" in x):
+        for dtype, kv in line["kv"].items():
+            name = "model's (float32)" if dtype == "auto" else "fp8 (e4m3)"
+            limit = kv["max_model_len"]
+            rows.append(f"| {line['size']} | {name} | {kv['bytes'] / 2**20:.0f} MiB | "
+                        f"{kv['blocks']} | {kv['tokens']} (limit {limit}) |")  # fmt: skip
+    return "\n".join(rows)
+
+
+def run_quantized(args) -> None:
+    lines = []
+    for size in args.sizes:
+        command = [sys.executable, str(Path(__file__)), "--quant-worker", size,
+                   "--rounds", str(args.rounds), "--repeats", str(args.repeats)]  # fmt: skip
+        out = subprocess.run(command, cwd=ROOT, check=True, capture_output=True, text=True)
+        lines += [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
+    text = quant_table(lines)
+    print(text)
+    setup = (
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; each quantized "
+        f"checkpoint of tools/quantize_model.py against the same model in float32, ours "
+        f"both, a decode step at {QUANT_CONTEXT} tokens of context (median ms, "
+        f"{args.rounds} interleaved rounds of {args.repeats} steps; verdict as in "
+        f"executor.md); the KV cache in the default --kv-cache-bytes."
+    )
+    write_result(args.out, "Quantized weights and the FP8 KV cache", setup, text, lines)
+
+
 # -- the driver ----------------------------------------------------------------------
 
 
@@ -283,10 +388,19 @@ def main() -> None:
     parser.add_argument("--label", default="flagstop", help="this checkout's column label")
     parser.add_argument("--variant", action="append", default=[], help="LABEL=CHECKOUT")
     parser.add_argument("--worker", choices=sorted(CASES), help=argparse.SUPPRESS)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "executor.md"))
+    parser.add_argument("--quantized", action="store_true", help="the quantized formats' rows")
+    parser.add_argument("--quant-worker", choices=sorted(CASES), help=argparse.SUPPRESS)
+    parser.add_argument("--out")
     args = parser.parse_args()
     if args.worker:
         return worker(args.worker, args.rounds, args.repeats)
+    if args.quant_worker:
+        return quant_worker(args.quant_worker, args.rounds, args.repeats)
+    results_dir = Path(__file__).parent / "results"
+    if args.quantized:
+        args.out = args.out or str(results_dir / "executor_quant.md")
+        return run_quantized(args)
+    args.out = args.out or str(results_dir / "executor.md")
     variants = [(label, Path(path).resolve()) for label, path in
                 (v.split("=", 1) for v in args.variant)] + [(args.label, ROOT)]  # fmt: skip
     results: dict[str, list[dict]] = {label: [] for label, _ in variants}

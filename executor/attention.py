@@ -56,9 +56,13 @@ def paged_attention(
     kv_cache: tuple[torch.Tensor, torch.Tensor],
     meta: AttentionMetadata,
     scale: float,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [T, H, D], key/value [T, KVH, D] -> [T, H, D]: store the new K/V, then
-    attend to everything cached (the new tokens included)."""
+    attend to everything cached (the new tokens included). kv_scale: an FP8 cache's
+    [2, KVH] scales (see fp8_cache)."""
+    if kv_scale is not None:
+        return fp8_cache(backend, query, key, value, kv_cache, meta, scale, kv_scale)
     k_cache, v_cache = kv_cache
     backend.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
     n = meta.num_decodes
@@ -71,3 +75,21 @@ def paged_attention(
     block_tables, query_start_loc, seq_lens = meta.prefill
     out[n:] = prefill(query[n:], k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
     return out
+
+
+FP8 = torch.float8_e4m3fn
+
+
+def fp8_cache(backend, query, key, value, kv_cache, meta, scale, kv_scale) -> torch.Tensor:
+    """Attention on an e4m3 cache holding K / k_scale and V / v_scale (per KV head). The
+    kernels read it as plain values: softmax(q . (s_k k)) = softmax((s_k q) . k) and
+    sum p (s_v v) = s_v sum p v, so the query is scaled before and the output after,
+    and the kernels need no scales. K and V are quantized here (torch's conversion
+    saturates at +-448) for either backend, so both hold the same bytes."""
+    group = query.shape[1] // key.shape[1]
+    k_scale, v_scale = (s.repeat_interleave(group)[None, :, None] for s in kv_scale)
+    key = (key.float() / kv_scale[0][None, :, None]).to(FP8)
+    value = (value.float() / kv_scale[1][None, :, None]).to(FP8)
+    scaled = (query.float() * k_scale).to(query.dtype)
+    out = paged_attention(backend, scaled, key, value, kv_cache, meta, scale)
+    return (out.float() * v_scale).to(query.dtype)

@@ -33,6 +33,10 @@ class ExecutorConfig(BaseModel):
     """KV blocks; overrides the sizing by --kv-cache-bytes or --gpu-memory-utilization"""
     kv_cache_bytes: PositiveInt = 1 << 30
     """KV cache size on the CPU"""
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = "auto"
+    """auto: the model's dtype; fp8 (fp8_e4m3): one byte a K/V value, scaled by the
+    checkpoint's k_scale/v_scale (per tensor or per head; 1.0 without), so the same
+    bytes hold 2x the blocks of bfloat16 (docs/quantization.md)"""
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     """share of the GPU's memory for weights, activations and the KV cache (CUDA)"""
     max_num_seqs: PositiveInt = 256

@@ -65,6 +65,8 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         self.attention_backend = attention_backend(config.attention_backend, self.device)
         self.model = load_model(config.model, self.dtype, self.device, tp, self.attention_backend)
+        self.kv_cache_dtype = self.dtype if config.kv_cache_dtype == "auto" else torch.float8_e4m3fn
+        self.model.set_kv_cache_dtype(self.kv_cache_dtype)
         if after_load is not None:
             after_load()
         self.model_config = mc = self.model.config
@@ -133,7 +135,8 @@ class ModelRunner:
     def block_bytes(self) -> int:
         """A block's bytes on this rank, a draft model's cache included."""
         mc = self.model_config
-        per_token = 2 * mc.num_layers * self.num_kv_heads * mc.head_dim * self.dtype.itemsize
+        itemsize = self.kv_cache_dtype.itemsize
+        per_token = 2 * mc.num_layers * self.num_kv_heads * mc.head_dim * itemsize
         return per_token * self.block_size + getattr(self.proposer, "block_bytes", 0)
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[KVCache]:
@@ -143,8 +146,8 @@ class ModelRunner:
         )
         return [
             (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
             )
             for _ in range(mc.num_layers)
         ]

@@ -13,13 +13,31 @@ FP8_MAX = 448.0  # the largest e4m3 value
 INT8_HALF_RANGE = 127.5
 FP8 = torch.float8_e4m3fn
 
+# Byte -> value tables: one lookup a byte (an embedding gather) instead of torch's e4m3
+# -> float32 conversion, which runs element by element on the CPU (1M values: 3.3 vs
+# 10.4 ms), or shifts and masks over the int4 words. Little-endian bytes: byte b of a
+# word holds its nibbles 2b (low) and 2b + 1.
+_E4M3_VALUES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).float()[:, None]
+_NIBBLE_VALUES = torch.stack([torch.arange(256) & 0xF, torch.arange(256) >> 4], 1).float()
+
+
+def _lookup(table: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+    """Each byte of `data` through a [256, n] table: [..., bytes * n] float32."""
+    values = F.embedding(data.view(torch.uint8).int(), table.to(data.device))
+    return values.flatten(-2)
+
+
+def fp8_to_float(values: torch.Tensor) -> torch.Tensor:
+    """e4m3 values as float32, the same shape."""
+    return _lookup(_E4M3_VALUES, values)
+
 
 def _grouped(values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None):
     """(values - zero) * scale, by groups of columns, in the scales' dtype (float32)."""
     rows, columns = values.shape
     groups = scale.shape[1]
     group = -(-columns // groups)
-    w = values.to(scale.dtype)
+    w = fp8_to_float(values) if values.dtype == FP8 else values.to(scale.dtype)
     if groups * group != columns:
         w = F.pad(w, (0, groups * group - columns))
     w = w.view(rows, groups, group)
@@ -34,11 +52,9 @@ def dequantize_w8(weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Ten
 
 
 def unpack_int4(qweight: torch.Tensor, columns: int) -> torch.Tensor:
-    """[out, ceil(in / 8)] int32 words as [out, in] uint8 values 0..15 (nibble j of word
-    w is column 8w + j)."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=qweight.device)
-    values = (qweight.unsqueeze(-1) >> shifts) & 0xF
-    return values.flatten(1)[:, :columns].to(torch.uint8)
+    """[out, ceil(in / 8)] int32 words as [out, in] float32 values 0..15 (nibble j of
+    word w is column 8w + j)."""
+    return _lookup(_NIBBLE_VALUES, qweight.contiguous())[:, :columns]
 
 
 def dequantize_int4(qweight, scales, zeros, columns: int) -> torch.Tensor:

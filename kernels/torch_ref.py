@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from flagstop.kernels.torch_quant import (  # noqa: F401 (the backend's quantized linears)
     dequantize_int4,
     dequantize_w8,
+    fp8_to_float,
     int4_linear,
     w8_linear,
 )
@@ -95,8 +96,15 @@ def store_kv(
     valid, rows = _memo.get("store", (slot_mapping, num_kv_heads, block_size), cache_rows)
     if valid is not None:
         key, value = key[valid], value[valid]
-    k_cache.view(-1, head_dim).index_copy_(0, rows, key.reshape(-1, head_dim).to(k_cache.dtype))
-    v_cache.view(-1, head_dim).index_copy_(0, rows, value.reshape(-1, head_dim).to(v_cache.dtype))
+    for new, cache in ((key, k_cache), (value, v_cache)):
+        new = new.reshape(-1, head_dim).to(cache.dtype)
+        _bytes(cache).view(-1, head_dim).index_copy_(0, rows, _bytes(new))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """An FP8 tensor as its bytes: torch's CPU index_copy_ and index_select have no
+    float8 kernels; any other tensor as itself."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 def cache_rows(
@@ -133,10 +141,12 @@ def gather_kv(
     num_seqs, num_blocks = block_tables.shape[0], cdiv(max_len, block_size)
     sources = (block_tables, num_kv_heads, num_blocks)
     ids = tile_ids(*sources) if into is None else _memo.get(into, sources, tile_ids)
-    tiles = cache.view(-1, block_size, head_dim)
+    tiles = _bytes(cache).view(-1, block_size, head_dim)
     out = None if into is None else _workspace.take(into, (len(ids), block_size, head_dim), tiles)
     # index_select: about twice as fast as advanced indexing on the CPU.
     gathered = torch.index_select(tiles, 0, ids, out=out)
+    if cache.dtype == torch.float8_e4m3fn:  # the values, in float32
+        gathered = fp8_to_float(gathered.view(torch.float8_e4m3fn))
     return gathered.view(num_seqs, num_kv_heads, -1, head_dim)[:, :, :max_len]
 
 

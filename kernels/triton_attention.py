@@ -11,10 +11,8 @@ import triton
 import triton.language as tl
 
 # The triton backend's experts' kernel (a backend has torch_ref's functions).
-# Quantized linears run their torch kernels on either backend for now: dequantize a
-# layer, one GEMM (kernels/torch_quant.py); the Triton GEMMs are not written yet.
-from flagstop.kernels.torch_quant import int4_linear, w8_linear  # noqa: F401
 from flagstop.kernels.triton_moe import fused_moe  # noqa: F401
+from flagstop.kernels.triton_quant import int4_linear, w8_linear  # noqa: F401
 
 # Tokens of context one decode program reduces before the partial results are merged
 # (flash-decoding): long contexts spread over more programs than there are sequences.
@@ -91,8 +89,9 @@ def _kv_offsets(
 def _attend_block(q, k_cache, v_cache, kv_offsets, visible, scale, m, l, acc, IEEE: tl.constexpr):  # noqa: E741
     """One KV block into an online softmax: returns the updated running max m, sum l
     and unnormalised output acc of the query rows."""
-    k = tl.load(k_cache + kv_offsets)
-    v = tl.load(v_cache + kv_offsets)
+    # An FP8 cache's values in the query's dtype (a no-op for a cache in it).
+    k = tl.load(k_cache + kv_offsets).to(q.dtype)
+    v = tl.load(v_cache + kv_offsets).to(q.dtype)
     s = tl.where(visible, _dot(q, tl.trans(k), IEEE) * scale, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     # Rows with nothing visible yet keep m = -inf: guard exp(-inf - -inf).

@@ -46,3 +46,24 @@ def test_greedy_decoding_on_the_gpu_with_triton_kernels_equals_generate(tmp_path
     for req_id, tokens in prompts.items():
         expected = reference_generate(reference, tokens, 24)
         assert outputs[req_id] == expected, req_id
+
+
+@pytest.mark.parametrize("scheme", ["gptq", "fp8-hf"])  # W4A16, FP8 block-scaled
+def test_a_quantized_checkpoint_on_the_gpu_gives_the_cpus_greedy_tokens(tmp_path, scheme):
+    """Triton's quantized GEMMs on the device against the torch kernels on the CPU;
+    fp8-hf's activations round to e4m3, so a few tokens may differ (counted)."""
+    from tests.helpers.checkpoints import prompt
+    from tools.quantize_model import quantize
+
+    path = quantize(write_model(tmp_path / "tiny", "tiny"), scheme, tmp_path / scheme)
+    outputs = {}
+    for device, backend in (("cuda", "triton"), ("cpu", "torch")):
+        config = ExecutorConfig(model=str(path), num_blocks=256, dtype="float32",
+                                device=device, attention_backend=backend)  # fmt: skip
+        harness = Harness(ModelRunner(config))
+        harness.add("a", prompt(7, 12))
+        tokens = [harness.step({"a": 12})["a"]] + [harness.step({"a": 1})["a"] for _ in range(23)]
+        outputs[device] = tokens
+    same = sum(a == b for a, b in zip(outputs["cuda"], outputs["cpu"], strict=True))
+    print(f"{scheme}: {same} of 24 greedy tokens equal on the GPU and the CPU")
+    assert same == 24 if scheme == "gptq" else same >= 12

@@ -4,7 +4,9 @@ the device when a GPU is present."""
 import pytest
 import torch
 
-from flagstop.kernels import torch_ref, triton_attention, triton_moe
+from flagstop.executor.models.quant_formats import pack_int4
+from flagstop.executor.models.quantization import ActScheme
+from flagstop.kernels import torch_quant, torch_ref, triton_attention, triton_moe, triton_quant
 from flagstop.utils import cdiv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -240,3 +242,98 @@ def test_grouped_experts_equals_every_expert_on_every_token_masked():
         chosen = (weights * (ids == e)).sum(-1, keepdim=True)
         dense += chosen * ((torch.nn.functional.silu(gate) * up) @ w2[e].T)
     torch.testing.assert_close(torch_ref.fused_moe(x, w13, w2, weights, ids), dense)
+
+
+def quantized_weight(kind: str, rows: int, columns: int, group: int, seed: int = 0):
+    """A weight in flagstop's quantized layout (quant_formats.py), seeded."""
+    g = torch.Generator().manual_seed(seed)
+    groups = -(-columns // group)
+    scale = torch.rand(rows, groups, generator=g) * 0.05 + 0.01
+    if kind == "int4":
+        values = torch.randint(0, 16, (rows, columns), generator=g, dtype=torch.uint8)
+        zeros = torch.randint(0, 16, (rows, groups), generator=g, dtype=torch.uint8)
+        return pack_int4(values).to(DEVICE), scale.to(DEVICE), zeros.to(DEVICE)
+    if kind == "int8":
+        weight = torch.randint(-128, 128, (rows, columns), generator=g, dtype=torch.int8)
+    else:
+        weight = (torch.randn(rows, columns, generator=g) * 100).to(torch.float8_e4m3fn)
+    return weight.to(DEVICE), scale.to(DEVICE)
+
+
+W8_CASES = [  # (weight kind, weight group, activations)
+    ("fp8", 128, ActScheme("fp8", group=128)),  # FP8 block-scaled (Qwen3-FP8, DeepSeek)
+    ("fp8", 256, ActScheme("fp8")),  # per channel, per token
+    ("fp8", 256, ActScheme("fp8", static=True)),  # per tensor, static
+    ("int8", 256, ActScheme("int8")),  # W8A8
+    ("int8", 64, None),  # W8A16, groups
+    ("fp8", 128, None),  # FP8 weight-only
+]
+
+
+@pytest.mark.parametrize("num_tokens", [1, 37])
+@pytest.mark.parametrize(("kind", "group", "act"), W8_CASES,
+                         ids=[f"{k}-g{g}-{a and (a.kind + str(a.group) + 's' * a.static)}"
+                              for k, g, a in W8_CASES])  # fmt: skip
+def test_w8_linear(kind, group, act, num_tokens):
+    weight, scale = quantized_weight(kind, 96, 256, group)
+    x = randn(num_tokens, 256, dtype=torch.float32)
+    bias = randn(96, dtype=torch.float32, seed=1)
+    input_scale = torch.tensor([0.02], device=DEVICE)
+    expected = torch_quant.w8_linear(x, weight, scale, act, input_scale, bias)
+    got = triton_quant.w8_linear(x, weight, scale, act, input_scale, bias)
+    torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_tokens", "group"), [(1, 128), (19, 64), (40, 256)])
+def test_int4_linear(num_tokens, group, dtype):
+    qweight, scales, zeros = quantized_weight("int4", 80, 256, group)
+    x = randn(num_tokens, 256, dtype=dtype)
+    expected = torch_quant.int4_linear(x, qweight, scales, zeros)
+    got = triton_quant.int4_linear(x, qweight, scales, zeros)
+    assert_close(got, expected, dtype)
+
+
+def test_quantized_groups_a_block_step_would_straddle_run_the_torch_kernels():
+    qweight, scales, zeros = quantized_weight("int4", 16, 48, 24)  # groups of 24 inputs
+    x = randn(3, 48, dtype=torch.float32)
+    got = triton_quant.int4_linear(x, qweight, scales, zeros)
+    torch.testing.assert_close(got, torch_quant.int4_linear(x, qweight, scales, zeros))
+
+
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_attention_on_an_fp8_cache_is_attention_on_its_values(backend, dtype):
+    """An e4m3 cache read by either backend's kernels (decode and prefill, through
+    attention.paged_attention's scaling) gives what the same kernels give on a cache in
+    the model's dtype holding the dequantized values: only the storage differs."""
+    from flagstop.executor.attention import AttentionMetadata, paged_attention
+
+    kernels = torch_ref if backend == "torch" else triton_attention
+    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 64, 16
+    lens = [1, 1, 5, 40]  # two decodes, two prefills
+    tables = block_tables(lens, block_size, 8)
+    slots = [int(tables[i, p // block_size]) * block_size + p % block_size
+             for i, n in enumerate(lens) for p in range(n)]  # fmt: skip
+    starts = torch.tensor([0, 1, 2, 7, 47], dtype=torch.int32, device=DEVICE)
+    meta = AttentionMetadata(torch.tensor(slots, device=DEVICE), tables,
+                             torch.tensor(lens, device=DEVICE), starts, 2)  # fmt: skip
+    q = randn(47, num_heads, head_dim, dtype=dtype)
+    k = randn(47, num_kv_heads, head_dim, dtype=dtype, seed=1)
+    v = randn(47, num_kv_heads, head_dim, dtype=dtype, seed=2)
+    kv_scale = torch.tensor([[0.01, 0.02], [0.015, 0.008]], device=DEVICE)
+    shape = kernels.kv_cache_shape(8, block_size, num_kv_heads, head_dim)
+    fp8 = [torch.zeros(shape, dtype=FP8, device=DEVICE) for _ in "kv"]
+    got = paged_attention(kernels, q, k, v, fp8, meta, head_dim**-0.5, kv_scale)
+    values = [((t.float() / s[None, :, None]).to(FP8).float() * s[None, :, None]).to(dtype)
+              for t, s in ((k, kv_scale[0]), (v, kv_scale[1]))]  # fmt: skip
+    plain = [torch.zeros(shape, dtype=dtype, device=DEVICE) for _ in "kv"]
+    expected = paged_attention(kernels, q, *values, plain, meta, head_dim**-0.5)
+    assert_close(got, expected, dtype)
+    # And against the exact cache: e4m3's 3 mantissa bits, ~3 % of the output's norm.
+    exact = paged_attention(kernels, q, k, v, [torch.zeros_like(c) for c in plain], meta,
+                            head_dim**-0.5)  # fmt: skip
+    assert ((got.float() - exact.float()).norm() / exact.float().norm()) < 0.05

@@ -19,11 +19,12 @@ have no installable writer here and follow their documented layouts:
 
 import argparse
 import json
+import re
 import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from flagstop.executor.models.quant_formats import AWQ_ORDER, pack_int4
 
@@ -129,20 +130,36 @@ def _calibrate_inputs(model) -> None:
         module.input_scale.copy_(scale)
 
 
-def fp8_hf(model, out: Path) -> None:
-    state = model.state_dict()
-    for name, module in _linears(model):
-        w = module.weight.detach()
-        blocks = _pad_to(w, GROUP).unflatten(0, (-1, GROUP)).unflatten(2, (-1, GROUP))
+# The documented layouts are written from the checkpoint's own tensors (its on-disk
+# names: transformers fuses MoE experts in memory only): every 2-D weight of a decoder
+# layer but a Mixture-of-Experts router's.
+LINEAR_WEIGHT = re.compile(r"^model\.layers\.\d+\..+\.weight$")
+ROUTERS = (".mlp.gate.weight", ".block_sparse_moe.gate.weight", ".shared_expert_gate.weight")
+UNQUANTIZED = ["lm_head", "re:.*mlp\\.gate$", "re:.*block_sparse_moe\\.gate$",
+               "re:.*shared_expert_gate$"]  # fmt: skip
+
+
+def linear_weights(state: dict[str, torch.Tensor]) -> list[str]:
+    return [name for name, t in state.items() if t.dim() == 2 and LINEAR_WEIGHT.match(name)
+            and not name.endswith(ROUTERS)]  # fmt: skip
+
+
+def fp8_hf(state: dict[str, torch.Tensor], out: Path) -> None:
+    # Blocks of 128 (64 for the small MoE's experts): the activations are quantized by
+    # groups of a block's columns, which must divide every layer's inputs.
+    block = int4_group(state, names := linear_weights(state))
+    for name in names:
+        w = state[name].float()
+        blocks = _pad_to(w, block).unflatten(0, (-1, block)).unflatten(2, (-1, block))
         scale = blocks.abs().amax((1, 3)).clamp(min=1e-12) / 448.0
-        full = scale.repeat_interleave(GROUP, 0).repeat_interleave(GROUP, 1)
+        full = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)
         full = full[: w.shape[0], : w.shape[1]]
-        state[f"{name}.weight"] = (w / full).clamp(-448, 448).to(torch.float8_e4m3fn)
-        state[f"{name}.weight_scale_inv"] = scale
+        state[name] = (w / full).clamp(-448, 448).to(torch.float8_e4m3fn)
+        state[f"{name}_scale_inv"] = scale
     _save(state, out)
     _set_quantization(out, {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                            "weight_block_size": [GROUP, GROUP],
-                            "modules_to_not_convert": ["lm_head"]})  # fmt: skip
+                            "weight_block_size": [block, block],
+                            "modules_to_not_convert": UNQUANTIZED})  # fmt: skip
 
 
 def _pad_to(w: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -150,10 +167,16 @@ def _pad_to(w: torch.Tensor, multiple: int) -> torch.Tensor:
     return torch.nn.functional.pad(w, (0, cols - w.shape[1], 0, rows - w.shape[0]))
 
 
-def int4_groups(w: torch.Tensor, symmetric: bool):
-    """(q [out, in] 0..15, scale [out, G], zero [out, G] 0..15) by groups of 128 inputs
-    (GPTQ's and AWQ's min/max quantizer: sym, zero 8; else the range's own zero)."""
-    groups = w.unflatten(1, (-1, GROUP))
+def int4_group(state: dict[str, torch.Tensor], names: list[str]) -> int:
+    """128 inputs a group (or block), or the largest of 64 and 32 that divides every
+    layer's inputs (the small MoE checkpoints' experts have 192)."""
+    return next(g for g in (GROUP, 64, 32) if all(state[n].shape[1] % g == 0 for n in names))
+
+
+def int4_groups(w: torch.Tensor, symmetric: bool, group: int = GROUP):
+    """(q [out, in] 0..15, scale [out, G], zero [out, G] 0..15) by groups of `group`
+    inputs (GPTQ's and AWQ's min/max quantizer: sym, zero 8; else the range's own zero)."""
+    groups = w.unflatten(1, (-1, group))
     if symmetric:
         scale = groups.abs().amax(-1).clamp(min=1e-12) / 7.5
         zero = torch.full_like(scale, 8)
@@ -165,31 +188,33 @@ def int4_groups(w: torch.Tensor, symmetric: bool):
     return q.flatten(1).to(torch.uint8), scale, zero.to(torch.uint8)
 
 
-def gptq(model, out: Path) -> None:
-    state = model.state_dict()
-    for name, module in _linears(model):
-        q, scale, zero = int4_groups(module.weight.detach(), symmetric=True)
-        del state[f"{name}.weight"]
-        state[f"{name}.qweight"] = pack_int4(q).t().contiguous()  # [in / 8, out]
-        state[f"{name}.qzeros"] = pack_int4(zero.t() - 1)  # v1 stores zero - 1
-        state[f"{name}.scales"] = scale.t().contiguous().half()
-        state[f"{name}.g_idx"] = torch.arange(q.shape[1], dtype=torch.int32) // GROUP
+def gptq(state: dict[str, torch.Tensor], out: Path) -> None:
+    group = int4_group(state, names := linear_weights(state))
+    for name in names:
+        layer = name.removesuffix(".weight")
+        q, scale, zero = int4_groups(state.pop(name).float(), True, group)
+        state[f"{layer}.qweight"] = pack_int4(q).t().contiguous()  # [in / 8, out]
+        state[f"{layer}.qzeros"] = pack_int4(zero.t() - 1)  # v1 stores zero - 1
+        state[f"{layer}.scales"] = scale.t().contiguous().half()
+        state[f"{layer}.g_idx"] = torch.arange(q.shape[1], dtype=torch.int32) // group
     _save(state, out)
-    _set_quantization(out, {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "sym": True,
-                            "desc_act": False, "checkpoint_format": "gptq"})  # fmt: skip
+    _set_quantization(out, {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": True,
+                            "desc_act": False, "checkpoint_format": "gptq",
+                            "modules_to_not_convert": UNQUANTIZED[1:]})  # fmt: skip
 
 
-def awq(model, out: Path) -> None:
-    state = model.state_dict()
-    for name, module in _linears(model):
-        q, scale, zero = int4_groups(module.weight.detach(), symmetric=False)
-        del state[f"{name}.weight"]
-        state[f"{name}.qweight"] = _awq_pack(q.t())
-        state[f"{name}.qzeros"] = _awq_pack(zero.t())
-        state[f"{name}.scales"] = scale.t().contiguous().half()
+def awq(state: dict[str, torch.Tensor], out: Path) -> None:
+    group = int4_group(state, names := linear_weights(state))
+    for name in names:
+        layer = name.removesuffix(".weight")
+        q, scale, zero = int4_groups(state.pop(name).float(), False, group)
+        state[f"{layer}.qweight"] = _awq_pack(q.t())
+        state[f"{layer}.qzeros"] = _awq_pack(zero.t())
+        state[f"{layer}.scales"] = scale.t().contiguous().half()
     _save(state, out)
-    _set_quantization(out, {"quant_method": "awq", "bits": 4, "group_size": GROUP,
-                            "zero_point": True, "version": "gemm"})  # fmt: skip
+    _set_quantization(out, {"quant_method": "awq", "bits": 4, "group_size": group,
+                            "zero_point": True, "version": "gemm",
+                            "modules_to_not_convert": UNQUANTIZED[1:]})  # fmt: skip
 
 
 def _awq_pack(values: torch.Tensor) -> torch.Tensor:
@@ -217,13 +242,17 @@ def quantize(src: Path, scheme: str, out: Path) -> Path:
     for file in src.iterdir():
         if file.is_file() and file.suffix != ".safetensors":
             shutil.copy(file, out / file.name)
-    model = load(src)
-    if model.config.tie_word_embeddings:
+    config = json.loads((src / "config.json").read_text())
+    if config.get("tie_word_embeddings"):
         raise SystemExit(f"{src}: tied embeddings; quantize an untied checkpoint")
-    if scheme in CT_PRESETS:
-        compressed_tensors(model, CT_PRESETS[scheme], out)
+    if scheme not in CT_PRESETS:
+        state = load_file(src / "model.safetensors")
+        {"fp8-hf": fp8_hf, "gptq": gptq, "awq": awq}[scheme](state, out)
+    elif any(a.endswith("MoeForCausalLM") or "Mixtral" in a for a in config["architectures"]):
+        raise SystemExit(f"{scheme}: compressed-tensors quantizes nn.Linear modules, and "
+                         "transformers fuses MoE experts; use fp8-hf, gptq or awq")  # fmt: skip
     else:
-        {"fp8-hf": fp8_hf, "gptq": gptq, "awq": awq}[scheme](model, out)
+        compressed_tensors(load(src), CT_PRESETS[scheme], out)
     return out
 
 

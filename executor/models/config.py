@@ -146,11 +146,6 @@ class ModelConfig:
         if eos is None:
             eos = hf.get("eos_token_id")
         quant = QuantConfig.from_hf(hf)
-        if quant is not None and moe_family:
-            raise ConfigError(
-                f"quantization_config on {architecture}: quantized Mixture-of-Experts "
-                "checkpoints are not run yet (dense models are)"
-            )
         return cls(
             architecture=architecture,
             vocab_size=hf["vocab_size"],

@@ -122,9 +122,8 @@ def make_linear(
     return QuantRowParallelLinear(in_features, out_features, bias, scheme, layers, tp)
 
 
-def materialize(model: nn.Module, device: torch.device) -> list[QuantLinear]:
-    """Give every quantized layer its tensors; returns them."""
-    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    for layer in layers:
-        layer.materialize(device)
-    return layers
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Give every quantized layer (and quantized experts) its tensors."""
+    for module in model.modules():
+        if hasattr(module, "materialize"):
+            module.materialize(device)

@@ -21,7 +21,7 @@ from flagstop.executor.models.layers import (
     silu_and_mul,
 )
 from flagstop.executor.models.linear import QuantLinear, make_linear
-from flagstop.executor.models.moe import SparseMoeBlock
+from flagstop.executor.models.moe import QuantExperts, SparseMoeBlock
 from flagstop.executor.models.onednn import Linear
 from flagstop.executor.models.quantization import ConfigError
 from flagstop.executor.parallel import SINGLE, TensorParallel
@@ -67,6 +67,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.backend: ModuleType = torch_ref
+        # An FP8 cache's scales, [2, this rank's KV heads] float32 (K's row, V's): set
+        # by set_kv_cache_dtype; None while the cache is in the model's dtype.
+        self.kv_scale: torch.Tensor | None = None
 
     def forward(
         self, rope: Rope, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
@@ -78,7 +81,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(rope, q, k)
-        out = paged_attention(self.backend, q, k, v, kv_cache, meta, self.scale)
+        out = paged_attention(self.backend, q, k, v, kv_cache, meta, self.scale, self.kv_scale)
         return self.o_proj(out.flatten(1))
 
 
@@ -101,7 +104,8 @@ class DecoderLayer(nn.Module):
         prefix = f"model.layers.{index}"  # the checkpoint's names, which quantization uses
         self.self_attn = Attention(config, tp, f"{prefix}.self_attn")
         sparse = config.moe is not None and config.moe.sparse_layers[index]
-        self.mlp = SparseMoeBlock(config, tp) if sparse else MLP(config, tp, f"{prefix}.mlp")
+        mlp = SparseMoeBlock if sparse else MLP
+        self.mlp = mlp(config, tp, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -128,6 +132,9 @@ class LlamaForCausalLM(nn.Module):
         mlps = (layer.mlp for layer in self.layers)
         self.moe_blocks = [mlp for mlp in mlps if isinstance(mlp, SparseMoeBlock)]
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # The checkpoint's K/V cache scales by layer, [2, this rank's KV heads] (the
+        # loader's; an FP8 cache without them scales by 1.0).
+        self.checkpoint_kv_scales: dict[int, torch.Tensor] = {}
         # Vocabulary-parallel like the embedding (it may be the same tensor, tied).
         rows = tp.shard.vocab(config.vocab_size)[1]
         if config.quant and config.quant.scheme_for("lm_head"):
@@ -167,8 +174,19 @@ class LlamaForCausalLM(nn.Module):
         for block in self.moe_blocks:
             block.experts.fused = backend.fused_moe
         for module in self.modules():
-            if isinstance(module, QuantLinear):
+            if isinstance(module, QuantLinear | QuantExperts):
                 module.kernels = backend
+
+    def set_kv_cache_dtype(self, dtype: torch.dtype) -> None:
+        """The cache's dtype: an FP8 one gives each layer its K and V scales."""
+        for index, layer in enumerate(self.layers):
+            attention = layer.self_attn
+            if dtype != torch.float8_e4m3fn:
+                attention.kv_scale = None
+                continue
+            device = self.norm.weight.device
+            ones = torch.ones(2, attention.num_kv_heads, device=device)
+            attention.kv_scale = self.checkpoint_kv_scales.get(index, ones).to(device)
 
     def take_expert_tokens(self) -> list[int] | None:
         """The (token, expert) pairs each expert took over the sparse layers since

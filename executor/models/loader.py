@@ -14,6 +14,7 @@ from torch import nn
 from flagstop.executor.models import linear, onednn, quant_formats
 from flagstop.executor.models.config import ConfigError, ModelConfig
 from flagstop.executor.models.llama import LlamaForCausalLM
+from flagstop.executor.models.moe import QuantExperts
 from flagstop.executor.parallel import SINGLE, Shard, TensorParallel
 from flagstop.kernels import torch_ref
 
@@ -124,6 +125,9 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
             for hf_name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 if "rotary_emb.inv_freq" in hf_name or quantized.take(f, hf_name):
                     continue
+                if (kv := KV_SCALE.match(hf_name)) is not None:
+                    _take_kv_scale(model, int(kv[1]), kv[2], f.get_tensor(hf_name))
+                    continue
                 t = target(hf_name)
                 if t.name == "lm_head.weight" and config.tie_word_embeddings:
                     continue
@@ -142,6 +146,19 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
     _check_complete(model, params, loaded, num_experts)
 
 
+# An FP8 KV cache's scales as compressed-tensors writes them (kv_cache_scheme): per
+# tensor [1] or per head [KVH, 1, 1]; used when --kv-cache-dtype fp8.
+KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
+
+
+def _take_kv_scale(model: LlamaForCausalLM, layer: int, which: str, scale: torch.Tensor) -> None:
+    first, count = model.tp.shard.kv_heads(model.config.num_kv_heads)
+    scale = scale.float().flatten()
+    scale = scale.expand(count) if scale.numel() == 1 else scale[first : first + count]
+    scales = model.checkpoint_kv_scales.setdefault(layer, torch.ones(2, count))
+    scales["kv".index(which)] = scale
+
+
 class QuantizedLayers:
     """A quantized layer's checkpoint tensors, gathered by layer (a layer is read whole,
     turned into flagstop's layout by quant_formats, then this rank's slice kept: the
@@ -152,12 +169,18 @@ class QuantizedLayers:
         self.params, self.loaded = params, loaded
         self.pending: dict[str, dict[str, torch.Tensor]] = {}
         self.done: set[str] = set()
-        self.schemes = {layer: m.scheme for m in model.modules()
-                        if isinstance(m, linear.QuantLinear) for layer in m.layers}  # fmt: skip
+        quantized = [m for m in model.modules() if isinstance(m, linear.QuantLinear | QuantExperts)]
+        self.schemes = {layer: m.scheme for m in quantized for layer in m.layers}
+        # Other ranks' experts: skipped by name, never read.
+        self.foreign = {layer for m in quantized for layer in getattr(m, "foreign", ())}
+        self.first_expert = model.tp.shard.experts(model.config.moe.num_experts)[0] \
+            if model.config.moe else 0  # fmt: skip
 
     def take(self, f, hf_name: str) -> bool:
         """Whether the tensor is a quantized layer's (then read and kept)."""
         layer, _, suffix = hf_name.rpartition(".")
+        if layer in self.foreign:
+            return True
         scheme = self.schemes.get(layer)
         if scheme is None or suffix not in quant_formats.SUFFIXES[scheme.layout]:
             return False
@@ -182,16 +205,22 @@ class QuantizedLayers:
 
     def _load(self, layer: str, tensors: dict[str, torch.Tensor]) -> None:
         t = target(layer + ".weight")
-        module, region = t.name.removesuffix(".weight"), rank_slice(t, self.config, self.shard)
+        if t.expert is not None:  # an expert's: our stacked w13_* / w2_*, its local index
+            t = Target(t.name, t.part, t.expert - self.first_expert)
+            name_of = f"{t.name}_{{}}".format
+        else:
+            name_of = f"{t.name.removesuffix('.weight')}.{{}}".format
+        region = rank_slice(t, self.config, self.shard)
         columns = (
             tensors["weight"].shape[1] if "weight" in tensors else tensors["qweight"].shape[1] * 8
         )
         for suffix, tensor in tensors.items():
-            part = Target(f"{module}.{suffix}", t.part)
+            part = Target(name_of(suffix), t.part, t.expert)
             param = self.params[part.name]
             if suffix == "input_scale":  # q, k and v share one: the largest (as vLLM)
+                dest = param if t.expert is None else param[t.expert]
                 with torch.no_grad():
-                    param.copy_(torch.maximum(param, tensor))
+                    dest.copy_(torch.maximum(dest, tensor))
             else:
                 piece = quantized_slice(tensor, region, columns, part.name)
                 _copy(param, piece, part, packed_offset(t, self.config, self.shard))
@@ -236,7 +265,7 @@ def _copy(param: nn.Parameter, tensor: torch.Tensor, t: Target, offset: int) -> 
 def _parts(name: str) -> tuple[int | None, ...]:
     if "qkv_proj." in name:
         return 0, 1, 2
-    if "gate_up_proj." in name or name.endswith(".w13"):
+    if "gate_up_proj." in name or ".w13" in name:
         return 0, 1
     return (None,)
 

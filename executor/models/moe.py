@@ -9,14 +9,17 @@ prepacked weights on the CPU; on the triton backend, the fused grouped-GEMM kern
 (kernels/triton_moe.py)."""
 
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 from torch import nn
 
 from flagstop.executor.models import onednn
-from flagstop.executor.models.config import ModelConfig
+from flagstop.executor.models.config import ConfigError, ModelConfig
 from flagstop.executor.models.layers import silu_and_mul
+from flagstop.executor.models.linear import QuantLinear, make_linear
 from flagstop.executor.models.onednn import Linear
+from flagstop.executor.models.quantization import LinearScheme
 from flagstop.executor.parallel import TensorParallel
 from flagstop.kernels import torch_ref
 
@@ -62,33 +65,112 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(self.w2.new_empty(0), requires_grad=False)
 
 
+class QuantExperts(nn.Module):
+    """This rank's experts with their weights held quantized (quant_formats.py's layout,
+    stacked by expert): w13_* (gate rows, then up rows) and w2_*, e.g. w13_weight
+    [E, 2I, H] and w13_weight_scale [E, 2I, G], or w13_qweight [E, 2I, H / 8]. Tokens are
+    grouped by expert (torch_ref.grouped_experts) and each expert's two GEMMs run on the
+    backend's quantized linear kernels. Like QuantLinear, its tensors are made by
+    materialize(), after the model's cast."""
+
+    def __init__(self, first_expert: int, num_experts: int, hidden: int, inner: int,
+                 scheme: LinearScheme, layers: set[str], foreign: set[str]) -> None:  # fmt: skip
+        super().__init__()
+        self.first_expert, self.num_experts, self.scheme = first_expert, num_experts, scheme
+        # The checkpoint layers of this rank's experts, and of the other ranks' (never read).
+        self.layers, self.foreign = layers, foreign
+        self.shapes = {"w13": (2 * inner, hidden), "w2": (hidden, inner)}
+        self.kernels: ModuleType = torch_ref
+        self.fused = None  # set_attention_backend's (the fused kernel reads no quantized weights)
+
+    def layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        out = {}
+        for which, (rows, columns) in self.shapes.items():
+            layer = QuantLinear(columns, rows, False, self.scheme, ())
+            for name, (shape, dtype) in layer.layout().items():
+                out[f"{which}_{name}"] = ((self.num_experts, *shape), dtype)
+        return out
+
+    def materialize(self, device: torch.device) -> None:
+        for name, (shape, dtype) in self.layout().items():
+            tensor = torch.zeros(shape, dtype=dtype, device=device)
+            self.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
+
+    def forward(self, x, topk_weights, topk_ids) -> torch.Tensor:
+        return torch_ref.grouped_experts(x, topk_weights, topk_ids, self.first_expert,
+                                         self.num_experts, self._expert_mlp)  # fmt: skip
+
+    def _expert_mlp(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        return self._matmul("w2", expert, silu_and_mul(self._matmul("w13", expert, rows)))
+
+    def _matmul(self, which: str, e: int, x: torch.Tensor) -> torch.Tensor:
+        def p(name: str) -> torch.Tensor:
+            return getattr(self, f"{which}_{name}")[e]
+
+        if self.scheme.kind == "int4":
+            return self.kernels.int4_linear(x, p("qweight"), p("scales"), p("zeros"))
+        act = self.scheme.act
+        static = p("input_scale") if act is not None and act.static else None
+        return self.kernels.w8_linear(x, p("weight"), p("weight_scale"), act, static)
+
+    def resident_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.parameters())
+
+
+def expert_layers(prefix: str, family: str, first: int, count: int) -> set[str]:
+    """The checkpoint layer names of experts first .. first + count - 1 (the loader's
+    target() maps them to our stacked tensors)."""
+    names = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    block = prefix.replace(".mlp", ".block_sparse_moe") if family == "mixtral" else prefix
+    return {f"{block}.experts.{first + e}.{hf}" for e in range(count) for hf in names}
+
+
+def make_experts(config: ModelConfig, tp: TensorParallel, prefix: str) -> nn.Module:
+    """The experts of a sparse layer: quantized when the checkpoint's experts are (one
+    scheme for all of them)."""
+    moe = config.moe
+    first, count = tp.shard.experts(moe.num_experts)
+    inner = tp.shard.expert_inner(moe.intermediate_size)[1]
+    family = "mixtral" if config.architecture == "MixtralForCausalLM" else "qwen"
+    everyone = expert_layers(prefix, family, 0, moe.num_experts)
+    quant = config.quant
+    schemes = {quant.scheme_for(layer) if quant else None for layer in everyone}
+    if len(schemes) > 1:
+        raise ConfigError(f"{prefix}.experts: quantized with more than one scheme (or partly)")
+    if (scheme := schemes.pop()) is None:
+        return Experts(first, count, config.hidden_size, inner)
+    layers = expert_layers(prefix, family, first, count)
+    return QuantExperts(first, count, config.hidden_size, inner, scheme, layers, everyone - layers)
+
+
 class SharedExpert(nn.Module):
     """Qwen2-MoE's expert that every token takes: a dense MLP, sliced over the ranks
     like one, whose partial sum joins the routed experts' before the layer's one
     all-reduce (so its down projection does not reduce)."""
 
-    def __init__(self, hidden: int, inner: int) -> None:
+    def __init__(self, config: ModelConfig, inner: int, prefix: str) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(hidden, 2 * inner, bias=False)
-        self.down_proj = Linear(inner, hidden, bias=False)
+        hidden, names = config.hidden_size, (f"{prefix}.gate_proj", f"{prefix}.up_proj")
+        self.gate_up_proj = make_linear(config, names, hidden, 2 * inner, False)
+        self.down_proj = make_linear(config, (f"{prefix}.down_proj",), inner, hidden, False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel, prefix: str) -> None:
         super().__init__()
         moe, hidden = config.moe, config.hidden_size
         assert moe is not None
         self.tp, self.top_k, self.renormalize = tp, moe.top_k, moe.renormalize
-        self.gate = Linear(hidden, moe.num_experts, bias=False)  # the router, on every rank
-        first, count = tp.shard.experts(moe.num_experts)
-        inner = tp.shard.expert_inner(moe.intermediate_size)[1]
-        self.experts = Experts(first, count, hidden, inner)
+        # The router, on every rank (quantization tools leave it, and the gates, alone).
+        self.gate = Linear(hidden, moe.num_experts, bias=False)
+        self.experts = make_experts(config, tp, prefix)
         self.shared_expert = self.shared_expert_gate = None
         if shared := moe.shared_expert_intermediate_size:
-            self.shared_expert = SharedExpert(hidden, tp.shard.split(shared)[1])
+            inner = tp.shard.split(shared)[1]
+            self.shared_expert = SharedExpert(config, inner, f"{prefix}.shared_expert")
             self.shared_expert_gate = Linear(hidden, 1, bias=False)
         self.num_experts = moe.num_experts
         # Rank 0: the (token, expert) pairs each expert took since take_expert_tokens()
