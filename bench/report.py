@@ -17,8 +17,8 @@ HERE = Path(__file__).parent
 ORDER = [
     "peers", "serve", "serve_backends", "overhead", "overhead_router", "overhead_levers",
     "replicas", "scheduler",
-    "detokenizer", "tracing", "executor", "executor_moe", "executor_quant", "moe", "tp", "structured", "spec",
-    "overhead_spec",
+    "detokenizer", "tracing", "executor", "executor_moe", "executor_quant", "moe", "tp",
+    "structured", "spec", "overhead_spec",
 ]  # fmt: skip
 
 

@@ -60,7 +60,6 @@ class QuantConfig:
     method: str
     schemes: tuple[tuple[str, LinearScheme], ...]
     ignore: tuple[str, ...]
-    kv_cache_scheme: dict[str, Any] | None = None
 
     def scheme_for(self, layer: str) -> LinearScheme | None:
         """The scheme of a linear layer by its checkpoint name (`model.layers.0.mlp.down_proj`);
@@ -144,8 +143,7 @@ def _compressed_tensors(q: dict[str, Any]) -> QuantConfig:
         schemes += [(target, scheme) for target in group.get("targets") or ()]
     if not schemes:
         raise _refuse("config_groups", q.get("config_groups"), "at least one quantized group")
-    return QuantConfig("compressed-tensors", tuple(schemes), tuple(q.get("ignore") or ()),
-                       q.get("kv_cache_scheme"))  # fmt: skip
+    return QuantConfig("compressed-tensors", tuple(schemes), tuple(q.get("ignore") or ()))
 
 
 def _ct_scheme(where: str, group: dict[str, Any], fmt: str | None) -> LinearScheme:
