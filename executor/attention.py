@@ -56,13 +56,13 @@ def paged_attention(
     kv_cache: tuple[torch.Tensor, torch.Tensor],
     meta: AttentionMetadata,
     scale: float,
-    kv_scale: torch.Tensor | None = None,
+    fp8_scales: "FP8Scales | None" = None,
 ) -> torch.Tensor:
     """query [T, H, D], key/value [T, KVH, D] -> [T, H, D]: store the new K/V, then
-    attend to everything cached (the new tokens included). kv_scale: an FP8 cache's
-    [2, KVH] scales (see fp8_cache)."""
-    if kv_scale is not None:
-        return fp8_cache(backend, query, key, value, kv_cache, meta, scale, kv_scale)
+    attend to everything cached (the new tokens included). fp8_scales: an FP8 cache's
+    (see fp8_cache)."""
+    if fp8_scales is not None:
+        return fp8_cache(backend, query, key, value, kv_cache, meta, scale, fp8_scales)
     k_cache, v_cache = kv_cache
     backend.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
     n = meta.num_decodes
@@ -80,16 +80,33 @@ def paged_attention(
 FP8 = torch.float8_e4m3fn
 
 
-def fp8_cache(backend, query, key, value, kv_cache, meta, scale, kv_scale) -> torch.Tensor:
+@dataclass(slots=True, frozen=True)
+class FP8Scales:
+    """An FP8 cache's per-KV-head scales, shaped once to broadcast over [T, heads, D]:
+    K and V are divided by theirs into the cache; the query is multiplied by K's and
+    the output by V's, repeated over each KV head's query heads."""
+
+    key: torch.Tensor  # [1, KVH, 1]
+    value: torch.Tensor
+    query: torch.Tensor  # [1, H, 1]
+    output: torch.Tensor
+
+    @classmethod
+    def of(cls, kv_scale: torch.Tensor, num_heads: int) -> "FP8Scales":
+        """kv_scale [2, KVH] float32: K's row, then V's."""
+        group = num_heads // kv_scale.shape[1]
+        k, v = (s[None, :, None] for s in kv_scale)
+        return cls(k, v, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))
+
+
+def fp8_cache(backend, query, key, value, kv_cache, meta, scale, scales: FP8Scales):
     """Attention on an e4m3 cache holding K / k_scale and V / v_scale (per KV head). The
     kernels read it as plain values: softmax(q . (s_k k)) = softmax((s_k q) . k) and
     sum p (s_v v) = s_v sum p v, so the query is scaled before and the output after,
     and the kernels need no scales. K and V are quantized here (torch's conversion
     saturates at +-448) for either backend, so both hold the same bytes."""
-    group = query.shape[1] // key.shape[1]
-    k_scale, v_scale = (s.repeat_interleave(group)[None, :, None] for s in kv_scale)
-    key = (key.float() / kv_scale[0][None, :, None]).to(FP8)
-    value = (value.float() / kv_scale[1][None, :, None]).to(FP8)
-    scaled = (query.float() * k_scale).to(query.dtype)
+    key = (key.float() / scales.key).to(FP8)
+    value = (value.float() / scales.value).to(FP8)
+    scaled = (query.float() * scales.query).to(query.dtype)
     out = paged_attention(backend, scaled, key, value, kv_cache, meta, scale)
-    return (out.float() * v_scale).to(query.dtype)
+    return (out.float() * scales.output).to(query.dtype)

@@ -52,6 +52,12 @@ class ExecutorConfig(BaseModel):
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     """auto: triton on CUDA, torch on the CPU"""
     seed: int = 0
+    max_loras: NonNegativeInt = 0
+    """LoRA adapters one step may run (device slots); 0: no LoRA (docs/lora.md)"""
+    max_lora_rank: PositiveInt = Field(16, le=512)
+    """the largest adapter rank accepted (the slots' size)"""
+    lora_modules: list[str] = []
+    """adapters loaded at start-up, each name=DIR (a PEFT adapter directory)"""
     tensor_parallel_size: PositiveInt = 1
     """ranks the model is split over (this process is rank 0 and starts the others on
     this machine, unless torchrun started them all)"""

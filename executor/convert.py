@@ -74,6 +74,7 @@ def plan_from_proto(step: executor_pb2.StepRequest) -> SchedulerOutput:
         plan.scheduled_new_reqs.append(NewRequestData(
             r.req_id, list(r.token_ids), r.num_prompt_tokens,
             sampling_from_proto(r.sampling_params), list(r.block_ids), r.num_computed_tokens,
+            r.lora_name,
         ))  # fmt: skip
         plan.num_scheduled_tokens[r.req_id] = r.num_scheduled_tokens
     plan.total_num_scheduled_tokens = sum(plan.num_scheduled_tokens.values())

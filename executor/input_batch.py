@@ -48,6 +48,7 @@ class InputBatch:
         self.penalized = np.zeros(max_num_reqs, np.bool_)  # any of the three penalties
         self.biased = np.zeros(max_num_reqs, np.bool_)
         self.min_p = np.zeros(max_num_reqs, np.float32)
+        self.lora_names: list[str | None] = [None] * max_num_reqs  # None: the base model
         self.req_rows: dict[str, int] = {}
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
 
@@ -97,6 +98,7 @@ class InputBatch:
         self.num_blocks[row] = 0
         self._append_blocks(row, data.block_ids)
         self._set_sampling(row, data.sampling_params or SamplingParams())
+        self.lora_names[row] = data.lora_name or None
 
     def _set_sampling(self, row: int, p: SamplingParams) -> None:
         self.sampling_params[row] = p

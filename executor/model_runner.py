@@ -12,6 +12,7 @@ import torch
 from flagstop.executor.attention import attention_backend
 from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.input_batch import InputBatch
+from flagstop.executor.lora.manager import LoRAManager, lora_modules
 from flagstop.executor.models.llama import KVCache
 from flagstop.executor.models.loader import load_model
 from flagstop.executor.parallel import SINGLE, TensorParallel
@@ -67,6 +68,11 @@ class ModelRunner:
         self.model = load_model(config.model, self.dtype, self.device, tp, self.attention_backend)
         self.kv_cache_dtype = self.dtype if config.kv_cache_dtype == "auto" else torch.float8_e4m3fn
         self.model.set_kv_cache_dtype(self.kv_cache_dtype)
+        self.lora: LoRAManager | None = None
+        if config.max_loras:
+            self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank)
+            for name, path in lora_modules(config.lora_modules):
+                self.lora.register(name, path)
         if after_load is not None:
             after_load()
         self.model_config = mc = self.model.config
@@ -209,8 +215,14 @@ class ModelRunner:
         scheduled = self.batch.schedule(plan)
         drafts = self._drafts(scheduled) if scheduled[4].any() else None
         inputs = prepare_inputs(self.batch, scheduled, self.device, drafts)
+        if self.lora is not None:
+            self._set_lora_step(inputs)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attention)
         return self.model.compute_logits(hidden[inputs.all_logits_indices]), inputs
+
+    def _set_lora_step(self, inputs: StepInputs) -> None:
+        names = self.batch.lora_names
+        self.lora.set_step([names[row] for row in inputs.token_rows.tolist()])
 
     def _drafts(self, scheduled: tuple[np.ndarray, ...]) -> Drafts:
         """This step's drafts for the sampling requests' slots: proposed on rank 0 and

@@ -36,6 +36,7 @@ class StepInputs:
     logits_indices: torch.Tensor  # rows of the hidden states to sample from, plan order
     sampling: SamplingMetadata
     rows: np.ndarray  # batch row of each scheduled request, plan order
+    token_rows: np.ndarray  # batch row of each token of the forward, in its order
     num_scheduled: np.ndarray
     sampling_rows: np.ndarray
     # Prompt logprobs: the rows of the hidden states to score after logits_indices,
@@ -95,6 +96,7 @@ def prepare_inputs(
         logits_indices=t(logits_indices),
         sampling=sampling_metadata(batch, sampling_rows, t, offsets),
         rows=rows,
+        token_rows=flat.token_rows,
         num_scheduled=num_scheduled,
         sampling_rows=rows[samples],
         prompt_indices=prompt_indices,

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from flagstop.kernels.torch_lora import lora_add  # noqa: F401 (the backend's LoRA products)
 from flagstop.kernels.torch_quant import (  # noqa: F401 (the backend's quantized linears)
     dequantize_int4,
     dequantize_w8,

@@ -10,7 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-# The triton backend's experts' kernel (a backend has torch_ref's functions).
+# The triton backend's experts', LoRA and quantized kernels (a backend has torch_ref's
+# functions).
+from flagstop.kernels.triton_lora import lora_add  # noqa: F401
 from flagstop.kernels.triton_moe import fused_moe  # noqa: F401
 from flagstop.kernels.triton_quant import int4_linear, w8_linear  # noqa: F401
 

@@ -59,5 +59,6 @@ def step_to_proto(plan: SchedulerOutput) -> executor_pb2.StepRequest:
             req_id=d.req_id, token_ids=d.token_ids, num_prompt_tokens=d.num_prompt_tokens,
             sampling_params=d.sampling_params, block_ids=d.block_ids,
             num_computed_tokens=d.num_computed_tokens, num_scheduled_tokens=num_scheduled[req_id],
+            lora_name=d.lora_name,
         )  # fmt: skip
     return step

@@ -310,7 +310,7 @@ def test_attention_on_an_fp8_cache_is_attention_on_its_values(backend, dtype):
     """An e4m3 cache read by either backend's kernels (decode and prefill, through
     attention.paged_attention's scaling) gives what the same kernels give on a cache in
     the model's dtype holding the dequantized values: only the storage differs."""
-    from flagstop.executor.attention import AttentionMetadata, paged_attention
+    from flagstop.executor.attention import AttentionMetadata, FP8Scales, paged_attention
 
     kernels = torch_ref if backend == "torch" else triton_attention
     num_heads, num_kv_heads, head_dim, block_size = 4, 2, 64, 16
@@ -327,7 +327,8 @@ def test_attention_on_an_fp8_cache_is_attention_on_its_values(backend, dtype):
     kv_scale = torch.tensor([[0.01, 0.02], [0.015, 0.008]], device=DEVICE)
     shape = kernels.kv_cache_shape(8, block_size, num_kv_heads, head_dim)
     fp8 = [torch.zeros(shape, dtype=FP8, device=DEVICE) for _ in "kv"]
-    got = paged_attention(kernels, q, k, v, fp8, meta, head_dim**-0.5, kv_scale)
+    scales = FP8Scales.of(kv_scale, num_heads)
+    got = paged_attention(kernels, q, k, v, fp8, meta, head_dim**-0.5, scales)
     values = [((t.float() / s[None, :, None]).to(FP8).float() * s[None, :, None]).to(dtype)
               for t, s in ((k, kv_scale[0]), (v, kv_scale[1]))]  # fmt: skip
     plain = [torch.zeros(shape, dtype=dtype, device=DEVICE) for _ in "kv"]
@@ -337,3 +338,31 @@ def test_attention_on_an_fp8_cache_is_attention_on_its_values(backend, dtype):
     exact = paged_attention(kernels, q, k, v, [torch.zeros_like(c) for c in plain], meta,
                             head_dim**-0.5)  # fmt: skip
     assert ((got.float() - exact.float()).norm() / exact.float().norm()) < 0.05
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lora_sgmv_equals_the_grouped_torch_products(dtype):
+    """Punica's segmented gather matmuls against the torch path: tokens of three slots
+    and of none, interleaved as a batch's requests are (a prefill of 9, decodes of one),
+    into a layer of three packed parts (q, k, v: 64, 32, 32 rows) at a padded rank 16
+    with one adapter of rank 8 (its other rows zero, as the slots hold them)."""
+    import numpy as np
+
+    from flagstop.executor.lora.mapping import LoRAMapping
+    from flagstop.kernels import torch_lora, triton_lora
+
+    slots, parts, rank, hidden = 4, [(0, 64), (64, 32), (96, 32)], 16, 96
+    a = randn(slots, 3 * rank, hidden, dtype=dtype, seed=1) * 0.1
+    b = randn(slots, 128, rank, dtype=dtype, seed=2) * 0.1
+    a[2, 8:16], b[2, :, 8:] = 0, 0
+    token_slots = np.array([2, -1, 0, 2, 3, *[0] * 9, -1, 3, 2], np.int64)
+    mapping = LoRAMapping.of(token_slots, torch.device(DEVICE))
+    x = randn(len(token_slots), hidden, dtype=dtype, seed=3)
+    base = randn(len(token_slots), 128, dtype=dtype, seed=4)
+    expected, got = base.clone(), base.clone()
+    torch_lora.lora_add(x, expected, a, b, parts, mapping)
+    triton_lora.lora_add(x, got, a, b, parts, mapping)
+    assert_close(got, expected, dtype)
+    untouched = torch.from_numpy(token_slots < 0).to(DEVICE)
+    assert torch.equal(got[untouched], base[untouched])  # the base model's tokens
+    assert not torch.equal(got[~untouched], base[~untouched])

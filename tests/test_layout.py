@@ -97,6 +97,15 @@ def test_the_wheel_installs_one_top_level_package(wheel):
     for module in modules:
         assert f"flagstop/{module}" in names
     assert not any(n.startswith(("flagstop/tools", "flagstop/tests")) for n in names)
+    # Every subpackage, not only those the editable install finds by path (a `pip
+    # install .` image once lacked executor/spec and could not start an executor).
+    folders = {"flagstop": "", "router": "router/", "scheduler_svc": "scheduler_svc/",
+               "executor": "executor/", "kernels": "kernels/"}  # fmt: skip
+    for folder, inside in folders.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            package = init.parent.relative_to(ROOT / folder).as_posix()
+            wheel_path = f"flagstop/{inside}{'' if package == '.' else package + '/'}__init__.py"
+            assert wheel_path.replace("/./", "/") in names, f"{init.parent} is not in the wheel"
 
 
 @pytest.mark.processes

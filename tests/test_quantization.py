@@ -309,6 +309,31 @@ def test_quantized_moe_experts_match_transformers_on_their_dequantized_weights(
     assert_close(scheme, pairs)
 
 
+@pytest.mark.processes
+@pytest.mark.parametrize(("scheme", "group", "expert_parallel"),
+                         [("gptq", 32, False), ("awq", None, True)],
+                         ids=["gptq-sliced", "awq-expert-parallel"])  # fmt: skip
+def test_quantized_experts_on_two_ranks_give_the_logits_of_one(
+    scheme, group, expert_parallel, tmp_path
+):
+    """Qwen3-MoE (8 experts of 64, a dense layer among them) with int4 experts over two
+    ranks: sliced (each rank a half of every expert, its scales and zeros cut with the
+    weights between groups of 32) and placed whole (four experts a rank, the others'
+    tensors never read): the logits of one rank, through prefills, prefix hits and a
+    recompute."""
+    from tests.helpers.checkpoints import write_checkpoint
+    from tests.helpers.tp_scenarios import config, run_group, run_scenarios
+
+    source = write_checkpoint("qwen3-moe", tmp_path / "source")
+    path = quantize_model.quantize(source, scheme, tmp_path / scheme, group)
+    vocab = ModelConfig.from_pretrained(path).vocab_size
+    single = run_scenarios(Harness(ModelRunner(config(path))), vocab)
+    parallel = run_group(path, tmp_path / "tp2.pt", 2, expert_parallel)
+    assert len(parallel) == len(single) >= 10
+    for context, one in single:
+        torch.testing.assert_close(parallel[tuple(context)], one, atol=TOL, rtol=0)
+
+
 def check_fp8_experts(path) -> None:
     import dataclasses
 
@@ -493,6 +518,32 @@ def test_an_fp8_kv_cache_holds_four_times_the_float32_blocks_in_the_same_bytes(m
     assert fp8.kv_caches[0][0].numel() == 4 * plain.kv_caches[0][0].numel()
 
 
+@pytest.mark.processes
+def test_an_fp8_cache_on_two_ranks_keeps_each_ranks_heads_scales(model_dir, tmp_path):
+    """Per-head K scales, one so small that its head saturates at 448 x scale: each
+    rank must quantize its own KV head by that head's scale, or its K values land on
+    another grid and clip elsewhere. Two ranks' logits against one rank's on the same
+    FP8 cache. Measured: 12 of 15 within 1e-4, the others off by a K value rounded to
+    the neighbouring e4m3 step (the ranks' GEMMs differ in the last float bit), at most
+    9.4e-5 of the logits' norm; with rank 1 quantizing by rank 0's scale, 1.18 of the
+    norm and 7 of 15 greedy contexts lost."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.helpers.tp_scenarios import config, run_group, run_scenarios
+
+    path = shutil.copytree(model_dir, tmp_path / "kv-scales")
+    tensors = load_file(path / "model.safetensors")
+    for layer in (0, 1):
+        tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor([[[0.002]], [[1.0]]])
+    save_file(tensors, path / "model.safetensors")
+    vocab = ModelConfig.from_pretrained(path).vocab_size
+    single = run_scenarios(Harness(ModelRunner(config(path, kv_cache_dtype="fp8"))), vocab)
+    parallel = run_group(path, tmp_path / "tp2.pt", 2, kv_cache_dtype="fp8")
+    assert len(parallel) == len(single) >= 10
+    for context, one in single:
+        assert ((parallel[tuple(context)] - one).norm() / one.norm()) < 1e-3
+
+
 def test_the_checkpoints_kv_scales_are_the_fp8_caches(model_dir, tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -502,6 +553,10 @@ def test_the_checkpoints_kv_scales_are_the_fp8_caches(model_dir, tmp_path):
     tensors["model.layers.1.self_attn.v_scale"] = torch.tensor([[[0.25]], [[0.75]]])  # per head
     save_file(tensors, path / "model.safetensors")
     model = runner(path, kv_cache_dtype="fp8").model
-    assert torch.equal(model.layers[1].self_attn.kv_scale, torch.tensor([[0.5, 0.5], [0.25, 0.75]]))
-    assert torch.equal(model.layers[0].self_attn.kv_scale, torch.ones(2, 2))
-    assert runner(path).model.layers[1].self_attn.kv_scale is None  # unused without fp8
+    scales = [model.layers[i].self_attn.fp8_scales for i in (0, 1)]
+    assert torch.equal(scales[1].key.flatten(), torch.tensor([0.5, 0.5]))
+    assert torch.equal(scales[1].value.flatten(), torch.tensor([0.25, 0.75]))
+    # Each KV head's scale on its query heads (4 heads, 2 KV heads).
+    assert torch.equal(scales[1].output.flatten(), torch.tensor([0.25, 0.25, 0.75, 0.75]))
+    assert torch.equal(scales[0].key, torch.ones(1, 2, 1))
+    assert runner(path).model.layers[1].self_attn.fp8_scales is None  # unused without fp8

@@ -427,3 +427,35 @@ def test_a_lost_executor_restarts_every_request_by_recompute_on_a_new_pool():
         assert list(data.token_ids)[6:] == outputs_so_far[rid] and data.num_computed_tokens == 0
     scheduler.update_from_output(plan, [7] * len(plan.sampling_requests))
     run_to_idle(scheduler)
+
+
+# -- LoRA adapters ----------------------------------------------------------------
+
+
+def test_the_same_prompt_under_two_adapters_never_shares_kv():
+    scheduler = make_scheduler(max_loras=4)
+    prompt = list(range(10, 30))  # five full blocks
+    for rid, name in (("base", ""), ("a", "a"), ("b", "b"), ("a2", "a")):
+        scheduler.add_request(make_request(rid, prompt=prompt, max_tokens=1, lora_name=name))
+        run_to_idle(scheduler)
+    stats = scheduler.kv.prefix_stats
+    # Only a2 found its prefix (a's four full blocks before the last token's): 16 tokens.
+    assert (stats.num_queries, stats.num_hits) == (80, 16), stats
+
+
+def test_max_loras_holds_a_third_adapter_back_without_blocking_the_rest():
+    """Two slots: requests of a third adapter wait, in order, while the base model's
+    and the running adapters' requests behind them join; they join once a slot frees."""
+    scheduler = make_scheduler(max_loras=2)
+    for rid, name in (("a", "a"), ("b", "b"), ("c1", "c"), ("base", ""), ("a2", "a"),
+                      ("c2", "c")):  # fmt: skip
+        scheduler.add_request(make_request(rid, max_tokens=2 if name != "c" else 1,
+                                           lora_name=name))  # fmt: skip
+    plan, _ = step(scheduler)
+    assert list(plan.num_scheduled_tokens) == ["a", "b", "base", "a2"]
+    assert [r.request_id for r in scheduler.waiting] == ["c1", "c2"]
+    admitted = [list(p.num_scheduled_tokens) for p in run_to_idle(scheduler)]
+    assert admitted[0] == ["a", "b", "base", "a2"]  # their last token
+    assert admitted[1] == ["c1", "c2"]
+    with pytest.raises(RequestRejected, match="start the executor with --max-loras"):
+        make_scheduler().add_request(make_request("x", lora_name="a"))

@@ -367,6 +367,22 @@ def test_preemption_with_drafts_keeps_greedy_outputs(llama):
         assert out == reference_generate(reference, job.prompt, job.max_tokens)
 
 
+def test_an_fp8_kv_cache_with_drafts_emits_what_it_would_without(llama):
+    """Verified drafts write their K/V in the target's one-byte cache and rejected ones
+    are overwritten there: greedy outputs on an FP8 cache, preempted too, are those of
+    the same cache without drafts (the draft model keeps its own cache in its dtype)."""
+    path, _ = llama
+    spec = {"method": "draft_model", "num_speculative_tokens": 3, "model": str(path)}
+    jobs = _jobs(6, 9)
+    cache = dict(num_blocks=24, kv_cache_dtype="fp8")
+    plain = _engine(_runner(path, None, **cache), jobs, max_num_batched_tokens=64)
+    run = _engine(_runner(path, spec, **cache), jobs, max_num_batched_tokens=64)
+    assert run.outputs == plain.outputs
+    assert run.scheduler.num_preemptions > 0
+    stats = run.scheduler.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
 def test_a_json_schema_request_with_drafts_stays_valid(llama):
     from flagstop.structured import JSON_SCHEMA, GrammarSpec
 

@@ -399,6 +399,11 @@ def test_greedy_constrained_outputs_are_unchanged_by_preemption(stack, model_dir
         tight.stop(10)
 
 
+# Long enough that the kill, right after the last stream's 10th token, lands mid-way
+# (it takes microseconds; the stack decodes a token every few milliseconds).
+MID_STREAM_TOKENS = 100
+
+
 @pytest.mark.processes
 @pytest.mark.parametrize("killed", ["executor", "scheduler"])
 def test_greedy_constrained_outputs_survive_a_restart_mid_stream(
@@ -408,7 +413,7 @@ def test_greedy_constrained_outputs_survive_a_restart_mid_stream(
     scheduler gets each request again from the router, its outputs so far in its
     prompt, and the executor replays those."""
     requests = greedy_requests()
-    expected = greedy_outputs(stack, requests, max_tokens=200)
+    expected = greedy_outputs(stack, requests, max_tokens=MID_STREAM_TOKENS)
     fresh = start_stack(model_dir, tmp_path, executor_args=["--num-blocks", "512"])
     try:
         tokens: list[list[int]] = [[] for _ in requests]
@@ -416,7 +421,10 @@ def test_greedy_constrained_outputs_survive_a_restart_mid_stream(
         def one(i: int):
             prompt, structured = requests[i]
             request = generation_pb2.GenerateRequest(
-                prompt=prompt, max_tokens=200, temperature=0, structured_outputs=structured
+                prompt=prompt,
+                max_tokens=MID_STREAM_TOKENS,
+                temperature=0,
+                structured_outputs=structured,
             )
             for chunk in fresh.generation().Generate(request, timeout=120):
                 tokens[i] += chunk.token_ids
@@ -428,7 +436,9 @@ def test_greedy_constrained_outputs_survive_a_restart_mid_stream(
                 assert time.monotonic() < deadline, "the streams did not start"
                 time.sleep(0.005)
             fresh.kill(killed)
-            assert any(len(t) < 200 for t in tokens[4:]), "the kill was meant to be mid-stream"
+            assert any(len(t) < MID_STREAM_TOKENS for t in tokens[4:]), (
+                "the kill was meant to be mid-stream"
+            )
             fresh.restart(killed)
             for future in futures:
                 future.result(timeout=120)

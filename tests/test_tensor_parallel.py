@@ -5,8 +5,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -35,9 +33,9 @@ from tests.helpers.streams import (
 )
 from tests.helpers.streams import long_greedy_workload as fault_workload
 from tests.helpers.streams import short_greedy_workload as workload
-from tests.helpers.tp_scenarios import config, run_scenarios
+from tests.helpers.tp_scenarios import config, run_group, run_scenarios
 from tools.make_model import model_config, train_tokenizer
-from tools.stack import ROOT, free_port, generate, spawn, start_stack, wait_serving
+from tools.stack import free_port, generate, spawn, start_stack, wait_serving
 
 # (checkpoint, --expert-parallel): MoE experts sliced over the ranks (with a shared
 # expert), or placed whole (with a dense layer among the sparse ones).
@@ -65,16 +63,6 @@ def test_two_ranks_give_the_logits_of_one_and_of_transformers(name, expert_paral
         assert two.shape == (vocab,)
         torch.testing.assert_close(two, one, atol=TOL, rtol=0)
         torch.testing.assert_close(two, reference_logits(reference, context), atol=TOL, rtol=0)
-
-
-def run_group(path: Path, out: Path, size: int, expert_parallel: bool = False) -> dict:
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.helpers.tp_scenarios", str(path), str(out),
-         "--tensor-parallel-size", str(size), *["--expert-parallel"] * expert_parallel],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    return {tuple(context): logits for context, logits in torch.load(out)}
 
 
 @pytest.mark.processes

@@ -2,6 +2,7 @@
 tools that define them write it: the test subjects and bench rows of quantized serving.
 
     python -m tools.quantize_model --scheme SCHEME [--src models/flagstop-tiny] [--out DIR]
+        [--group-size 128|64|32]
 
 compressed-tensors schemes are made by compressed-tensors itself (its preset schemes,
 applied to the transformers model, scales from each weight's min/max, static activation
@@ -15,6 +16,10 @@ have no installable writer here and follow their documented layouts:
 - gptq: AutoGPTQ's v1 format, 4-bit, group 128, desc_act false (qweight packed along the
   inputs, qzeros minus one packed along the outputs).
 - awq: AutoAWQ's GEMM format (qweight and qzeros packed along the outputs in its order).
+gptq, awq and fp8-hf take --group-size (the block's side for fp8-hf), as AutoGPTQ's and
+AutoAWQ's group_size: 128 by default, or the largest of 64 and 32 that divides every
+layer's inputs. A smaller group lets more tensor-parallel ranks cut the inputs between
+groups (a group never straddles two ranks).
 """
 
 import argparse
@@ -144,10 +149,10 @@ def linear_weights(state: dict[str, torch.Tensor]) -> list[str]:
             and not name.endswith(ROUTERS)]  # fmt: skip
 
 
-def fp8_hf(state: dict[str, torch.Tensor], out: Path) -> None:
+def fp8_hf(state: dict[str, torch.Tensor], out: Path, group: int | None) -> None:
     # Blocks of 128 (64 for the small MoE's experts): the activations are quantized by
     # groups of a block's columns, which must divide every layer's inputs.
-    block = int4_group(state, names := linear_weights(state))
+    block = int4_group(state, names := linear_weights(state), group)
     for name in names:
         w = state[name].float()
         blocks = _pad_to(w, block).unflatten(0, (-1, block)).unflatten(2, (-1, block))
@@ -167,10 +172,15 @@ def _pad_to(w: torch.Tensor, multiple: int) -> torch.Tensor:
     return torch.nn.functional.pad(w, (0, cols - w.shape[1], 0, rows - w.shape[0]))
 
 
-def int4_group(state: dict[str, torch.Tensor], names: list[str]) -> int:
-    """128 inputs a group (or block), or the largest of 64 and 32 that divides every
-    layer's inputs (the small MoE checkpoints' experts have 192)."""
-    return next(g for g in (GROUP, 64, 32) if all(state[n].shape[1] % g == 0 for n in names))
+def int4_group(state: dict[str, torch.Tensor], names: list[str], group: int | None) -> int:
+    """`group` inputs a group (or block), else 128, or the largest of 64 and 32 that
+    divides every layer's inputs (the small MoE checkpoints' experts have 192)."""
+    fits = [g for g in (GROUP, 64, 32) if all(state[n].shape[1] % g == 0 for n in names)]
+    group = group or next(iter(fits), 32)
+    if group not in fits:
+        widths = sorted({state[n].shape[1] for n in names})
+        raise SystemExit(f"--group-size {group}: must divide every layer's inputs {widths}")
+    return group
 
 
 def int4_groups(w: torch.Tensor, symmetric: bool, group: int = GROUP):
@@ -188,8 +198,8 @@ def int4_groups(w: torch.Tensor, symmetric: bool, group: int = GROUP):
     return q.flatten(1).to(torch.uint8), scale, zero.to(torch.uint8)
 
 
-def gptq(state: dict[str, torch.Tensor], out: Path) -> None:
-    group = int4_group(state, names := linear_weights(state))
+def gptq(state: dict[str, torch.Tensor], out: Path, group: int | None) -> None:
+    group = int4_group(state, names := linear_weights(state), group)
     for name in names:
         layer = name.removesuffix(".weight")
         q, scale, zero = int4_groups(state.pop(name).float(), True, group)
@@ -203,8 +213,8 @@ def gptq(state: dict[str, torch.Tensor], out: Path) -> None:
                             "modules_to_not_convert": UNQUANTIZED[1:]})  # fmt: skip
 
 
-def awq(state: dict[str, torch.Tensor], out: Path) -> None:
-    group = int4_group(state, names := linear_weights(state))
+def awq(state: dict[str, torch.Tensor], out: Path, group: int | None) -> None:
+    group = int4_group(state, names := linear_weights(state), group)
     for name in names:
         layer = name.removesuffix(".weight")
         q, scale, zero = int4_groups(state.pop(name).float(), False, group)
@@ -237,7 +247,7 @@ def _set_quantization(out: Path, quantization: dict) -> None:
     path.write_text(json.dumps(config, indent=2) + "\n")
 
 
-def quantize(src: Path, scheme: str, out: Path) -> Path:
+def quantize(src: Path, scheme: str, out: Path, group_size: int | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     for file in src.iterdir():
         if file.is_file() and file.suffix != ".safetensors":
@@ -247,10 +257,12 @@ def quantize(src: Path, scheme: str, out: Path) -> Path:
         raise SystemExit(f"{src}: tied embeddings; quantize an untied checkpoint")
     if scheme not in CT_PRESETS:
         state = load_file(src / "model.safetensors")
-        {"fp8-hf": fp8_hf, "gptq": gptq, "awq": awq}[scheme](state, out)
+        {"fp8-hf": fp8_hf, "gptq": gptq, "awq": awq}[scheme](state, out, group_size)
     elif any(a.endswith("MoeForCausalLM") or "Mixtral" in a for a in config["architectures"]):
         raise SystemExit(f"{scheme}: compressed-tensors quantizes nn.Linear modules, and "
                          "transformers fuses MoE experts; use fp8-hf, gptq or awq")  # fmt: skip
+    elif group_size is not None:
+        raise SystemExit(f"--group-size: {scheme} is compressed-tensors' preset (groups of 128)")
     else:
         compressed_tensors(load(src), CT_PRESETS[scheme], out)
     return out
@@ -261,8 +273,10 @@ def main() -> None:
     parser.add_argument("--scheme", choices=SCHEMES, required=True)
     parser.add_argument("--src", type=Path, default=Path("models/flagstop-tiny"))
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--group-size", type=int, choices=(128, 64, 32))
     args = parser.parse_args()
-    out = quantize(args.src, args.scheme, args.out or default_out(args.src, args.scheme))
+    out = args.out or default_out(args.src, args.scheme)
+    out = quantize(args.src, args.scheme, out, args.group_size)
     print(f"wrote {out}")
 
 

@@ -4,6 +4,7 @@ on the CPU, onednn.py) or weights held quantized (QuantLinear), each column-para
 row-parallel (RowParallel: input features split over the ranks)."""
 
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -14,6 +15,9 @@ from flagstop.executor.models.quantization import LinearScheme
 from flagstop.executor.parallel import TensorParallel
 from flagstop.kernels import torch_ref
 
+if TYPE_CHECKING:
+    from flagstop.executor.lora.layers import LoRALayer
+
 
 class RowParallel:
     """Input features split over the ranks: each rank's partial product is summed by
@@ -22,11 +26,18 @@ class RowParallel:
     tp: TensorParallel
     bias: torch.Tensor | None
 
+    lora: "LoRALayer | None"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return self.matmul(x, with_bias=True)
-        out = self.tp.all_reduce(self.matmul(x))
+            return with_lora(self, x, self.matmul(x, with_bias=True))
+        out = self.tp.all_reduce(with_lora(self, x, self.matmul(x)))
         return out if self.bias is None else out + self.bias
+
+
+def with_lora(layer, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out plus the layer's adapters' low-rank products (executor/lora/layers.py)."""
+    return out if layer.lora is None else layer.lora.add(x, out)
 
 
 class RowParallelLinear(RowParallel, Linear):
@@ -48,6 +59,7 @@ class QuantLinear(nn.Module):
         self.layers = layers  # the checkpoint's layers packed in it (q, k, v; gate, up)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.kernels: ModuleType = torch_ref
+        self.lora: LoRALayer | None = None  # its adapters' slots, with --max-loras
 
     def layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Each tensor's (shape, dtype) at this rank's sizes."""
@@ -72,7 +84,7 @@ class QuantLinear(nn.Module):
             self.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, with_bias=True)
+        return with_lora(self, x, self.matmul(x, with_bias=True))
 
     def matmul(self, x: torch.Tensor, with_bias: bool = False) -> torch.Tensor:
         bias = self.bias if with_bias else None

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flagstop.executor.attention import AttentionMetadata, paged_attention
+from flagstop.executor.attention import AttentionMetadata, FP8Scales, paged_attention
 from flagstop.executor.models.config import ModelConfig
 from flagstop.executor.models.layers import (
     RMSNorm,
@@ -21,7 +21,7 @@ from flagstop.executor.models.layers import (
     silu_and_mul,
 )
 from flagstop.executor.models.linear import QuantLinear, make_linear
-from flagstop.executor.models.moe import QuantExperts, SparseMoeBlock
+from flagstop.executor.models.moe import Experts, QuantExperts, SparseMoeBlock
 from flagstop.executor.models.onednn import Linear
 from flagstop.executor.models.quantization import ConfigError
 from flagstop.executor.parallel import SINGLE, TensorParallel
@@ -67,9 +67,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.backend: ModuleType = torch_ref
-        # An FP8 cache's scales, [2, this rank's KV heads] float32 (K's row, V's): set
-        # by set_kv_cache_dtype; None while the cache is in the model's dtype.
-        self.kv_scale: torch.Tensor | None = None
+        # An FP8 cache's scales (this rank's KV heads'): set by set_kv_cache_dtype;
+        # None while the cache is in the model's dtype.
+        self.fp8_scales: FP8Scales | None = None
 
     def forward(
         self, rope: Rope, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
@@ -81,7 +81,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(rope, q, k)
-        out = paged_attention(self.backend, q, k, v, kv_cache, meta, self.scale, self.kv_scale)
+        out = paged_attention(self.backend, q, k, v, kv_cache, meta, self.scale, self.fp8_scales)
         return self.o_proj(out.flatten(1))
 
 
@@ -171,10 +171,10 @@ class LlamaForCausalLM(nn.Module):
         """The kernels module attention runs on; the experts run its fused_moe."""
         for layer in self.layers:
             layer.self_attn.backend = backend
-        for block in self.moe_blocks:
-            block.experts.fused = backend.fused_moe
         for module in self.modules():
-            if isinstance(module, QuantLinear | QuantExperts):
+            if isinstance(module, Experts):
+                module.fused = backend.fused_moe
+            elif isinstance(module, QuantLinear | QuantExperts):
                 module.kernels = backend
 
     def set_kv_cache_dtype(self, dtype: torch.dtype) -> None:
@@ -182,11 +182,11 @@ class LlamaForCausalLM(nn.Module):
         for index, layer in enumerate(self.layers):
             attention = layer.self_attn
             if dtype != torch.float8_e4m3fn:
-                attention.kv_scale = None
+                attention.fp8_scales = None
                 continue
-            device = self.norm.weight.device
-            ones = torch.ones(2, attention.num_kv_heads, device=device)
-            attention.kv_scale = self.checkpoint_kv_scales.get(index, ones).to(device)
+            ones = torch.ones(2, attention.num_kv_heads)
+            kv_scale = self.checkpoint_kv_scales.get(index, ones).to(self.norm.weight.device)
+            attention.fp8_scales = FP8Scales.of(kv_scale, attention.num_heads)
 
     def take_expert_tokens(self) -> list[int] | None:
         """The (token, expert) pairs each expert took over the sparse layers since

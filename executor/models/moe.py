@@ -80,8 +80,7 @@ class QuantExperts(nn.Module):
         # The checkpoint layers of this rank's experts, and of the other ranks' (never read).
         self.layers, self.foreign = layers, foreign
         self.shapes = {"w13": (2 * inner, hidden), "w2": (hidden, inner)}
-        self.kernels: ModuleType = torch_ref
-        self.fused = None  # set_attention_backend's (the fused kernel reads no quantized weights)
+        self.kernels: ModuleType = torch_ref  # set_attention_backend's
 
     def layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         out = {}

@@ -26,9 +26,11 @@ class Linear(nn.Linear):
     """nn.Linear that runs on a prepacked copy of its weight once pack() gave it one."""
 
     packed: torch.Tensor | None = None
+    lora = None  # its adapters' slots, with --max-loras (executor/lora/layers.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, with_bias=True)
+        out = self.matmul(x, with_bias=True)
+        return out if self.lora is None else self.lora.add(x, out)
 
     def matmul(self, x: torch.Tensor, with_bias: bool = False) -> torch.Tensor:
         """x [rows, in_features] times the weight (plus the bias if asked)."""

@@ -19,6 +19,9 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     speculative_disable_batch_size: int = 32
     speculative_min_gain: float = 0.25
+    # LoRA: the most distinct adapters among the running requests (the executor's
+    # --max-loras slots); 0: no adapters.
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         if min(self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len) < 1:
@@ -29,6 +32,8 @@ class SchedulerConfig:
             raise ValueError("long_prefill_token_threshold must be >= 0")
         if self.num_speculative_tokens < 0 or self.speculative_disable_batch_size < 1:
             raise ValueError("num_speculative_tokens >= 0, speculative_disable_batch_size >= 1")
+        if self.max_loras < 0:
+            raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
         if not 0 < self.speculative_min_gain <= 1:
             raise ValueError("speculative_min_gain must be in (0, 1]")
         if self.no_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

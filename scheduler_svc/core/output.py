@@ -22,6 +22,7 @@ class NewRequestData:
     sampling_params: Any
     block_ids: list[int]
     num_computed_tokens: int = 0  # prefix-cache hits: already in the KV cache
+    lora_name: str = ""  # the LoRA adapter it runs ("": the base model alone)
 
 
 @dataclass(slots=True)

@@ -74,6 +74,9 @@ class Request:
     # computes: such a request recomputes its whole prompt (its blocks still fill the
     # cache for others).
     skip_prefix_cache: bool = False
+    # The LoRA adapter it runs ("": the base model): part of its blocks' hashes, and of
+    # the --max-loras rule.
+    lora_name: str = ""
     # Speculative decoding: the request's own cap on draft tokens a step (None: the
     # engine's), and its measured acceptance per draft token (speculative.py).
     max_spec_tokens: int | None = None

@@ -118,6 +118,9 @@ class Scheduler:
             request.num_prompt_tokens, request.stop.max_tokens, self.config.max_model_len,
             self.kv.pool.num_blocks * self.config.block_size,
         )  # fmt: skip
+        if request.lora_name and not self.config.max_loras:
+            raise RequestRejected(f"LoRA adapter {request.lora_name!r}: this engine serves "
+                                  "none (start the executor with --max-loras)")  # fmt: skip
 
     def abort(
         self, request_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
@@ -259,10 +262,16 @@ class Scheduler:
 
     def _schedule_waiting(self, step: _Step) -> None:
         config = self.config
+        # Waiting requests of an adapter that has no slot left this step wait aside,
+        # in order, without holding up the others (vLLM's skipped_waiting).
+        adapters, skipped = self._running_adapters(), []
         while self.waiting and step.token_budget > 0 and len(self.running) < config.max_num_seqs:
             request = self.waiting.peek()
             if request.num_output_placeholders:
                 break  # preempted with a token still in flight: resume once it is known
+            if not self._fits_adapters(request, adapters):
+                skipped.append(self.waiting.pop())
+                continue
             hits = [] if request.skip_prefix_cache else self.kv.get_computed_blocks(request)
             num_cached = len(hits) * config.block_size
             num_new = request.num_tokens - num_cached
@@ -275,6 +284,8 @@ class Scheduler:
             if self.kv.allocate_slots(request, num_new, hits) is None:
                 break
             self.waiting.pop()
+            if request.lora_name:
+                adapters.add(request.lora_name)
             self.kv.prefix_stats.record(request.num_tokens, num_cached)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
@@ -283,6 +294,18 @@ class Scheduler:
             self.running.append(request)
             step.num_scheduled_tokens[request.request_id] = num_new
             step.token_budget -= num_new
+        for request in reversed(skipped):
+            self.waiting.prepend(request)
+
+    def _running_adapters(self) -> set[str]:
+        if not self.config.max_loras:
+            return set()
+        return {r.lora_name for r in self.running if r.lora_name}
+
+    def _fits_adapters(self, request: Request, adapters: set[str]) -> bool:
+        """--max-loras: a request joins if its adapter runs already or a slot is left."""
+        name = request.lora_name
+        return not name or name in adapters or len(adapters) < self.config.max_loras
 
     def _make_output(self, step: _Step) -> SchedulerOutput:
         new_reqs, resumed_reqs = [], []
@@ -326,6 +349,7 @@ class Scheduler:
             sampling_params=request.sampling_params,
             block_ids=self.kv.block_ids(request.request_id),
             num_computed_tokens=request.num_computed_tokens,
+            lora_name=request.lora_name,
         )
 
     @staticmethod

@@ -24,6 +24,7 @@ class Tracked:
     block_ids: list[int]
     num_computed_tokens: int = 0
     sent: bool = False
+    lora_name: str = ""
 
 
 @dataclass
@@ -51,12 +52,15 @@ class Harness:
         prompt: list[int],
         params: SamplingParams | None = None,
         shared_blocks: list[int] | None = None,
+        lora_name: str = "",
     ) -> None:
-        """shared_blocks: full blocks of another request holding this prompt's prefix."""
+        """shared_blocks: full blocks of another request holding this prompt's prefix;
+        lora_name: the adapter it runs."""
         shared = list(shared_blocks or [])
         self.requests[req_id] = Tracked(
-            list(prompt), len(prompt), shared, len(shared) * self.block_size
-        )
+            list(prompt), len(prompt), shared, len(shared) * self.block_size,
+            lora_name=lora_name,
+        )  # fmt: skip
         self.params[req_id] = params or SamplingParams()
 
     def leave(self, req_id: str) -> None:
@@ -103,6 +107,7 @@ class Harness:
                         sampling_to_proto(self.params[req_id]),
                         list(tracked.block_ids),
                         tracked.num_computed_tokens,
+                        tracked.lora_name,
                     )
                 )
                 tracked.sent = True

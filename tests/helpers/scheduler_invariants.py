@@ -31,6 +31,8 @@ def _check_queues(scheduler: Scheduler) -> None:
     running = scheduler.running
     waiting = list(scheduler.waiting)
     assert len(running) <= scheduler.config.max_num_seqs
+    adapters = {r.lora_name for r in running if r.lora_name}
+    assert len(adapters) <= scheduler.config.max_loras, f"adapters {adapters} above --max-loras"
     assert all(r.status == RequestStatus.RUNNING for r in running)
     assert all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in waiting)
     queued = {r.request_id for r in running} | {r.request_id for r in waiting}

@@ -1,0 +1,98 @@
+"""This rank's adapters: those registered (read from disk and sliced to this rank's
+share in host memory, off the step loop) and the max_loras device slots the step's
+adapters run from, refilled least recently used first. Filling a slot is a copy of
+the adapter's host tensors into every layer's slot (a few MB at most, on the step
+that first runs the adapter, as vLLM's activate_adapter does)."""
+
+import threading
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from flagstop.executor.lora.adapter import AdapterError, LoRAAdapter, read_adapter
+from flagstop.executor.lora.layers import attach, shard_adapter
+from flagstop.executor.lora.mapping import LoRAMapping
+
+
+def lora_modules(specs: list[str]) -> list[tuple[str, str]]:
+    """--lora-modules' name=DIR items."""
+    out = []
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise AdapterError(f"--lora-modules {spec!r}: expected name=DIR")
+        out.append((name, path))
+    return out
+
+
+class LoRAManager:
+    def __init__(self, model, max_loras: int, max_rank: int) -> None:
+        self.model, self.config, self.shard = model, model.config, model.tp.shard
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self.layers = attach(model, max_loras, max_rank)
+        self.state = model.lora_state
+        self.device = model.norm.weight.device
+        self.adapters: dict[str, LoRAAdapter] = {}
+        self.pieces: dict[str, dict] = {}  # name -> its pieces per layer, this rank's share
+        self.slots: OrderedDict[str, int] = OrderedDict()  # resident, least recent first
+        self._lock = threading.Lock()  # register/unregister run on the service's threads
+
+    def register(self, name: str, path: str) -> LoRAAdapter:
+        """Read and check an adapter (raises AdapterError); replaces one of that name."""
+        adapter = read_adapter(name, path, self.config, self.max_rank)
+        pieces = shard_adapter(adapter, self.layers, self.config, self.shard)
+        pieces = {key: [None if p is None else tuple(t.to(self.model.norm.weight.dtype)
+                                                     for t in p) for p in parts]
+                  for key, parts in pieces.items()}  # fmt: skip
+        with self._lock:
+            self.adapters[name], self.pieces[name] = adapter, pieces
+            self.slots.pop(name, None)  # a replaced adapter refills its slot when next run
+        return adapter
+
+    def unregister(self, name: str) -> bool:
+        with self._lock:
+            self.slots.pop(name, None)
+            self.pieces.pop(name, None)
+            return self.adapters.pop(name, None) is not None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.adapters
+
+    def set_step(self, names: list[str | None]) -> None:
+        """This step's adapter per token (None: the base model alone): fills the
+        slots of adapters not resident and gives the layers the step's mapping."""
+        used = {n for n in names if n is not None}
+        if not used:
+            self.state.mapping = None
+            return
+        slots = self._slots_for(used)
+        token_slots = np.fromiter((-1 if n is None else slots[n] for n in names), np.int64,
+                                  len(names))  # fmt: skip
+        self.state.mapping = LoRAMapping.of(token_slots, self.device)
+
+    def _slots_for(self, used: set[str]) -> dict[str, int]:
+        if len(used) > self.max_loras:
+            raise AdapterError(f"{len(used)} adapters in one step, above --max-loras "
+                               f"{self.max_loras}")  # fmt: skip
+        with self._lock:
+            for name in used:
+                if name in self.slots:
+                    self.slots.move_to_end(name)
+            for name in used - set(self.slots):
+                self.slots[name] = self._free_slot(used)
+                self._fill(self.slots[name], self.pieces[name])
+            return {name: self.slots[name] for name in used}
+
+    def _free_slot(self, used: set[str]) -> int:
+        taken = set(self.slots.values())
+        free = [s for s in range(self.max_loras) if s not in taken]
+        if free:
+            return free[0]
+        victim = next(n for n in self.slots if n not in used)  # least recently run
+        return self.slots.pop(victim)
+
+    @torch.inference_mode()
+    def _fill(self, slot: int, pieces: dict) -> None:
+        for key, layer in self.layers.items():
+            layer.load(slot, pieces.get(key, [None] * len(layer.parts)))
