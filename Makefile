@@ -20,6 +20,9 @@ ROUTERS ?= 1
 # Speculative decoding: `make serve SPEC='{"method":"ngram","num_speculative_tokens":3}'`
 # (docs/speculative.md; `make up SPEC=...` too).
 SPEC ?=
+# LoRA adapters at start-up, name=DIR,... (docs/lora.md); MAX_LORAS: slots (4 with LORA).
+LORA ?=
+MAX_LORAS ?= $(if $(LORA),4)
 # The router's client-facing gRPC server: `make serve GRPC_SERVER=native` (pygrpc-native,
 # plaintext only; docs/load_testing.md). `make up GRPC_SERVER=native` too.
 GRPC_SERVER ?= grpcio
@@ -45,7 +48,7 @@ COMPOSE := $(if $(strip $(PROFILES)),COMPOSE_PROFILES=$(subst $() ,$(comma),$(st
 	$(if $(SPEC),SPEC='$(SPEC)') $(if $(filter-out grpcio,$(GRPC_SERVER)),GRPC_SERVER=$(GRPC_SERVER)) \
 	$(DOCKER_COMPOSE) -f compose/compose.yaml $(if $(GPU),-f compose/compose.gpu.yaml)
 
-.PHONY: venv test test-fast lint bench bench-executor bench-replicas bench-structured model proto serve up down logs ps clean
+.PHONY: venv test test-fast lint bench bench-executor bench-lora bench-replicas bench-structured model proto serve up down logs ps clean
 
 venv: $(STAMP)
 
@@ -88,7 +91,8 @@ serve: $(STAMP) $(if $(filter $(MODEL_DIR),$(MODEL)),$(MODEL_DIR)/config.json)
 		"on $(MODEL), tensor parallel $(TP)$(if $(filter 1,$(EP)), (expert parallel)), $(ROUTERS) router process(es); Ctrl-C stops"
 	@trap 'kill -INT $$e $$s $$r 2>/dev/null; wait' INT TERM; \
 	$(VENV)/bin/flagstop-executor --model $(MODEL) --port 50053 --tensor-parallel-size $(TP) \
-		$(if $(filter 1,$(EP)),--expert-parallel) $(if $(SPEC),--speculative-config '$(SPEC)') & e=$$!; \
+		$(if $(filter 1,$(EP)),--expert-parallel) $(if $(SPEC),--speculative-config '$(SPEC)') \
+		$(if $(MAX_LORAS),--max-loras $(MAX_LORAS)) $(if $(LORA),--lora-modules '$(LORA)') & e=$$!; \
 	$(VENV)/bin/flagstop-scheduler --executor 127.0.0.1:50053 --port 50052 & s=$$!; \
 	$(VENV)/bin/flagstop-router --model $(MODEL) --scheduler 127.0.0.1:50052 --port 50051 \
 		--processes $(ROUTERS) $(if $(TOOL_CALL_PARSER),--tool-call-parser $(TOOL_CALL_PARSER)) \
@@ -140,6 +144,9 @@ bench: $(STAMP)
 # Executor step time vs transformers, per batch size and context (dense and MoE
 # models), quantized formats against float32, an MoE layer's experts three ways, and one rank vs two tensor-parallel
 # ranks (about 15 minutes).
+bench-lora: $(STAMP)
+	$(PY) bench/lora_bench.py
+
 bench-executor: $(STAMP)
 	$(PY) bench/executor_bench.py
 	$(PY) bench/executor_bench.py --sizes tiny-qwen3_moe small-qwen3_moe tiny-mixtral \

@@ -13,6 +13,7 @@ from pydantic import (
     PositiveFloat,
     PositiveInt,
     field_validator,
+    model_validator,
 )
 
 from flagstop.executor.spec.config import SpeculativeConfig
@@ -92,3 +93,18 @@ class ExecutorConfig(BaseModel):
     def _unset_when_empty(cls, value):
         # compose passes ${SPEC:-}: an empty value is no speculative decoding.
         return None if isinstance(value, str) and not value.strip() else value
+
+    @field_validator("lora_modules")
+    @classmethod
+    def _name_equals_dir(cls, value: list[str]) -> list[str]:
+        for spec in value:
+            name, sep, path = spec.partition("=")
+            if not (name and sep and path):
+                raise ValueError(f"{spec!r}: each adapter is name=DIR")
+        return value
+
+    @model_validator(mode="after")
+    def _loras_need_slots(self) -> "ExecutorConfig":
+        if self.lora_modules and not self.max_loras:
+            raise ValueError("--lora-modules needs --max-loras (the adapters' slots)")
+        return self

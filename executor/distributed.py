@@ -190,6 +190,11 @@ class GroupDriver:
         """The scheduler's serialized StepRequest, as it came (never a pickle)."""
         self._send(STEP, step_bytes)
 
+    def broadcast(self, kind: int, payload: bytes) -> None:
+        """Another message to the ranks (a LoRA adapter's load or unload), between
+        steps: on the event loop's thread, as every step is."""
+        self._send(kind, payload)
+
     def sampled(self, token_ids: list[int], num_sampled: list[int]) -> None:
         """What rank 0 sampled (with drafts, num_sampled per request): sent with the
         next step."""

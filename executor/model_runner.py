@@ -12,6 +12,7 @@ import torch
 from flagstop.executor.attention import attention_backend
 from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.input_batch import InputBatch
+from flagstop.executor.lora.adapter import AdapterError
 from flagstop.executor.lora.manager import LoRAManager, lora_modules
 from flagstop.executor.models.llama import KVCache
 from flagstop.executor.models.loader import load_model
@@ -69,10 +70,14 @@ class ModelRunner:
         self.kv_cache_dtype = self.dtype if config.kv_cache_dtype == "auto" else torch.float8_e4m3fn
         self.model.set_kv_cache_dtype(self.kv_cache_dtype)
         self.lora: LoRAManager | None = None
+        self.max_loras = config.max_loras
         if config.max_loras:
             self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank)
             for name, path in lora_modules(config.lora_modules):
-                self.lora.register(name, path)
+                try:
+                    self.lora.register(name, path)
+                except AdapterError as e:
+                    raise AdapterError(f"--lora-modules {name}: {e}") from None
         if after_load is not None:
             after_load()
         self.model_config = mc = self.model.config
@@ -221,8 +226,28 @@ class ModelRunner:
         return self.model.compute_logits(hidden[inputs.all_logits_indices]), inputs
 
     def _set_lora_step(self, inputs: StepInputs) -> None:
-        names = self.batch.lora_names
-        self.lora.set_step([names[row] for row in inputs.token_rows.tolist()])
+        """Each token's adapter. A request whose adapter is not registered (unloaded
+        while it ran, or never sent to this executor) ends with an error, as a failed
+        grammar does; it runs on the base model meanwhile."""
+        names, lora = self.batch.lora_names, self.lora
+        for row in set(inputs.rows.tolist()):
+            if names[row] is not None and names[row] not in lora:
+                log.error("adapter %r is not loaded here: its request fails", names[row])
+                names[row] = None
+                self._failed_rows.add(row)
+        lora.set_step([names[row] for row in inputs.token_rows.tolist()])
+
+    def lora_adapters(self) -> dict[str, str]:
+        return {} if self.lora is None else self.lora.paths()
+
+    def load_lora(self, name: str, path: str) -> tuple[int, list[str]]:
+        if self.lora is None:
+            raise AdapterError("LoRA is off: start the executor with --max-loras")
+        adapter = self.lora.register(name, path)
+        return adapter.rank, adapter.modules
+
+    def unload_lora(self, name: str) -> bool:
+        return self.lora is not None and self.lora.unregister(name)
 
     def _drafts(self, scheduled: tuple[np.ndarray, ...]) -> Drafts:
         """This step's drafts for the sampling requests' slots: proposed on rank 0 and

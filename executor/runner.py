@@ -42,6 +42,21 @@ class Runner(Protocol):
         its sparse layers since the last call (the step span's); None otherwise."""
         ...
 
+    max_loras: int  # LoRA slots (0: no LoRA)
+
+    def lora_adapters(self) -> dict[str, str]:
+        """The adapters registered: name -> directory."""
+        ...
+
+    def load_lora(self, name: str, path: str) -> tuple[int, list[str]]:
+        """Read and register an adapter (called on a thread): its rank and modules.
+        Raises ValueError naming what is refused."""
+        ...
+
+    def unload_lora(self, name: str) -> bool:
+        """Drop an adapter; False when none of that name is registered."""
+        ...
+
     def prepare_grammar(self, spec: GrammarSpec) -> float:
         """Compile a request's output constraint ahead of it (called on a thread);
         the seconds it took. Raises GrammarError."""

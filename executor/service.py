@@ -13,6 +13,7 @@ import grpc
 from prometheus_client import Histogram
 
 from flagstop.executor.convert import plan_from_proto, result_to_proto
+from flagstop.executor.tp_messages import LORA_LOAD, LORA_UNLOAD
 from flagstop.structured import GrammarError, spec_from_proto
 from flagstop.telemetry import LATENCY_BUCKETS, Telemetry, extract
 from flagstop.v1 import executor_pb2, executor_pb2_grpc, generation_pb2
@@ -54,6 +55,7 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         # stream still open (a scheduler that died) is ended at its next message.
         self.generation = 0
         self.compile_pool = ThreadPoolExecutor(2, thread_name_prefix="grammar")
+        self.lora_pool = ThreadPoolExecutor(1, thread_name_prefix="lora")
 
     async def Describe(self, request, context) -> executor_pb2.DescribeExecutorResponse:
         runner, mc = self.runner, self.runner.model_config
@@ -61,6 +63,9 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
             model_name=self.model_name, vocab_size=mc.vocab_size,
             max_model_len=runner.max_model_len, eos_token_ids=list(mc.eos_token_ids),
             block_size=runner.block_size, num_blocks=runner.num_blocks,
+            max_loras=runner.max_loras,
+            lora_adapters=[generation_pb2.LoRAAdapter(name=name, path=path)
+                           for name, path in runner.lora_adapters().items()],
         )  # fmt: skip
         return executor_pb2.DescribeExecutorResponse(
             model=model, max_num_seqs=runner.config.max_num_seqs,
@@ -80,6 +85,34 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         except GrammarError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return executor_pb2.PrepareGrammarResponse(compile_seconds=seconds)
+
+    async def LoadLoRAAdapter(self, request, context) -> generation_pb2.LoadLoRAAdapterResponse:
+        if not self.runner.max_loras:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "LoRA is off: start the executor with --max-loras")  # fmt: skip
+        if not request.lora_name or not request.lora_path:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "lora_name and lora_path are both required")  # fmt: skip
+        try:  # read on a thread: the step loop goes on meanwhile
+            rank, modules = await asyncio.get_running_loop().run_in_executor(
+                self.lora_pool, self.runner.load_lora, request.lora_name, request.lora_path
+            )
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if self.group is not None:  # back on the loop's thread, between two steps
+            self.group.broadcast(LORA_LOAD, request.SerializeToString())
+        log.info("LoRA adapter %s loaded from %s (rank %d: %s)", request.lora_name,
+                 request.lora_path, rank, ", ".join(modules))  # fmt: skip
+        return generation_pb2.LoadLoRAAdapterResponse(rank=rank, modules=modules)
+
+    async def UnloadLoRAAdapter(self, request, context) -> generation_pb2.UnloadLoRAAdapterResponse:
+        if not self.runner.unload_lora(request.lora_name):
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"no LoRA adapter {request.lora_name!r} is loaded")  # fmt: skip
+        if self.group is not None:
+            self.group.broadcast(LORA_UNLOAD, request.SerializeToString())
+        log.info("LoRA adapter %s unloaded", request.lora_name)
+        return generation_pb2.UnloadLoRAAdapterResponse()
 
     async def Execute(
         self, request_iterator: AsyncIterator[executor_pb2.StepRequest], context

@@ -19,11 +19,17 @@ With --speculative-config it fills the scheduler's draft slots without proposing
 anything: each draft is accepted with --simulate-acceptance-rate (a hash, not a
 model), so a request emits 1 + accepted tokens a step, and load tests see
 multi-token steps, rollbacks and block trims.
+
+With --max-loras it registers LoRA adapters by their adapter_config.json (the rank and
+target modules it names; no weights are read, no low-rank product is run), so that
+adapter-aware scheduling and routing are load-tested too.
 """
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -89,6 +95,28 @@ class SimulatedRunner:
         self.acceptance_rate = config.simulate_acceptance_rate
         self.busy_until = self.last_step_seconds = 0.0
         self.batch = self._new_batch()
+        self.max_loras = config.max_loras
+        self.adapters: dict[str, str] = {}
+        for spec in config.lora_modules:
+            name, _, path = spec.partition("=")
+            self.load_lora(name, path)
+
+    def lora_adapters(self) -> dict[str, str]:
+        return dict(self.adapters)
+
+    def load_lora(self, name: str, path: str) -> tuple[int, list[str]]:
+        """Registered by its adapter_config.json alone (see the module's docstring)."""
+        if not self.max_loras:
+            raise ValueError("LoRA is off: start the executor with --max-loras")
+        try:
+            settings = json.loads((Path(path) / "adapter_config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{path}: not a PEFT adapter directory ({e})") from None
+        self.adapters[name] = path
+        return int(settings.get("r", 8)), list(settings.get("target_modules") or [])
+
+    def unload_lora(self, name: str) -> bool:
+        return self.adapters.pop(name, None) is not None
 
     def _new_batch(self) -> SimulatedBatch:
         return SimulatedBatch(self.config.max_num_seqs, self.max_model_len, self.block_size,

@@ -19,9 +19,9 @@ from flagstop.executor.distributed import (
     start_group,
 )
 from flagstop.executor.model_runner import ModelRunner
-from flagstop.executor.tp_messages import RESET, STEP, STOP
+from flagstop.executor.tp_messages import LORA_LOAD, LORA_UNLOAD, RESET, STEP, STOP
 from flagstop.server import StartupError
-from flagstop.v1 import executor_pb2
+from flagstop.v1 import executor_pb2, generation_pb2
 
 log = logging.getLogger("flagstop.executor.tp")
 
@@ -45,6 +45,13 @@ def follow(config: ExecutorConfig, membership: Membership) -> None:
             runner.execute_shard(plan_from_proto(executor_pb2.StepRequest.FromString(payload)))
         elif kind == RESET:
             runner.reset()
+        elif kind == LORA_LOAD:
+            load = generation_pb2.LoadLoRAAdapterRequest.FromString(payload)
+            runner.lora.register_in_background(load.lora_name, load.lora_path)
+        elif kind == LORA_UNLOAD:
+            runner.unload_lora(
+                generation_pb2.UnloadLoRAAdapterRequest.FromString(payload).lora_name
+            )
         elif kind == STOP:
             return
 

@@ -90,6 +90,10 @@ class RouterEngine:
         the call's headers (a W3C traceparent makes the request part of the client's
         trace). Raises RequestFailed."""
         limits = self.check_serving()
+        lora_name = request.lora_name
+        if lora_name and lora_name not in self.replicas.adapters():
+            message = f"LoRA adapter {lora_name!r} is not loaded (/v1/models lists them)"
+            raise RequestFailed(grpc.StatusCode.NOT_FOUND, message, "model")
         try:
             token_ids = prompt_ids(request, self.tokenizer)
             sampling = validate(request, token_ids, limits)
@@ -107,12 +111,13 @@ class RouterEngine:
             min_tokens=request.min_tokens, ignore_eos=request.ignore_eos,
             stop_token_ids=request.stop_token_ids, priority=request.priority,
             arrival_time=time.time(), traceparent=trace.traceparent(), labels=request.labels,
+            lora_name=lora_name,
         )  # fmt: skip
         if request.HasField("max_tokens"):
             add.max_tokens = request.max_tokens
         if request.HasField("num_speculative_tokens"):
             add.num_speculative_tokens = request.num_speculative_tokens
-        replica = self.replicas.choose(token_ids, self.replicas.routable())
+        replica = self.replicas.choose(token_ids, self.replicas.routable(), lora_name=lora_name)
         pending = Pending(request_id, request, token_ids, trace, add, replica)
         if request.HasField("logprobs"):
             pending.logprobs = []
@@ -206,6 +211,41 @@ class RouterEngine:
                     await asyncio.sleep(interval)
         finally:
             self.release(pending)
+
+    # -- LoRA adapters -----------------------------------------------------------
+
+    async def load_lora(self, name: str, path: str) -> generation_pb2.LoadLoRAAdapterResponse:
+        """On every connected replica (each reads its own copy of the directory); the
+        first refusal is raised as RequestFailed, the replicas that took it keep it."""
+        request = generation_pb2.LoadLoRAAdapterRequest(lora_name=name, lora_path=path)
+        replies = await self._on_replicas("LoadLoRAAdapter", request)
+        for replica in self.replicas:
+            if replica.connected:
+                replica.adapters[name] = path
+        return replies[0]
+
+    async def unload_lora(self, name: str) -> None:
+        """From every replica that holds it: NOT_FOUND when none does."""
+        holders = [r for r in self.replicas if r.connected and name in r.adapters]
+        if not holders:
+            raise RequestFailed(grpc.StatusCode.NOT_FOUND, f"no LoRA adapter {name!r} is loaded")
+        request = generation_pb2.UnloadLoRAAdapterRequest(lora_name=name)
+        await self._on_replicas("UnloadLoRAAdapter", request, holders)
+        for replica in holders:
+            replica.adapters.pop(name, None)
+
+    async def _on_replicas(self, method: str, request, replicas=None) -> list:
+        replicas = replicas or [r for r in self.replicas if r.connected]
+        if not replicas:
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "no replica is connected; retry")
+        calls = [getattr(r.stub, method)(request, timeout=60) for r in replicas]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        for replica, result in zip(replicas, results, strict=True):
+            if isinstance(result, grpc.aio.AioRpcError):
+                raise RequestFailed(result.code(), f"{replica.address}: {result.details()}")
+            if isinstance(result, BaseException):
+                raise result
+        return results
 
     # -- shutdown --------------------------------------------------------------
 

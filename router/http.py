@@ -17,13 +17,20 @@ from flagstop.router.auth import REFUSAL, BearerKey
 from flagstop.router.chat import ChatTemplate
 from flagstop.router.engine import RouterEngine
 from flagstop.router.http_errors import BodyLimit, Contained, add_error_handlers
-from flagstop.router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from flagstop.router.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+)
 from flagstop.router.openai_responses import Choice
 from flagstop.router.openai_server import (
     OpenAIError,
     OpenAIFront,
+    from_failure,
     until_disconnected,
 )
+from flagstop.router.output import RequestFailed
 from flagstop.router.responses_api import ResponsesRequest, chat_request
 from flagstop.router.responses_events import ResponseEvents
 from flagstop.router.settings import RouterSettings
@@ -58,21 +65,46 @@ def create_app(engine: RouterEngine, settings: RouterSettings, chat: ChatTemplat
     async def openapi() -> Response:
         return json_response(app.openapi())
 
-    def model_card() -> dict:
+    def model_cards() -> dict[str, dict]:
+        """The base model and each LoRA adapter, its parent the base (vLLM's cards)."""
         info = engine.model_info
         front.check_model(info.model_name)
-        return {"id": info.model_name, "object": "model", "created": 0, "owned_by": "flagstop",
+        base = {"id": info.model_name, "object": "model", "created": 0, "owned_by": "flagstop",
+                "root": info.model_name, "parent": None,
                 "max_model_len": info.max_model_len}  # fmt: skip
+        cards = {info.model_name: base}
+        for name, path in sorted(engine.replicas.adapters().items()):
+            cards[name] = {**base, "id": name, "root": path, "parent": info.model_name}
+        return cards
 
     @app.get("/v1/models", dependencies=v1)
     async def models() -> Response:
-        return json_response({"object": "list", "data": [model_card()]})
+        return json_response({"object": "list", "data": list(model_cards().values())})
 
     @app.get("/v1/models/{model_id:path}", dependencies=v1)
     async def model(model_id: str) -> Response:
-        card = model_card()
+        cards = model_cards()
         front.check_model(model_id)
-        return json_response(card)
+        return json_response(cards[model_id])
+
+    @app.post("/v1/load_lora_adapter", dependencies=v1)
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+        """vLLM's runtime load: on every replica; 200 with its message, or the error."""
+        try:
+            await engine.load_lora(body.lora_name, body.lora_path)
+        except RequestFailed as e:
+            raise from_failure(e) from None
+        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.",
+                        media_type="text/plain")  # fmt: skip
+
+    @app.post("/v1/unload_lora_adapter", dependencies=v1)
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+        try:
+            await engine.unload_lora(body.lora_name)
+        except RequestFailed as e:
+            raise from_failure(e) from None
+        return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.",
+                        media_type="text/plain")  # fmt: skip
 
     @app.post("/v1/completions", dependencies=v1)
     async def completions(body: CompletionRequest, http: Request) -> Response:
@@ -109,8 +141,8 @@ def create_app(engine: RouterEngine, settings: RouterSettings, chat: ChatTemplat
         prompt = chat.render([m.as_template_input() for m in as_chat.messages],
                              as_chat.template_tools())  # fmt: skip
         parser = parser_factory(as_chat, settings.tool_call_parser)
-        [pending] = front.submit([as_chat.choice_request(prompt, 0)], list(http.headers.items()),
-                                 "responses")  # fmt: skip
+        requests = front.with_adapter([as_chat.choice_request(prompt, 0)], body.model)
+        [pending] = front.submit(requests, list(http.headers.items()), "responses")
         builder = front.builder(as_chat, "chat")
         [choice] = front.choices(as_chat, [pending], lambda i, p: Choice(i, tools=parser()))
         builder.usage.prompt_tokens = len(pending.prompt_token_ids)

@@ -481,3 +481,18 @@ class ChatCompletionRequest(OpenAIRequest):
         if self.logprobs:
             request.logprobs = self.top_logprobs or 0
         return request
+
+
+class LoadLoRAAdapterRequest(EncodableText):
+    """vLLM's POST /v1/load_lora_adapter body: the name requests will give as their
+    model, and the PEFT directory as each replica's executor reads it."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(EncodableText):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None  # vLLM's, accepted and unused: adapters go by name

@@ -21,6 +21,7 @@ from flagstop.router.output import Pending, RequestFailed
 
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,  # e.g. a LoRA load on an engine without slots
     grpc.StatusCode.UNAUTHENTICATED: 401,
     grpc.StatusCode.NOT_FOUND: 404,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
@@ -100,13 +101,27 @@ class OpenAIFront:
         self.texts = TokenTexts(engine.tokenizer)
 
     def check_model(self, name: str) -> str:
+        """The model a request names: the base model or one of its LoRA adapters
+        (vLLM's convention); 404 model_not_found otherwise."""
         served = self.engine.model_info.model_name
         if self.engine.limits is None:
             raise OpenAIError(503, "the router is not connected to a scheduler yet; retry")
-        if name != served:
+        if name != served and name not in self.engine.replicas.adapters():
             message = f"model {name!r} is not served here; this router serves {served!r}"
+            if adapters := sorted(self.engine.replicas.adapters()):
+                message += f" and its LoRA adapters {', '.join(map(repr, adapters))}"
             raise OpenAIError(404, message, "model", "model_not_found")
-        return served
+        return name
+
+    def lora_name(self, model: str) -> str:
+        """The adapter a checked model name runs ("": the base model)."""
+        return "" if model == self.engine.model_info.model_name else model
+
+    def with_adapter(self, requests, model: str) -> list:
+        lora_name = self.lora_name(self.check_model(model))
+        for request in requests:
+            request.lora_name = lora_name
+        return requests
 
     def submit(self, requests, metadata, operation: str) -> list[Pending]:
         """All of a response's choices, or none (one refused releases the others)."""
@@ -143,6 +158,7 @@ class OpenAIFront:
         make: each choice's Choice (echo, tools), given its index and request."""
         builder = self.builder(body, kind)
         operation = "chat" if kind == "chat" else "text_completion"
+        requests = self.with_adapter(requests, body.model)
         pendings = self.submit(requests, list(http.headers.items()), operation)
         choices = self.choices(body, pendings, make)
         builder.usage.prompt_tokens = sum(len(c.prompt_token_ids) for c in choices

@@ -42,7 +42,13 @@ class Replica:
         self.routed_since_report = 0
         self.last_failure = ""  # why the last attempt failed, since the last success
         self.channel = channel(address, tls)
+        self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
         self.task: asyncio.Task | None = None
+        # Its LoRA adapters (name -> directory), from its description; described again
+        # when its load reports another adapters version.
+        self.adapters: dict[str, str] = {}
+        self.max_loras = 0
+        self.lora_version = -1
 
     @property
     def load(self) -> int:
@@ -74,7 +80,7 @@ class Replica:
             self.flush.set()
 
     async def run(self) -> None:
-        stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
+        stub = self.stub
         try:
             while True:
                 try:
@@ -112,6 +118,7 @@ class Replica:
     async def _connect(self, stub) -> None:
         info = await stub.Describe(scheduler_pb2.DescribeSchedulerRequest(), timeout=5)
         self.fleet.described(info.model)
+        self.take_adapters(info.model)
         self.described = True
         call = stub.Connect()
         await call.write(scheduler_pb2.RouterMessage(router_id=self.settings.router_id))
@@ -126,6 +133,19 @@ class Replica:
         finally:
             writer.cancel()
             call.cancel()
+
+    def take_adapters(self, model) -> None:
+        self.adapters = {a.name: a.path for a in model.lora_adapters}
+        self.max_loras = model.max_loras
+
+    async def describe_adapters(self) -> None:
+        """Its adapters changed (loaded or unloaded there, or by another router)."""
+        try:
+            info = await self.stub.Describe(scheduler_pb2.DescribeSchedulerRequest(), timeout=5)
+            self.take_adapters(info.model)
+        except grpc.aio.AioRpcError as e:
+            log.warning("scheduler %s: its adapters not described again: %s", self.address,
+                        e.code())  # fmt: skip
 
     async def _write(self, call) -> None:
         """One message per wake-up: every abort and every release the credits allow."""
@@ -154,6 +174,9 @@ class Replica:
             fan_out(msg)
             if msg.HasField("load"):
                 self.reported, self.routed_since_report = msg.load, 0
+                if msg.load.lora_adapters_version != self.lora_version:
+                    self.lora_version = msg.load.lora_adapters_version
+                    asyncio.get_running_loop().create_task(self.describe_adapters())
             if msg.credits:
                 self.credits += msg.credits
                 self.flush.set()

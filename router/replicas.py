@@ -22,7 +22,7 @@ from flagstop.router.routing import PrefixIndex, ReplicaChooser, ReplicaView, Ro
 from flagstop.router.settings import RouterSettings
 from flagstop.router.telemetry import ROUTED, export_model
 from flagstop.router.validation import ModelLimits
-from flagstop.scheduler_svc.core.kv_cache_manager import chain_hashes
+from flagstop.scheduler_svc.core.kv_cache_manager import chain_hashes, lora_root
 from flagstop.server import TLSConfig
 from flagstop.settings import config_from
 from flagstop.v1 import generation_pb2, scheduler_pb2
@@ -143,13 +143,24 @@ class ReplicaSet:
         replicas = self.by_address.values()
         return [r for r in replicas if r.connected] or [r for r in replicas if r.may_come_back]
 
-    def choose(self, token_ids, replicas: list[Replica], moved: bool = False) -> Replica:
+    def adapters(self) -> dict[str, str]:
+        """Every adapter some replica holds: name -> its directory there."""
+        return {name: path for r in self.by_address.values() for name, path in r.adapters.items()}
+
+    def choose(
+        self, token_ids, replicas: list[Replica], moved: bool = False, lora_name: str = ""
+    ) -> Replica:
+        if lora_name:  # only a replica holding the adapter can run it
+            replicas = [r for r in replicas if lora_name in r.adapters] or replicas
         by_name = {r.address: r for r in replicas}
         hashes = []
         if self.settings.routing == "prefix":
-            hashes = chain_hashes(list(token_ids), self.model_info.block_size)
-        views = [ReplicaView(r.address, r.load, r.reported.kv_cache_usage) for r in replicas]
-        name, why = self.chooser.choose(hashes, views)
+            hashes = chain_hashes(list(token_ids), self.model_info.block_size,
+                                  parent_hash=lora_root(lora_name))  # fmt: skip
+        views = [ReplicaView(r.address, r.load, r.reported.kv_cache_usage,
+                             frozenset(r.reported.running_loras), r.max_loras)
+                 for r in replicas]  # fmt: skip
+        name, why = self.chooser.choose(hashes, views, lora_name)
         replica = by_name[name]
         replica.routed_since_report += 1
         ROUTED.labels(name, "moved" if moved else why).inc()
@@ -177,7 +188,7 @@ class ReplicaSet:
     def _move(self, replica: Replica, live: list[Replica]) -> None:
         moved: dict[Replica, list[scheduler_pb2.AddRequest]] = {}
         for add in replica.admission.take_all():
-            target = self.choose(add.prompt_token_ids, live, moved=True)
+            target = self.choose(add.prompt_token_ids, live, moved=True, lora_name=add.lora_name)
             self.requests[add.request_id].replica = target
             moved.setdefault(target, []).append(add)
         for target, adds in moved.items():

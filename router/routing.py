@@ -10,6 +10,13 @@ replica's load, and gets a replica's name back.
   than an approximate radix tree of characters.
 - least-loaded: the replica with the fewest requests running and waiting.
 - round-robin: in turn.
+
+A LoRA request (prefix and least-loaded routing) goes, as the Gateway API Inference
+Extension's LoRA affinity does, first to the replicas where its adapter runs already
+(warm: in a slot) unless they are far busier than the least loaded, then to those
+with a slot free for one more adapter, then anywhere; among them by the rule above.
+Its block hashes start from its adapter's root (kv_cache_manager.lora_root), so the
+prefix index never mixes two adapters' blocks either.
 """
 
 import itertools
@@ -28,6 +35,8 @@ class ReplicaView:
     name: str
     load: int  # requests running and waiting there, and queued here for it
     kv_cache_usage: float = 0.0
+    running_loras: frozenset[str] = frozenset()  # adapters of its running requests
+    max_loras: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,15 +107,33 @@ class ReplicaChooser:
         self.config, self.index = config, index
         self.turn = itertools.count()
 
-    def choose(self, hashes: Sequence[bytes], replicas: Sequence[ReplicaView]) -> tuple[str, str]:
-        """(replica name, why: prefix, least-cached, least-loaded or round-robin)."""
+    def choose(
+        self, hashes: Sequence[bytes], replicas: Sequence[ReplicaView], lora_name: str = ""
+    ) -> tuple[str, str]:
+        """(replica name, why: prefix, least-cached, least-loaded or round-robin;
+        lora-warm or lora-room for a LoRA request)."""
         if self.config.routing == "round-robin":
             return replicas[next(self.turn) % len(replicas)].name, "round-robin"
+        why = ""
+        if lora_name:
+            replicas, why = self._by_adapter(lora_name, replicas)
         if self.config.routing == "least-loaded":
-            return self._least_loaded(replicas), "least-loaded"
-        name, why = self._by_prefix(hashes, replicas)
+            return self._least_loaded(replicas), why or "least-loaded"
+        name, by_prefix = self._by_prefix(hashes, replicas)
         self.index.record(hashes, name)
-        return name, why
+        return name, why or by_prefix
+
+    def _by_adapter(
+        self, lora_name: str, replicas: Sequence[ReplicaView]
+    ) -> tuple[Sequence[ReplicaView], str]:
+        """The replicas a LoRA request may go to: where its adapter is warm, else
+        where a slot is free, else all (and why)."""
+        fit = [r for r in replicas if not self._far_busier(r, replicas)]
+        if warm := [r for r in fit if lora_name in r.running_loras]:
+            return warm, "lora-warm"
+        if room := [r for r in fit if len(r.running_loras) < r.max_loras]:
+            return room, "lora-room"
+        return replicas, ""
 
     def _by_prefix(
         self, hashes: Sequence[bytes], replicas: Sequence[ReplicaView]

@@ -47,6 +47,16 @@ def add_to_server(service: "GenerationService", server) -> None:
             request_deserializer=_tolerant(generation_pb2.GetModelInfoRequest),
             response_serializer=generation_pb2.GetModelInfoResponse.SerializeToString,
         ),
+        "LoadLoRAAdapter": grpc.unary_unary_rpc_method_handler(
+            service.LoadLoRAAdapter,
+            request_deserializer=_tolerant(generation_pb2.LoadLoRAAdapterRequest),
+            response_serializer=generation_pb2.LoadLoRAAdapterResponse.SerializeToString,
+        ),
+        "UnloadLoRAAdapter": grpc.unary_unary_rpc_method_handler(
+            service.UnloadLoRAAdapter,
+            request_deserializer=_tolerant(generation_pb2.UnloadLoRAAdapterRequest),
+            response_serializer=generation_pb2.UnloadLoRAAdapterResponse.SerializeToString,
+        ),
     }  # fmt: skip
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
@@ -71,7 +81,27 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         await _refuse_undecodable(request, context)
         if self.engine.limits is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "not connected to a scheduler yet")
-        return generation_pb2.GetModelInfoResponse(model=self.engine.model_info)
+        model = generation_pb2.ModelInfo()
+        model.CopyFrom(self.engine.model_info)
+        del model.lora_adapters[:]
+        model.lora_adapters.extend(generation_pb2.LoRAAdapter(name=n, path=p)
+                                   for n, p in self.engine.replicas.adapters().items())  # fmt: skip
+        return generation_pb2.GetModelInfoResponse(model=model)
+
+    async def LoadLoRAAdapter(self, request, context) -> generation_pb2.LoadLoRAAdapterResponse:
+        await _refuse_undecodable(request, context)
+        try:
+            return await self.engine.load_lora(request.lora_name, request.lora_path)
+        except RequestFailed as e:
+            await context.abort(e.code, e.message)
+
+    async def UnloadLoRAAdapter(self, request, context) -> generation_pb2.UnloadLoRAAdapterResponse:
+        await _refuse_undecodable(request, context)
+        try:
+            await self.engine.unload_lora(request.lora_name)
+        except RequestFailed as e:
+            await context.abort(e.code, e.message)
+        return generation_pb2.UnloadLoRAAdapterResponse()
 
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context

@@ -28,6 +28,7 @@ def request_from_proto(
         skip_prefix_cache=add.sampling.HasField("prompt_logprobs"),
         max_spec_tokens=add.num_speculative_tokens
         if add.HasField("num_speculative_tokens") else None,
+        lora_name=add.lora_name,
     )  # fmt: skip
 
 

@@ -52,6 +52,7 @@ class ExecutorLink:
         self.connected = False
         self.reconnect = Reconnect(give_up_after_s=settings.executor_timeout)
         self.wakeup = asyncio.Event()  # new work, or a request that may run now
+        self.lora_version = 0  # bumped by each load and unload (ReplicaLoad's)
 
     @property
     def model(self) -> generation_pb2.ModelInfo:
@@ -116,7 +117,48 @@ class ExecutorLink:
                 self.service.fail_all(grpc.StatusCode.UNAVAILABLE, str(e))
                 await self.reconnect.wait()
                 continue
+            await self._restore_adapters(info)
             return info.model.num_blocks
+
+    # -- LoRA adapters ---------------------------------------------------------
+    # The adapters live in self.info.model.lora_adapters: the first executor's, then
+    # those loaded and unloaded through us, restored on each executor that comes back.
+
+    def adapters(self) -> dict[str, str]:
+        return {a.name: a.path for a in self.info.model.lora_adapters}
+
+    async def load_lora(self, request) -> generation_pb2.LoadLoRAAdapterResponse:
+        reply = await self.stub.LoadLoRAAdapter(request, timeout=self.settings.executor_timeout)
+        self._set_adapters({**self.adapters(), request.lora_name: request.lora_path})
+        return reply
+
+    async def unload_lora(self, request) -> generation_pb2.UnloadLoRAAdapterResponse:
+        adapters = self.adapters()
+        adapters.pop(request.lora_name, None)
+        self._set_adapters(adapters)  # gone here even if the executor is away
+        return await self.stub.UnloadLoRAAdapter(request, timeout=self.settings.executor_timeout)
+
+    def _set_adapters(self, adapters: dict[str, str]) -> None:
+        del self.info.model.lora_adapters[:]
+        self.info.model.lora_adapters.extend(
+            generation_pb2.LoRAAdapter(name=n, path=p) for n, p in adapters.items()
+        )
+        self.lora_version += 1
+
+    async def _restore_adapters(self, info: executor_pb2.DescribeExecutorResponse) -> None:
+        """A new executor gets the adapters loaded at runtime (its own --lora-modules
+        it read itself); one it refuses now is dropped, said once."""
+        theirs = {a.name for a in info.model.lora_adapters}
+        for name, path in self.adapters().items():
+            if name in theirs:
+                continue
+            request = generation_pb2.LoadLoRAAdapterRequest(lora_name=name, lora_path=path)
+            try:
+                await self.stub.LoadLoRAAdapter(request, timeout=self.settings.executor_timeout)
+            except grpc.aio.AioRpcError as e:
+                log.error("LoRA adapter %s not restored on the new executor: %s", name,
+                          e.details())  # fmt: skip
+                self._set_adapters({n: p for n, p in self.adapters().items() if n != name})
 
     async def prepare_grammar(self, add: scheduler_pb2.AddRequest) -> None:
         """Compile a request's constraint on the executor (raises AioRpcError)."""

@@ -16,7 +16,7 @@ from flagstop.health import Health
 from flagstop.scheduler_svc.convert import request_from_proto
 from flagstop.scheduler_svc.core.output import OwnerOutputs, SchedulerOutput
 from flagstop.scheduler_svc.core.policy import RankedPolicy
-from flagstop.scheduler_svc.core.request import FinishReason
+from flagstop.scheduler_svc.core.request import FinishReason, RequestStatus
 from flagstop.scheduler_svc.core.scheduler import RequestRejected, Scheduler
 from flagstop.scheduler_svc.executor_link import ExecutorLink, ExecutorMismatch
 from flagstop.scheduler_svc.policy_client import POLICY_SERVICE, RemotePolicyClient
@@ -74,8 +74,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         try:
             info = await self.link.first_executor()
             config = s.core_config(
-                info.model.max_model_len, info.model.block_size, info.num_speculative_tokens
-            )
+                info.model.max_model_len, info.model.block_size, info.num_speculative_tokens,
+                info.model.max_loras,
+            )  # fmt: skip
         except (ExecutorMismatch, ValueError) as e:
             raise StartupError(str(e)) from None
         self.telemetry.model_name = info.model.model_name
@@ -176,10 +177,17 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def _load(self) -> scheduler_pb2.ReplicaLoad:
         scheduler = self.scheduler
         assert scheduler is not None
-        return scheduler_pb2.ReplicaLoad(
+        load = scheduler_pb2.ReplicaLoad(
             num_running=len(scheduler.running), num_waiting=self.num_waiting(),
             kv_cache_usage=scheduler.kv_cache_usage,
+            lora_adapters_version=self.link.lora_version,
         )  # fmt: skip
+        if scheduler.config.max_loras:
+            running, waiting = scheduler.adapters_in_use()
+            load.running_loras.extend(running)
+            load.waiting_loras.extend(waiting)
+            self.telemetry.lora_requests(running, waiting, scheduler.config.max_loras)
+        return load
 
     def num_waiting(self) -> int:
         """Requests waiting here and those the routers still hold queued for us."""
@@ -301,6 +309,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         return self._admit(conn, add)
 
     def _admit(self, conn: RouterConnection, add: scheduler_pb2.AddRequest):
+        if add.lora_name and add.lora_name not in self.link.adapters():
+            return scheduler_pb2.RequestError(
+                request_id=add.request_id, code=grpc.StatusCode.NOT_FOUND.value[0],
+                message=f"LoRA adapter {add.lora_name!r} is not loaded on this replica",
+            )  # fmt: skip
         try:
             self.scheduler.add_request(request_from_proto(add, conn.router_id, self.eos_token_ids))
             self.telemetry.on_add(add.request_id, len(add.prompt_token_ids), add.traceparent)
@@ -393,6 +406,39 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             remote_policy_failures=self.policy_client.num_failures if self.policy_client else 0,
             num_routers=len(self.routers),
         )  # fmt: skip
+
+    async def LoadLoRAAdapter(self, request, context) -> generation_pb2.LoadLoRAAdapterResponse:
+        try:
+            return await self.link.load_lora(request)
+        except grpc.aio.AioRpcError as e:
+            await context.abort(e.code(), e.details())
+
+    async def UnloadLoRAAdapter(self, request, context) -> generation_pb2.UnloadLoRAAdapterResponse:
+        """Its requests end first (NOT_FOUND: the adapter is gone), then the executor
+        drops it."""
+        name = request.lora_name
+        if name not in self.link.adapters():
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no LoRA adapter {name!r} is loaded")
+        if self.scheduler is not None:
+            self._fail_adapter_requests(name)
+        try:
+            return await self.link.unload_lora(request)
+        except grpc.aio.AioRpcError as e:
+            await context.abort(e.code(), e.details())
+
+    def _fail_adapter_requests(self, name: str) -> None:
+        ids_by_owner: dict[str, list[str]] = {}
+        for request in self.scheduler.requests.values():
+            if request.lora_name == name:
+                ids_by_owner.setdefault(request.owner, []).append(request.request_id)
+        message = f"LoRA adapter {name!r} was unloaded"
+        for owner, ids in ids_by_owner.items():
+            self.scheduler.abort(ids, RequestStatus.FINISHED_ERROR)
+            errors = [scheduler_pb2.RequestError(
+                request_id=r, code=grpc.StatusCode.NOT_FOUND.value[0], message=message,
+            ) for r in ids]  # fmt: skip
+            if (conn := self.routers.get(owner)) is not None:
+                conn.outbox.put_nowait(scheduler_pb2.SchedulerMessage(errors=errors))
 
     # -- shutdown --------------------------------------------------------------
 

@@ -58,13 +58,14 @@ class SchedulerSettings(ServiceSettings):
     """on SIGTERM: seconds the requests in flight get to finish"""
 
     def core_config(
-        self, executor_max_model_len: int, block_size: int, num_speculative_tokens: int = 0
-    ) -> SchedulerConfig:
+        self, executor_max_model_len: int, block_size: int, num_speculative_tokens: int = 0,
+        max_loras: int = 0,
+    ) -> SchedulerConfig:  # fmt: skip
         """The core's config once the executor has described itself (its model's
-        length, its block size, the draft tokens it proposes; raises ValueError for a
-        combination the core cannot run)."""
+        length, its block size, the draft tokens it proposes, its LoRA slots; raises
+        ValueError for a combination the core cannot run)."""
         return config_from(
             self, SchedulerConfig,
             max_model_len=self.max_model_len or executor_max_model_len, block_size=block_size,
-            num_speculative_tokens=num_speculative_tokens,
+            num_speculative_tokens=num_speculative_tokens, max_loras=max_loras,
         )  # fmt: skip

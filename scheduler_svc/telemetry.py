@@ -35,6 +35,13 @@ SPEC_ACCEPTED_PER_POS = Counter(
     "Draft tokens accepted, by position in the draft",
     ["model_name", "position"],
 )  # fmt: skip
+# As vLLM exports it, and the Gateway API Inference Extension's endpoint picker reads
+# it: one series, its labels the adapters of the running and the waiting requests
+# (comma-separated), its value when they were last set.
+LORA_INFO = Gauge(
+    "vllm:lora_requests_info", "Running and waiting LoRA adapters",
+    ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+)  # fmt: skip
 STEP_SECONDS = Histogram(
     "flagstop:step_duration_seconds", "From planning a step to applying its tokens",
     ["model_name"], buckets=LATENCY_BUCKETS,
@@ -42,9 +49,9 @@ STEP_SECONDS = Histogram(
 
 
 class SchedulerTelemetry:
-    __slots__ = ("_model_name", "arrivals", "enabled", "last_hits", "last_preemptions",
-                 "last_queries", "last_spec", "metrics", "request_spans", "steps",
-                 "tracer")  # fmt: skip
+    __slots__ = ("_model_name", "arrivals", "enabled", "last_hits", "last_lora",
+                 "last_preemptions", "last_queries", "last_spec", "metrics", "request_spans",
+                 "steps", "tracer")  # fmt: skip
 
     def __init__(self, telemetry: Telemetry) -> None:
         self.enabled, self.tracer = telemetry.enabled, telemetry.tracer
@@ -57,6 +64,17 @@ class SchedulerTelemetry:
         self.last_preemptions = self.last_queries = self.last_hits = 0
         self.last_spec: tuple[int, int, int, list[int]] = (0, 0, 0, [])
         self.metrics: tuple = ()  # this model's labelled metrics, looked up once
+        self.last_lora: tuple[str, str, str] | None = None
+
+    def lora_requests(self, running: list[str], waiting: list[str], max_loras: int) -> None:
+        """vllm:lora_requests_info: a new series when the adapters change (the old one
+        removed: one series at a time, whatever passes)."""
+        labels = (str(max_loras), ",".join(waiting), ",".join(running))
+        if labels != self.last_lora:
+            if self.last_lora is not None:
+                LORA_INFO.remove(*self.last_lora)
+            self.last_lora = labels
+        LORA_INFO.labels(*labels).set(time.time())
 
     @property
     def model_name(self) -> str:

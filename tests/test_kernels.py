@@ -340,12 +340,20 @@ def test_attention_on_an_fp8_cache_is_attention_on_its_values(backend, dtype):
     assert ((got.float() - exact.float()).norm() / exact.float().norm()) < 0.05
 
 
+LORA_STEPS = {  # each token's slot (-1: the base model)
+    "prefill": [2, -1, 0, 2, 3, *[0] * 11, -1, 3, 2],  # segments of 12, 3, 2: grouped
+    "decode": [0, 1, 2, 3, 0, 1, -1, 2],  # short segments: batched in bmm's
+}
+
+
+@pytest.mark.parametrize("step", LORA_STEPS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_lora_sgmv_equals_the_grouped_torch_products(dtype):
-    """Punica's segmented gather matmuls against the torch path: tokens of three slots
-    and of none, interleaved as a batch's requests are (a prefill of 9, decodes of one),
-    into a layer of three packed parts (q, k, v: 64, 32, 32 rows) at a padded rank 16
-    with one adapter of rank 8 (its other rows zero, as the slots hold them)."""
+def test_lora_sgmv_equals_the_torch_products(dtype, step):
+    """Punica's segmented gather matmuls against the torch path (grouped by adapter
+    for a prefill's long segments, batched for a decode's short ones): tokens of
+    several slots and of none, interleaved as a batch's requests are, into a layer of
+    three packed parts (q, k, v: 64, 32, 32 rows) at a padded rank 16 with one adapter
+    of rank 8 (its other rows zero, as the slots hold them)."""
     import numpy as np
 
     from flagstop.executor.lora.mapping import LoRAMapping
@@ -355,8 +363,9 @@ def test_lora_sgmv_equals_the_grouped_torch_products(dtype):
     a = randn(slots, 3 * rank, hidden, dtype=dtype, seed=1) * 0.1
     b = randn(slots, 128, rank, dtype=dtype, seed=2) * 0.1
     a[2, 8:16], b[2, :, 8:] = 0, 0
-    token_slots = np.array([2, -1, 0, 2, 3, *[0] * 9, -1, 3, 2], np.int64)
+    token_slots = np.array(LORA_STEPS[step], np.int64)
     mapping = LoRAMapping.of(token_slots, torch.device(DEVICE))
+    assert (mapping.padded is not None) == (step == "decode")
     x = randn(len(token_slots), hidden, dtype=dtype, seed=3)
     base = randn(len(token_slots), 128, dtype=dtype, seed=4)
     expected, got = base.clone(), base.clone()

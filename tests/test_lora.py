@@ -4,6 +4,7 @@ peft's merged model on transformers, a batch mixing adapters and the base model,
 slots refilled least recently used first, and the adapters flagstop refuses."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -160,8 +161,10 @@ def test_a_rank_above_the_limit_and_another_models_adapter_are_refused(base, tmp
         runner(base, {"foreign": foreign})
     with pytest.raises(AdapterError, match=r"no adapter_config\.json"):
         runner(base, {"none": tmp_path})
-    with pytest.raises(AdapterError, match="expected name=DIR"):
+    with pytest.raises(ValueError, match="each adapter is name=DIR"):
         runner(base, {"": big})
+    with pytest.raises(ValueError, match="--lora-modules needs --max-loras"):
+        runner(base, {"big": big}, max_loras=0)
 
 
 @pytest.mark.processes
@@ -180,3 +183,207 @@ def test_two_ranks_give_the_logits_of_one(base, tmp_path):
     assert len(parallel) == len(single) >= 10
     for context, one in single:
         torch.testing.assert_close(parallel[tuple(context)], one, atol=TOL, rtol=0)
+
+
+# -- the stack ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def adapters(base, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    return {"a": make_adapter(base, root / "a", "attention", 8, seed=11),
+            "b": make_adapter(base, root / "b", "mlp", 16, seed=12),
+            "c": make_adapter(base, root / "c", "all", 4, seed=13)}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def references(base, adapters):
+    out = {name: merged_reference(base, path) for name, path in adapters.items()}
+    out[""] = load_reference(base)
+    return out
+
+
+def http(stack, method: str, path: str, body: dict | None = None) -> tuple[int, object]:
+    import httpx
+
+    response = httpx.request(method, f"http://{stack.http}{path}", json=body, timeout=60)
+    try:
+        return response.status_code, response.json()
+    except ValueError:
+        return response.status_code, response.text
+
+
+@pytest.mark.processes
+def test_the_stack_serves_adapters_by_name_loads_them_at_runtime_and_keeps_them(
+    base, adapters, references, tmp_path
+):
+    """Two slots, adapter a from start-up: /v1/models lists it under the base; greedy
+    streams of a, b and c (loaded at runtime while a streams) and the base, all at
+    once, are each peft's merged model's; unknown adapters are 404 / NOT_FOUND; the
+    same prompt under two adapters shares no block; a killed executor comes back with
+    the adapter loaded at runtime and the streams go on token-exact."""
+    import grpc
+
+    from flagstop.v1 import generation_pb2
+    from tests.helpers.checkpoints import reference_generate
+    from tests.helpers.streams import Streams
+    from tools.stack import generate, start_stack
+
+    executor_args = ["--num-blocks", "256", "--max-loras", "2",
+                     "--lora-modules", f"a={adapters['a']}"]  # fmt: skip
+    stack = start_stack(base, tmp_path, executor_args=executor_args)
+    try:
+        status, listed = http(stack, "GET", "/v1/models")
+        assert status == 200
+        assert [(m["id"], m["parent"]) for m in listed["data"]] == [(base.name, None),
+                                                                     ("a", base.name)]  # fmt: skip
+        status, error = http(stack, "POST", "/v1/completions",
+                             {"model": "nope", "prompt": [0, 5, 6], "max_tokens": 2})  # fmt: skip
+        assert status == 404 and error["error"]["code"] == "model_not_found", error
+        with pytest.raises(grpc.RpcError) as refused:
+            generate(stack, prompt_token_ids=[0, 5], max_tokens=2, lora_name="nope")
+        assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+
+        prompts = {name: [0, *range(30 + 7 * i, 50 + 7 * i)] for i, name in enumerate("abc")}
+        prompts[""] = prompts["a"]  # the same prompt: never a's cached blocks
+        streams = Streams(stack, [(prompts["a"], 120)], lora_name="a")
+        streams.wait_for_tokens(5)
+        status, text = http(stack, "POST", "/v1/load_lora_adapter",
+                            {"lora_name": "b", "lora_path": str(adapters["b"])})  # fmt: skip
+        assert status == 200 and "added successfully" in text, text
+        stub = stack.generation()
+        stub.LoadLoRAAdapter(generation_pb2.LoadLoRAAdapterRequest(
+            lora_name="c", lora_path=str(adapters["c"])), timeout=60)  # fmt: skip
+        runs = {name: Streams(stack, [(prompts[name], 60)], lora_name=name) for name in "bc"}
+        runs[""] = Streams(stack, [(prompts[""], 60)])
+        assert streams.results()[0].usage.completion_tokens == 120
+        assert streams.tokens[0] == reference_generate(references["a"], prompts["a"], 120)
+        for name, run in runs.items():
+            run.results()
+            assert run.tokens[0] == reference_generate(references[name], prompts[name], 60), name
+        assert stack.stats().prefix_cache_hits == 0  # a's prompt again, on the base model
+
+        # The executor dies: the new one gets b and c back from the scheduler.
+        streams = Streams(stack, [(prompts["b"], 150)], lora_name="b")
+        streams.wait_for_tokens(10)
+        stack.kill("executor")
+        stack.restart("executor")
+        streams.results()
+        assert streams.tokens[0] == reference_generate(references["b"], prompts["b"], 150)
+
+        status, text = http(stack, "POST", "/v1/unload_lora_adapter", {"lora_name": "c"})
+        assert status == 200, text
+        status, error = http(stack, "POST", "/v1/completions",
+                             {"model": "c", "prompt": [0, 5, 6], "max_tokens": 2})  # fmt: skip
+        assert status == 404, error
+        status, error = http(stack, "POST", "/v1/unload_lora_adapter", {"lora_name": "c"})
+        assert status == 404, error
+        status, error = http(stack, "POST", "/v1/load_lora_adapter",
+                             {"lora_name": "bad", "lora_path": str(tmp_path)})  # fmt: skip
+        assert status == 400 and "no adapter_config.json" in error["error"]["message"], error
+        stats = stack.wait_idle()
+        assert stats.num_free_blocks == stats.num_total_blocks
+    finally:
+        assert stack.stop() == {"router": 0, "scheduler": 0, "executor": 0}, stack.logs()
+
+
+@pytest.mark.processes
+def test_an_adapters_requests_stay_on_the_replica_where_it_runs_until_that_one_is_busy(
+    base, adapters, tmp_path
+):
+    """Two simulated replicas (a load-test tool: adapters registered, no model), both
+    holding x and y, two slots each, --balance-abs-threshold 4: x's requests follow x to
+    the replica it runs on (lora-warm) while that replica is not far busier than the
+    other, then the next one goes where a slot is free (lora-room); the replica
+    exports its running adapters as vllm:lora_requests_info."""
+    from tests.helpers.metrics import scrape
+    from tests.helpers.streams import Streams
+    from tools.stack import start_replicas
+
+    executor_args = ["--simulate", "--simulate-base-ms", "5", "--max-loras", "2",
+                     "--lora-modules", f"x={adapters['a']},y={adapters['b']}"]  # fmt: skip
+    stack = start_replicas(base, tmp_path, 2, executor_args=executor_args,
+                           router_args=["--balance-abs-threshold", "4"])  # fmt: skip
+    try:
+        streams = []
+
+        def running() -> list[int]:
+            return [stack.stats(f"scheduler-{i}").num_running for i in range(2)]
+
+        for k in range(6):
+            streams.append(Streams(stack, [([0, 7, k + 3], 400)], lora_name="x"))
+            deadline = time.monotonic() + 10
+            while sum(running()) < k + 1:
+                assert time.monotonic() < deadline, running()
+                time.sleep(0.005)
+            # Three more steps of each busy replica, each reporting its load (x running)
+            # to the router, and time for the router to read them.
+            busy = [i for i, n in enumerate(running()) if n]
+            reported = {i: stack.stats(f"scheduler-{i}").step_id + 3 for i in busy}
+            while any(stack.stats(f"scheduler-{i}").step_id < n for i, n in reported.items()):
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+            time.sleep(0.05)
+            if k == 0:
+                first = running().index(1)
+                info = scrape(stack.metrics_ports[f"scheduler-{first}"])
+                assert any("vllm:lora_requests_info" in series and "'running_lora_adapters', 'x'"
+                           in series for series in info), info  # fmt: skip
+        placed = running()
+        assert placed[first] == 5 and placed[1 - first] == 1, placed
+        for stream in streams:
+            stream.results()
+    finally:
+        stack.stop(10)
+
+
+def test_drafts_and_preemption_under_adapters_keep_each_ones_greedy_outputs(base, adapters):
+    """Speculative decoding with the base model drafting for itself (the draft runs no
+    adapter, so it is accepted less often under one) and a pool that forces
+    preemption, three adapters and the base over two slots: every output is what its
+    merged model decodes greedily."""
+    from flagstop.scheduler_svc.core.config import SchedulerConfig
+    from tests.helpers.checkpoints import reference_generate
+    from tools.inprocess import Job, run_engine
+
+    spec = {"method": "draft_model", "num_speculative_tokens": 3, "model": str(base)}
+    engine = runner(base, adapters, max_loras=2, speculative_config=spec)
+    names = ["a", "b", "c", "", "a", "b"]
+    jobs = [Job(prompt(40 + i, 9 + 3 * i), 30, lora_name=n) for i, n in enumerate(names)]
+    config = SchedulerConfig(max_num_batched_tokens=48, max_num_seqs=16, max_model_len=256,
+                             block_size=4, num_speculative_tokens=3, max_loras=2)  # fmt: skip
+    run = run_engine(engine, jobs, config, num_blocks=40)
+    assert run.scheduler.num_preemptions > 0
+    stats = run.scheduler.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    references = {name: merged_reference(base, path) for name, path in adapters.items()}
+    references[""] = load_reference(base)
+    for job, out in zip(jobs, run.outputs, strict=True):
+        assert out == reference_generate(references[job.lora_name], job.prompt, 30), job.lora_name
+
+
+@pytest.mark.processes
+def test_an_adapter_loaded_at_runtime_reaches_every_rank(base, adapters, references, tmp_path):
+    """Two ranks: rank 0 reads the adapter, the other reads its share on a thread when
+    rank 0 tells it (between two steps); greedy streams of it, and of the base model
+    beside it, are the merged model's."""
+    from flagstop.v1 import generation_pb2
+    from tests.helpers.checkpoints import reference_generate
+    from tests.helpers.streams import Streams
+    from tools.stack import start_stack
+
+    executor_args = ["--num-blocks", "128", "--max-loras", "1", "--tensor-parallel-size", "2"]
+    stack = start_stack(base, tmp_path, executor_args=executor_args)
+    try:
+        plain = Streams(stack, [([0, 9, 8, 7], 80)])
+        plain.wait_for_tokens(3)
+        stack.generation().LoadLoRAAdapter(generation_pb2.LoadLoRAAdapterRequest(
+            lora_name="c", lora_path=str(adapters["c"])), timeout=60)  # fmt: skip
+        tuned = Streams(stack, [([0, 9, 8, 7], 40), ([0, 21, 22], 40)], lora_name="c")
+        tuned.results()
+        plain.results()
+        assert plain.tokens[0] == reference_generate(references[""], [0, 9, 8, 7], 80)
+        for (prompt, n), tokens in zip(tuned.requests, tuned.tokens, strict=True):
+            assert tokens == reference_generate(references["c"], prompt, n)
+    finally:
+        assert stack.stop() == {"router": 0, "scheduler": 0, "executor": 0}, stack.logs()

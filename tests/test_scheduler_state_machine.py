@@ -32,9 +32,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         # is wrong (accepted, partly, none).
         num_spec=st.sampled_from([0, 0, 1, 3]),
         draft_error_rate=st.sampled_from([0.0, 0.3, 1.0]),
+        # LoRA: slots for adapters among the running requests (0: requests name none).
+        max_loras=st.sampled_from([0, 0, 1, 2]),
     )
     def setup(self, num_blocks, budget, max_num_seqs, chunked, caching, threshold, policy, depth,
-              num_spec, draft_error_rate):  # fmt: skip
+              num_spec, draft_error_rate, max_loras):  # fmt: skip
         self.config = SchedulerConfig(
             max_num_batched_tokens=budget if chunked else MAX_MODEL_LEN,
             max_num_seqs=max_num_seqs,
@@ -45,6 +47,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             no_prefix_caching=not caching,
             policy=policy,
             num_speculative_tokens=num_spec,
+            max_loras=max_loras,
         )
         self.scheduler = Scheduler(self.config, num_blocks)
         executor = HashModelExecutor(num_blocks, BLOCK_SIZE, VOCAB, draft_error_rate)
@@ -54,6 +57,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.aborted: set[str] = set()
         self.arrival_order: list[str] = []
         self.admission_order: list[str] = []
+        self.adapter_of: dict[str, str] = {}
 
     def check_plan(self, plan) -> None:
         assert plan.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
@@ -69,10 +73,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         ignore_eos=st.booleans(),
         stop_token=st.sampled_from([None, 3, 4]),
         priority=st.integers(0, 2),
+        adapter=st.sampled_from(["", "", "a", "b", "c"]),
     )
     def add(
-        self, prefix, prefix_len, suffix, max_tokens, min_tokens, ignore_eos, stop_token, priority
-    ):
+        self, prefix, prefix_len, suffix, max_tokens, min_tokens, ignore_eos, stop_token, priority,
+        adapter,
+    ):  # fmt: skip
         # An empty suffix sends a shared prefix alone: identical prompts, some block-aligned.
         prompt = (PREFIXES[prefix][:prefix_len] if prefix is not None else []) + suffix
         if not prompt:
@@ -83,6 +89,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if len(prompt) + max_tokens > self.scheduler.kv.pool.num_blocks * BLOCK_SIZE:
             return  # rejected at admission; covered by the unit tests
         rid = f"r{next(self.ids)}"
+        adapter = adapter if self.config.max_loras else ""
         self.scheduler.add_request(
             Request(
                 rid,
@@ -92,8 +99,10 @@ class SchedulerMachine(RuleBasedStateMachine):
                 EOS,
                 priority,
                 float(len(self.arrival_order)),
+                lora_name=adapter,
             )
         )
+        self.adapter_of[rid] = adapter
         self.expected[rid] = reference_tokens(prompt, stop, EOS, VOCAB, MAX_MODEL_LEN)
         self.arrival_order.append(rid)
 
@@ -126,9 +135,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             else:
                 assert got == expected, rid
         if self.config.policy == "fcfs":
-            # Nobody is overtaken: first admissions follow arrival order.
+            # Nobody is overtaken by a request of the same adapter (or of none): first
+            # admissions follow arrival order; --max-loras lets other adapters' pass.
             admitted = set(self.admission_order)
-            assert self.admission_order == [r for r in self.arrival_order if r in admitted]
+            for adapter in set(self.adapter_of.values()):
+                ours = [r for r in self.admission_order if self.adapter_of[r] == adapter]
+                assert ours == [r for r in self.arrival_order
+                                if r in admitted and self.adapter_of[r] == adapter]  # fmt: skip
 
 
 SchedulerMachine.TestCase.settings = settings(

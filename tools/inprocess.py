@@ -19,6 +19,7 @@ class Job:
     sampling_params: object = None  # the executor's SamplingParams
     stop_token_ids: frozenset[int] = frozenset()
     max_spec_tokens: int | None = None
+    lora_name: str = ""  # the adapter it runs ("": the base model)
 
 
 @dataclass(slots=True)
@@ -48,7 +49,7 @@ def run_engine(
             StopParams(job.max_tokens, ignore_eos=not eos_token_ids,
                        stop_token_ids=job.stop_token_ids),
             eos_token_ids=eos_token_ids, sampling_params=job.sampling_params,
-            max_spec_tokens=job.max_spec_tokens,
+            max_spec_tokens=job.max_spec_tokens, lora_name=job.lora_name,
         )  # fmt: skip
         scheduler.add_request(request)
     run = EngineRun([[] for _ in jobs], scheduler=scheduler)

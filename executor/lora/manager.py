@@ -6,6 +6,7 @@ that first runs the adapter, as vLLM's activate_adapter does)."""
 
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -16,14 +17,8 @@ from flagstop.executor.lora.mapping import LoRAMapping
 
 
 def lora_modules(specs: list[str]) -> list[tuple[str, str]]:
-    """--lora-modules' name=DIR items."""
-    out = []
-    for spec in specs:
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not path:
-            raise AdapterError(f"--lora-modules {spec!r}: expected name=DIR")
-        out.append((name, path))
-    return out
+    """--lora-modules' name=DIR items (ExecutorConfig checked their form)."""
+    return [(name, path) for name, _, path in (spec.partition("=") for spec in specs)]
 
 
 class LoRAManager:
@@ -37,6 +32,8 @@ class LoRAManager:
         self.pieces: dict[str, dict] = {}  # name -> its pieces per layer, this rank's share
         self.slots: OrderedDict[str, int] = OrderedDict()  # resident, least recent first
         self._lock = threading.Lock()  # register/unregister run on the service's threads
+        self.pending: dict[str, Future] = {}  # register_in_background's, by name
+        self.reader = ThreadPoolExecutor(1, thread_name_prefix="lora")
 
     def register(self, name: str, path: str) -> LoRAAdapter:
         """Read and check an adapter (raises AdapterError); replaces one of that name."""
@@ -51,13 +48,23 @@ class LoRAManager:
         return adapter
 
     def unregister(self, name: str) -> bool:
+        if (future := self.pending.pop(name, None)) is not None:
+            future.result()  # read meanwhile: drop it as read
         with self._lock:
             self.slots.pop(name, None)
             self.pieces.pop(name, None)
             return self.adapters.pop(name, None) is not None
 
     def __contains__(self, name: str) -> bool:
-        return name in self.adapters
+        return name in self.adapters or name in self.pending
+
+    def paths(self) -> dict[str, str]:
+        return {name: adapter.path for name, adapter in self.adapters.items()}
+
+    def register_in_background(self, name: str, path: str) -> None:
+        """A rank other than 0: rank 0 read the adapter already, so this rank reads its
+        share on a thread while steps go on; the first step that runs it waits for it."""
+        self.pending[name] = self.reader.submit(self.register, name, path)
 
     def set_step(self, names: list[str | None]) -> None:
         """This step's adapter per token (None: the base model alone): fills the
@@ -72,6 +79,8 @@ class LoRAManager:
         self.state.mapping = LoRAMapping.of(token_slots, self.device)
 
     def _slots_for(self, used: set[str]) -> dict[str, int]:
+        for name in used & self.pending.keys():
+            self.pending.pop(name).result()  # raises what the read raised: ranks disagree
         if len(used) > self.max_loras:
             raise AdapterError(f"{len(used)} adapters in one step, above --max-loras "
                                f"{self.max_loras}")  # fmt: skip

@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from flagstop.v1 import executor_pb2 as flagstop_dot_v1_dot_executor__pb2
+from flagstop.v1 import generation_pb2 as flagstop_dot_v1_dot_generation__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -49,6 +50,16 @@ class ExecutorStub:
                 request_serializer=flagstop_dot_v1_dot_executor__pb2.PrepareGrammarRequest.SerializeToString,
                 response_deserializer=flagstop_dot_v1_dot_executor__pb2.PrepareGrammarResponse.FromString,
                 _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/flagstop.v1.Executor/LoadLoRAAdapter',
+                request_serializer=flagstop_dot_v1_dot_generation__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=flagstop_dot_v1_dot_generation__pb2.LoadLoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/flagstop.v1.Executor/UnloadLoRAAdapter',
+                request_serializer=flagstop_dot_v1_dot_generation__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=flagstop_dot_v1_dot_generation__pb2.UnloadLoRAAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutorServicer:
@@ -76,6 +87,21 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """Reads and checks a LoRA adapter into host memory (every rank its share), off the
+        step loop; a name loaded again is replaced. INVALID_ARGUMENT with what was
+        refused; FAILED_PRECONDITION without --max-loras.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +119,16 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.PrepareGrammar,
                     request_deserializer=flagstop_dot_v1_dot_executor__pb2.PrepareGrammarRequest.FromString,
                     response_serializer=flagstop_dot_v1_dot_executor__pb2.PrepareGrammarResponse.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=flagstop_dot_v1_dot_generation__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=flagstop_dot_v1_dot_generation__pb2.LoadLoRAAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=flagstop_dot_v1_dot_generation__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=flagstop_dot_v1_dot_generation__pb2.UnloadLoRAAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +212,60 @@ class Executor:
             '/flagstop.v1.Executor/PrepareGrammar',
             flagstop_dot_v1_dot_executor__pb2.PrepareGrammarRequest.SerializeToString,
             flagstop_dot_v1_dot_executor__pb2.PrepareGrammarResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagstop.v1.Executor/LoadLoRAAdapter',
+            flagstop_dot_v1_dot_generation__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            flagstop_dot_v1_dot_generation__pb2.LoadLoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagstop.v1.Executor/UnloadLoRAAdapter',
+            flagstop_dot_v1_dot_generation__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            flagstop_dot_v1_dot_generation__pb2.UnloadLoRAAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -533,6 +533,12 @@ class Scheduler:
         """Full blocks of the request's known tokens already in the prefix cache."""
         return len(self.kv.get_computed_blocks(request))
 
+    def adapters_in_use(self) -> tuple[list[str], list[str]]:
+        """The LoRA adapters of the running requests, and of the waiting ones, sorted."""
+        running = {r.lora_name for r in self.running if r.lora_name}
+        waiting = {r.lora_name for r in self.waiting if r.lora_name}
+        return sorted(running), sorted(waiting)
+
     def make_stats(self) -> SchedulerStats:
         pool = self.kv.pool
         return SchedulerStats(

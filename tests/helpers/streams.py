@@ -25,8 +25,8 @@ def long_greedy_workload(n: int = 8, seed: int = 1) -> list[tuple[list[int], int
 class Streams:
     """Greedy streams on threads, their tokens visible as they arrive."""
 
-    def __init__(self, stack, requests) -> None:
-        self.requests = requests
+    def __init__(self, stack, requests, lora_name: str = "") -> None:
+        self.requests, self.lora_name = requests, lora_name
         self.tokens: list[list[int]] = [[] for _ in requests]
         self.pool = ThreadPoolExecutor(len(requests))
         self.futures = [
@@ -36,7 +36,11 @@ class Streams:
     def _one(self, stub, i: int):
         prompt, max_tokens = self.requests[i]
         request = generation_pb2.GenerateRequest(
-            prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True
+            prompt_token_ids=prompt,
+            max_tokens=max_tokens,
+            temperature=0,
+            ignore_eos=True,
+            lora_name=self.lora_name,
         )
         last = None
         for chunk in stub.Generate(request, timeout=120):
