@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One prepared check for a lent NVIDIA GPU (an H200 here); needs no network. Runs the
-# kernel tests on CUDA (paged attention, the fused MoE kernel and the quantized GEMMs
-# against their torch twins), the end-to-end greedy check against transformers on the
+# kernel tests on CUDA (paged attention, the fused MoE kernel, the quantized GEMMs and
+# LoRA's SGMV against their torch twins), the end-to-end greedy check against transformers on the
 # GPU (a dense and an MoE model on the Triton kernels; GPTQ and FP8 block-scaled
 # checkpoints against the CPU's tokens),
 # a tensor-parallel group of one rank over NCCL (the group machinery on one GPU) against

@@ -11,7 +11,8 @@ batch, the requests spread over them in turn. Adapters: rank 16 on all seven mod
 (tools/make_adapter.py). Decode tok/s (wall) and the process's CPU us per output token,
 median over the rounds; then the cost of a load: reading and checking an adapter into
 host memory (LoadLoRAAdapter, off the step loop) and filling a slot with it (on the
-step that first runs it)."""
+step that first runs it); and speculative decoding's acceptance when the base model
+drafts for itself (k = 3) without an adapter and under one (the draft runs none)."""
 
 import argparse
 import statistics
@@ -83,6 +84,25 @@ def load_costs(engine: ModelRunner, adapters: list[Path], repeats: int = 5) -> t
     return statistics.median(reads) * 1e3, statistics.median(fills) * 1e3
 
 
+def spec_acceptance(base: Path, adapters: list[Path]) -> dict[str, float]:
+    """Accepted draft tokens over drafted, for 8 requests of 48 tokens, base and a0."""
+    spec = {"method": "draft_model", "num_speculative_tokens": 3, "model": str(base)}
+    engine = ModelRunner(ExecutorConfig(
+        model=str(base), num_blocks=512, block_size=16, max_num_seqs=8, max_loras=1,
+        max_lora_rank=RANK, lora_modules=[f"a0={adapters[0]}"], speculative_config=spec,
+    ))  # fmt: skip
+    config = SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=8, max_model_len=512,
+                             block_size=16, num_speculative_tokens=3, max_loras=1,
+                             speculative_min_gain=1e-12)  # fmt: skip
+    out = {}
+    for name in ("", "a0"):
+        jobs = [Job([0, *range(3 + 9 * i, 20 + 9 * i)], 48, SamplingParams(temperature=0),
+                    lora_name=name) for i in range(8)]  # fmt: skip
+        stats = run_engine(engine, jobs, config).scheduler.spec_stats
+        out[name or "base"] = stats.num_accepted_tokens / max(1, stats.num_draft_tokens)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="tiny")
@@ -102,6 +122,7 @@ def main() -> None:
                 results[row].append(run(engine, num_adapters))
         read_ms, fill_ms = load_costs(lora, adapters)
         adapter_mb = lora.lora.adapters["a0"].nbytes / 2**20
+        acceptance = spec_acceptance(base, adapters)
     medians = {row: (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs))
                for row, runs in results.items()}  # fmt: skip
     base_tps = medians["base model, no LoRA"][0]
@@ -110,7 +131,10 @@ def main() -> None:
         lines.append(f"| {row} | {tps:.0f} | {tps / base_tps:.2f}x | {cpu_us:.0f} |")
     read = f"read and check one adapter ({adapter_mb:.1f} MB, LoadLoRAAdapter)"
     lines += ["", "| a load | ms |", "|---|---:|", f"| {read} | {read_ms:.1f} |",
-              f"| fill a slot with it (the first step that runs it) | {fill_ms:.2f} |"]  # fmt: skip
+              f"| fill a slot with it (the first step that runs it) | {fill_ms:.2f} |",
+              "", "| speculative decoding, the base model drafting (k = 3) | accepted |",
+              "|---|---:|", f"| requests of the base model | {acceptance['base']:.0%} |",
+              f"| requests under an adapter | {acceptance['a0']:.0%} |"]  # fmt: skip
     setup = (
         f"model {args.size}, {NUM_REQUESTS} requests x ({PROMPT} prompt + {OUTPUT} output) "
         f"tokens in one batch, adapters of rank {RANK} on all seven modules, "
@@ -122,7 +146,7 @@ def main() -> None:
         "LoRA adapters in the batch (CPU)",
         setup,
         table,
-        {"rows": medians, "read_ms": read_ms, "fill_ms": fill_ms},
+        {"rows": medians, "read_ms": read_ms, "fill_ms": fill_ms, "acceptance": acceptance},
     )
     print(table)
 

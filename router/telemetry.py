@@ -24,7 +24,7 @@ GENERATION_TOKENS = Counter("vllm:generation_tokens", "Generated tokens", ["mode
 ROUTED = Counter(
     "flagstop:routed_requests",
     "Requests sent to each replica, and why (prefix, least-cached, least-loaded, "
-    "round-robin, moved)",
+    "round-robin, moved, lora-warm, lora-room)",
     ["replica", "reason"],
 )
 

@@ -271,8 +271,23 @@ def test_the_stack_serves_adapters_by_name_loads_them_at_runtime_and_keeps_them(
         streams.results()
         assert streams.tokens[0] == reference_generate(references["b"], prompts["b"], 150)
 
+        # Constrained and seeded under an adapter: the choice holds, the seed repeats.
+        choice = generation_pb2.StructuredOutputs(
+            choice=generation_pb2.Choices(choices=["yes", "no", "maybe"]))  # fmt: skip
+        _, text, _ = generate(stack, prompt_token_ids=[0, 5, 6], max_tokens=8, lora_name="c",
+                              structured_outputs=choice)  # fmt: skip
+        assert text in ("yes", "no", "maybe"), text
+        sampled = dict(prompt_token_ids=[0, 5, 6], max_tokens=12, lora_name="c",
+                       temperature=1.0, seed=7, ignore_eos=True)  # fmt: skip
+        assert generate(stack, **sampled)[0] == generate(stack, **sampled)[0]
+
+        # c unloaded while b streams: b goes on, token-exact; c is gone.
+        streams = Streams(stack, [(prompts["b"], 60)], lora_name="b")
+        streams.wait_for_tokens(3)
         status, text = http(stack, "POST", "/v1/unload_lora_adapter", {"lora_name": "c"})
         assert status == 200, text
+        streams.results()
+        assert streams.tokens[0] == reference_generate(references["b"], prompts["b"], 60)
         status, error = http(stack, "POST", "/v1/completions",
                              {"model": "c", "prompt": [0, 5, 6], "max_tokens": 2})  # fmt: skip
         assert status == 404, error
