@@ -230,12 +230,13 @@ class ModelRunner:
         while it ran, or never sent to this executor) ends with an error, as a failed
         grammar does; it runs on the base model meanwhile."""
         names, lora = self.batch.lora_names, self.lora
-        for row in set(inputs.rows.tolist()):
-            if names[row] is not None and names[row] not in lora:
-                log.error("adapter %r is not loaded here: its request fails", names[row])
-                names[row] = None
+        rows = {row: names[row] for row in inputs.rows.tolist()}
+        for row, name in rows.items():
+            if name is not None and name not in lora:
+                log.error("adapter %r is not loaded here: its request fails", name)
+                names[row] = rows[row] = None
                 self._failed_rows.add(row)
-        lora.set_step([names[row] for row in inputs.token_rows.tolist()])
+        lora.set_step(rows, inputs.token_rows)
 
     def lora_adapters(self) -> dict[str, str]:
         return {} if self.lora is None else self.lora.paths()

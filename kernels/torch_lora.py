@@ -1,7 +1,8 @@
 """LoRA's low-rank products for a batch of several adapters, on the CPU (and the twin
 of kernels/triton_lora.py): every token that runs an adapter gets x @ A.T @ B.T of its
-adapter's slot added to the base layer's output, grouped by adapter (one shrink and one
-expand GEMM per adapter in the step, S-LoRA's gathered layout).
+adapter's slot added to the base layer's output. The adapter tokens are gathered once;
+a decode step's short segments run every adapter at once (padded, in bmm's), longer
+ones a shrink and an expand GEMM per adapter (S-LoRA's grouping).
 
 The slots' weights (executor/lora/layers.py): a [S, P * R, in] (each of the P packed
 parts' A, R rows each, zero-padded past the adapter's rank) and b [S, out, R] (each

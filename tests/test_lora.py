@@ -402,3 +402,14 @@ def test_an_adapter_loaded_at_runtime_reaches_every_rank(base, adapters, referen
             assert tokens == reference_generate(references["c"], prompt, n)
     finally:
         assert stack.stop() == {"router": 0, "scheduler": 0, "executor": 0}, stack.logs()
+
+
+def test_a_request_of_an_adapter_the_executor_lacks_fails_alone(base, tmp_path):
+    """Unloaded while it ran, or never sent to this executor: its token is -1 (the
+    scheduler ends it with an error), the batch goes on."""
+    adapter = make_adapter(base, tmp_path / "a", "q-v", 8, seed=1)
+    harness = Harness(runner(base, {"a": adapter}))
+    harness.add("ghost", prompt(1, 5), lora_name="gone")
+    harness.add("ok", prompt(2, 5), lora_name="a")
+    assert harness.step({"ghost": 5, "ok": 5})["ghost"] == -1
+    assert harness.step({"ghost": 1, "ok": 1})["ok"] >= 0

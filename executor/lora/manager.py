@@ -66,17 +66,20 @@ class LoRAManager:
         share on a thread while steps go on; the first step that runs it waits for it."""
         self.pending[name] = self.reader.submit(self.register, name, path)
 
-    def set_step(self, names: list[str | None]) -> None:
-        """This step's adapter per token (None: the base model alone): fills the
-        slots of adapters not resident and gives the layers the step's mapping."""
-        used = {n for n in names if n is not None}
+    def set_step(self, names: dict[int, str | None], token_rows: np.ndarray) -> None:
+        """This step's adapter per batch row (None: the base model alone) and each
+        token's row: fills the slots of adapters not resident and gives the layers
+        the step's mapping."""
+        used = {n for n in names.values() if n is not None}
         if not used:
             self.state.mapping = None
             return
         slots = self._slots_for(used)
-        token_slots = np.fromiter((-1 if n is None else slots[n] for n in names), np.int64,
-                                  len(names))  # fmt: skip
-        self.state.mapping = LoRAMapping.of(token_slots, self.device)
+        row_slot = np.full(max(names) + 1, -1, np.int64)
+        for row, name in names.items():
+            if name is not None:
+                row_slot[row] = slots[name]
+        self.state.mapping = LoRAMapping.of(row_slot[token_rows], self.device)
 
     def _slots_for(self, used: set[str]) -> dict[str, int]:
         for name in used & self.pending.keys():
