@@ -49,6 +49,7 @@ class Replica:
         self.adapters: dict[str, str] = {}
         self.max_loras = 0
         self.lora_version = -1
+        self.describing: asyncio.Task | None = None  # held: the loop keeps tasks weakly
 
     @property
     def load(self) -> int:
@@ -176,7 +177,7 @@ class Replica:
                 self.reported, self.routed_since_report = msg.load, 0
                 if msg.load.lora_adapters_version != self.lora_version:
                     self.lora_version = msg.load.lora_adapters_version
-                    asyncio.get_running_loop().create_task(self.describe_adapters())
+                    self.describing = asyncio.create_task(self.describe_adapters())
             if msg.credits:
                 self.credits += msg.credits
                 self.flush.set()

@@ -434,6 +434,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         message = f"LoRA adapter {name!r} was unloaded"
         for owner, ids in ids_by_owner.items():
             self.scheduler.abort(ids, RequestStatus.FINISHED_ERROR)
+            for request_id in ids:
+                self.telemetry.on_finish(request_id, FinishReason.ERROR)
             errors = [scheduler_pb2.RequestError(
                 request_id=r, code=grpc.StatusCode.NOT_FOUND.value[0], message=message,
             ) for r in ids]  # fmt: skip
