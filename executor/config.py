@@ -94,6 +94,11 @@ class ExecutorConfig(BaseModel):
         # compose passes ${SPEC:-}: an empty value is no speculative decoding.
         return None if isinstance(value, str) and not value.strip() else value
 
+    @property
+    def lora_module_paths(self) -> list[tuple[str, str]]:
+        """--lora-modules as (name, directory) pairs."""
+        return [(name, path) for name, _, path in (s.partition("=") for s in self.lora_modules)]
+
     @field_validator("lora_modules")
     @classmethod
     def _name_equals_dir(cls, value: list[str]) -> list[str]:

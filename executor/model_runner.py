@@ -13,7 +13,7 @@ from flagstop.executor.attention import attention_backend
 from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.input_batch import InputBatch
 from flagstop.executor.lora.adapter import AdapterError
-from flagstop.executor.lora.manager import LoRAManager, lora_modules
+from flagstop.executor.lora.manager import LoRAManager
 from flagstop.executor.models.llama import KVCache
 from flagstop.executor.models.loader import load_model
 from flagstop.executor.parallel import SINGLE, TensorParallel
@@ -73,7 +73,7 @@ class ModelRunner:
         self.max_loras = config.max_loras
         if config.max_loras:
             self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank)
-            for name, path in lora_modules(config.lora_modules):
+            for name, path in config.lora_module_paths:
                 try:
                     self.lora.register(name, path)
                 except AdapterError as e:

@@ -97,8 +97,7 @@ class SimulatedRunner:
         self.batch = self._new_batch()
         self.max_loras = config.max_loras
         self.adapters: dict[str, str] = {}
-        for spec in config.lora_modules:
-            name, _, path = spec.partition("=")
+        for name, path in config.lora_module_paths:
             self.load_lora(name, path)
 
     def lora_adapters(self) -> dict[str, str]:

@@ -179,7 +179,9 @@ def int4_group(state: dict[str, torch.Tensor], names: list[str], group: int | No
     group = group or next(iter(fits), 32)
     if group not in fits:
         widths = sorted({state[n].shape[1] for n in names})
-        raise SystemExit(f"--group-size {group}: must divide every layer's inputs {widths}")
+        raise SystemExit(
+            f"groups of {group} inputs (--group-size) must divide every layer's inputs {widths}"
+        )
     return group
 
 

@@ -38,9 +38,9 @@ class LoRALayer:
     """One linear layer's slots: a [S, P * R, in] and b [S, out, R] at this rank's
     sizes, R the padded max rank; parts: (first output row, rows) of each packed part."""
 
-    def __init__(self, state: LoRAState, module: str, parts: list[tuple[int, int]],
-                 in_features: int, max_loras: int, rank: int, dtype, device) -> None:  # fmt: skip
-        self.state, self.module, self.parts, self.rank = state, module, parts, rank
+    def __init__(self, state: LoRAState, parts: list[tuple[int, int]], in_features: int,
+                 max_loras: int, rank: int, dtype, device) -> None:  # fmt: skip
+        self.state, self.parts, self.rank = state, parts, rank
         out_features = sum(count for _, count in parts)
         self.a = torch.zeros(max_loras, len(parts) * rank, in_features, dtype=dtype, device=device)
         self.b = torch.zeros(max_loras, out_features, rank, dtype=dtype, device=device)
@@ -68,9 +68,9 @@ def padded_rank(max_rank: int) -> int:
     return -(-max_rank // 16) * 16
 
 
-def attach(model, max_loras: int, max_rank: int) -> dict[tuple[int, str], LoRALayer]:
-    """Give every dense layer's linear modules their LoRA slots: (layer, module) ->
-    LoRALayer; the modules' forward then adds them (module.lora)."""
+def attach(model, max_loras: int, max_rank: int) -> tuple[LoRAState, dict]:
+    """Give every dense layer's linear modules their LoRA slots (the modules' forward
+    then adds them: module.lora): their shared state, and (layer, module) -> LoRALayer."""
     state, layers = LoRAState(kernels=model.layers[0].self_attn.backend), {}
     device, dtype = model.norm.weight.device, model.norm.weight.dtype
     for i, block in enumerate(model.layers):
@@ -79,11 +79,10 @@ def attach(model, max_loras: int, max_rank: int) -> dict[tuple[int, str], LoRALa
             if linear is None:
                 continue  # a sparse layer's MLP: no LoRA on experts
             parts = _local_parts(module, names, i, model.config, model.tp.shard)
-            linear.lora = LoRALayer(state, module, parts, linear.in_features, max_loras,
+            linear.lora = LoRALayer(state, parts, linear.in_features, max_loras,
                                     padded_rank(max_rank), dtype, device)  # fmt: skip
             layers[i, module] = linear.lora
-    model.lora_state = state
-    return layers
+    return state, layers
 
 
 def _linear(block, module: str):

@@ -16,17 +16,11 @@ from flagstop.executor.lora.layers import attach, shard_adapter
 from flagstop.executor.lora.mapping import LoRAMapping
 
 
-def lora_modules(specs: list[str]) -> list[tuple[str, str]]:
-    """--lora-modules' name=DIR items (ExecutorConfig checked their form)."""
-    return [(name, path) for name, _, path in (spec.partition("=") for spec in specs)]
-
-
 class LoRAManager:
     def __init__(self, model, max_loras: int, max_rank: int) -> None:
         self.model, self.config, self.shard = model, model.config, model.tp.shard
         self.max_loras, self.max_rank = max_loras, max_rank
-        self.layers = attach(model, max_loras, max_rank)
-        self.state = model.lora_state
+        self.state, self.layers = attach(model, max_loras, max_rank)
         self.device = model.norm.weight.device
         self.adapters: dict[str, LoRAAdapter] = {}
         self.pieces: dict[str, dict] = {}  # name -> its pieces per layer, this rank's share

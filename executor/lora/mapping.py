@@ -18,7 +18,6 @@ class LoRAMapping:
     seg_starts: torch.Tensor  # [G + 1] int32
     seg_slots: torch.Tensor  # [G] int32
     max_seg_len: int
-    num_tokens: int  # every token of the step, with or without an adapter
     # The segments padded to one length, when that wastes little (a decode step's):
     # [G, L] rows of sorted_tokens (0 where padded), their slots [G], and which padded
     # rows are real [G * L]. The torch kernels then batch the adapters in two bmm's.
@@ -49,5 +48,4 @@ class LoRAMapping:
             padded = (t(rows.astype(np.int64)), t(slots[starts].astype(np.int64)),
                       t(real.reshape(-1)))  # fmt: skip
         return cls(t(order.astype(np.int64)), bounds, t(seg_starts),
-                   t(slots[starts].astype(np.int32)), int(lengths.max()), len(token_slots),
-                   padded)  # fmt: skip
+                   t(slots[starts].astype(np.int32)), int(lengths.max()), padded)  # fmt: skip

@@ -535,9 +535,8 @@ class Scheduler:
 
     def adapters_in_use(self) -> tuple[list[str], list[str]]:
         """The LoRA adapters of the running requests, and of the waiting ones, sorted."""
-        running = {r.lora_name for r in self.running if r.lora_name}
         waiting = {r.lora_name for r in self.waiting if r.lora_name}
-        return sorted(running), sorted(waiting)
+        return sorted(self._running_adapters()), sorted(waiting)
 
     def make_stats(self) -> SchedulerStats:
         pool = self.kv.pool
