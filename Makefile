@@ -23,6 +23,9 @@ SPEC ?=
 # LoRA adapters at start-up, name=DIR,... (docs/lora.md); MAX_LORAS: slots (4 with LORA).
 LORA ?=
 MAX_LORAS ?= $(if $(LORA),4)
+# The prefix cache's host tier, in bytes: `make serve KV_OFFLOAD_BYTES=8589934592`
+# (docs/kv_tiers.md).
+KV_OFFLOAD_BYTES ?=
 # The router's client-facing gRPC server: `make serve GRPC_SERVER=native` (pygrpc-native,
 # plaintext only; docs/load_testing.md). `make up GRPC_SERVER=native` too.
 GRPC_SERVER ?= grpcio
@@ -48,7 +51,7 @@ COMPOSE := $(if $(strip $(PROFILES)),COMPOSE_PROFILES=$(subst $() ,$(comma),$(st
 	$(if $(SPEC),SPEC='$(SPEC)') $(if $(filter-out grpcio,$(GRPC_SERVER)),GRPC_SERVER=$(GRPC_SERVER)) \
 	$(DOCKER_COMPOSE) -f compose/compose.yaml $(if $(GPU),-f compose/compose.gpu.yaml)
 
-.PHONY: venv test test-fast lint bench bench-executor bench-lora bench-replicas bench-structured model proto serve up down logs ps clean
+.PHONY: venv test test-fast lint bench bench-executor bench-kv-tier bench-lora bench-replicas bench-structured model proto serve up down logs ps clean
 
 venv: $(STAMP)
 
@@ -92,7 +95,8 @@ serve: $(STAMP) $(if $(filter $(MODEL_DIR),$(MODEL)),$(MODEL_DIR)/config.json)
 	@trap 'kill -INT $$e $$s $$r 2>/dev/null; wait' INT TERM; \
 	$(VENV)/bin/flagstop-executor --model $(MODEL) --port 50053 --tensor-parallel-size $(TP) \
 		$(if $(filter 1,$(EP)),--expert-parallel) $(if $(SPEC),--speculative-config '$(SPEC)') \
-		$(if $(MAX_LORAS),--max-loras $(MAX_LORAS)) $(if $(LORA),--lora-modules '$(LORA)') & e=$$!; \
+		$(if $(MAX_LORAS),--max-loras $(MAX_LORAS)) $(if $(LORA),--lora-modules '$(LORA)') \
+		$(if $(KV_OFFLOAD_BYTES),--kv-offload-bytes $(KV_OFFLOAD_BYTES)) & e=$$!; \
 	$(VENV)/bin/flagstop-scheduler --executor 127.0.0.1:50053 --port 50052 & s=$$!; \
 	$(VENV)/bin/flagstop-router --model $(MODEL) --scheduler 127.0.0.1:50052 --port 50051 \
 		--processes $(ROUTERS) $(if $(TOOL_CALL_PARSER),--tool-call-parser $(TOOL_CALL_PARSER)) \
@@ -146,6 +150,12 @@ bench: $(STAMP)
 # ranks (about 15 minutes).
 bench-lora: $(STAMP)
 	$(PY) bench/lora_bench.py
+
+# The host tier on a multi-turn workload that outgrows the pool (the small model on
+# the CPU, pool only vs pool + tier; about 3 minutes).
+bench-kv-tier: $(STAMP)
+	$(PY) bench/kv_tier_bench.py
+	$(PY) bench/report.py
 
 bench-executor: $(STAMP)
 	$(PY) bench/executor_bench.py

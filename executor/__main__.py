@@ -55,6 +55,8 @@ def simulated_runner(settings: ExecutorConfig):
 
     if settings.tensor_parallel_size != 1:
         raise StartupError("--simulate runs one process: leave --tensor-parallel-size at 1")
+    if settings.kv_offload_bytes:
+        raise StartupError("--kv-offload-bytes: the simulator keeps no KV, so no host tier")
     return SimulatedRunner(settings), None
 
 

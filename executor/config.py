@@ -38,6 +38,13 @@ class ExecutorConfig(BaseModel):
     """auto: the model's dtype; fp8 (fp8_e4m3): one byte a K/V value, scaled by the
     checkpoint's k_scale/v_scale (per tensor or per head; 1.0 without), so the same
     bytes hold 2x the blocks of bfloat16 (docs/quantization.md)"""
+    kv_offload_bytes: NonNegativeInt = 0
+    """the prefix cache's host-memory tier: full blocks are written through to this
+    many bytes of host memory (pinned on CUDA) and loaded back on a prefix hit there;
+    0: none (docs/kv_tiers.md)"""
+    kv_offload_path: str | None = None
+    """a file to back the host tier instead of memory (mapped; created at
+    --kv-offload-bytes)"""
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     """share of the GPU's memory for weights, activations and the KV cache (CUDA)"""
     max_num_seqs: PositiveInt = 256
@@ -112,4 +119,6 @@ class ExecutorConfig(BaseModel):
     def _loras_need_slots(self) -> "ExecutorConfig":
         if self.lora_modules and not self.max_loras:
             raise ValueError("--lora-modules needs --max-loras (the adapters' slots)")
+        if self.kv_offload_path and not self.kv_offload_bytes:
+            raise ValueError("--kv-offload-path needs --kv-offload-bytes (the file's size)")
         return self

@@ -12,6 +12,7 @@ import torch
 from flagstop.executor.attention import attention_backend
 from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.input_batch import InputBatch
+from flagstop.executor.kv_offload import HostTier
 from flagstop.executor.lora.adapter import AdapterError
 from flagstop.executor.lora.manager import LoRAManager
 from flagstop.executor.models.llama import KVCache
@@ -98,6 +99,10 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         if hasattr(self.proposer, "allocate"):  # a draft model's cache, on the same blocks
             self.proposer.allocate(self.num_blocks)
+        self.host_tier = self._host_tier()
+        self.num_host_blocks = 0 if self.host_tier is None else self.host_tier.num_slots
+        # Loads the last step found finished (on every rank), for its result.
+        self.finished_recving: list[str] = []
         self.batch = self._new_batch()
         self.last_inputs: StepInputs | None = None  # ranks > 0: awaiting sampled tokens
         # Rank 0 (which samples), on the first constrained request: loading the
@@ -107,9 +112,26 @@ class ModelRunner:
         # Rows whose grammar failed here (see _add_matchers): their token is -1.
         self._failed_rows: set[int] = set()
 
+    def _host_tier(self) -> HostTier | None:
+        """--kv-offload-bytes: the host tier over every KV tensor of this rank."""
+        config = self.config
+        if not config.kv_offload_bytes:
+            return None
+        caches = [t for pair in self.kv_caches for t in pair]
+        caches += [t for pair in getattr(self.proposer, "kv_caches", ()) for t in pair]
+        num_slots = self.tp.min_over_ranks(config.kv_offload_bytes // self.block_bytes)
+        if num_slots < 1:
+            raise ValueError(f"--kv-offload-bytes {config.kv_offload_bytes} holds no block "
+                             f"of {self.block_bytes} bytes: raise it")  # fmt: skip
+        return HostTier(caches, num_slots, self.tp, config.kv_offload_path)
+
     def reset(self) -> None:
         """Forget every request (a new scheduler stream). The cache contents need no
-        clearing: nothing is read that the new scheduler has not had written."""
+        clearing: nothing is read that the new scheduler has not had written (a load
+        still copying is waited out)."""
+        if self.host_tier is not None:
+            self.host_tier.drain()
+        self.finished_recving = []
         self.batch = self._new_batch()
         self.last_inputs = None
         if self._grammars is not None:
@@ -215,7 +237,12 @@ class ModelRunner:
             if self.proposer is not None:
                 for data in (*plan.scheduled_new_reqs, *plan.scheduled_resumed_reqs):
                     self.proposer.add(data.req_id, self.batch.req_rows[data.req_id], self.batch)
+        transfers = plan.kv_connector if self.host_tier is not None else None
+        if transfers is not None and transfers.loads:
+            self.host_tier.start_loads(transfers.loads)  # copied while the forward runs
         if not plan.num_scheduled_tokens:
+            if self.host_tier is not None:
+                self.finished_recving = self.host_tier.finished_loads(plan.poll_kv_transfers)
             return None
         scheduled = self.batch.schedule(plan)
         drafts = self._drafts(scheduled) if scheduled[4].any() else None
@@ -223,7 +250,12 @@ class ModelRunner:
         if self.lora is not None:
             self._set_lora_step(inputs)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attention)
-        return self.model.compute_logits(hidden[inputs.all_logits_indices]), inputs
+        logits = self.model.compute_logits(hidden[inputs.all_logits_indices])
+        if self.host_tier is not None:
+            if transfers is not None and transfers.save_block_ids:
+                self.host_tier.save(transfers.save_block_ids, transfers.save_slots)
+            self.finished_recving = self.host_tier.finished_loads()
+        return logits, inputs
 
     def _set_lora_step(self, inputs: StepInputs) -> None:
         """Each token's adapter. A request whose adapter is not registered (unloaded
@@ -289,8 +321,9 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> SampleOutput:
         """One step: the tokens of the requests that sample, in plan order."""
         result = self.compute_logits(plan)
+        finished_recving, self.finished_recving = self.finished_recving, []
         if result is None:
-            return SampleOutput([])
+            return SampleOutput([], finished_recving=finished_recving)
         logits, inputs = result
         assert logits is not None, "only rank 0 samples"
         prompt_logits = None
@@ -298,6 +331,7 @@ class ModelRunner:
             num_sampling = len(inputs.logits_indices)
             logits, prompt_logits = logits[:num_sampling], logits[num_sampling:]
         output = self._sample(logits, inputs)
+        output.finished_recving = finished_recving
         if prompt_logits is not None:
             output.prompt_logprobs = self._prompt_logprobs(prompt_logits, inputs, plan)
         num_known = self.batch.num_tokens[inputs.sampling_rows]

@@ -17,6 +17,7 @@ class Runner(Protocol):
     max_model_len: int
     block_size: int
     num_blocks: int  # the KV pool, in blocks of block_size tokens
+    num_host_blocks: int  # its host tier (--kv-offload-bytes), in blocks; 0: none
     tensor_parallel_size: int
     # Speculative decoding: the most draft tokens a request gets a step (0: off),
     # and how they are proposed.

@@ -63,7 +63,7 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
             model_name=self.model_name, vocab_size=mc.vocab_size,
             max_model_len=runner.max_model_len, eos_token_ids=list(mc.eos_token_ids),
             block_size=runner.block_size, num_blocks=runner.num_blocks,
-            max_loras=runner.max_loras,
+            max_loras=runner.max_loras, num_host_blocks=runner.num_host_blocks,
             lora_adapters=[generation_pb2.LoRAAdapter(name=name, path=path)
                            for name, path in runner.lora_adapters().items()],
         )  # fmt: skip

@@ -78,6 +78,7 @@ class SimulatedRunner:
 
     tensor_parallel_size = 1
     device = "simulated"
+    num_host_blocks = 0  # no host tier: --kv-offload-bytes needs the real model
 
     def __init__(self, config: ExecutorConfig) -> None:
         self.config = config

@@ -106,6 +106,12 @@ class ReplicaSet:
         served = self.model_info.model_name
         if served and info.model_name != served:
             raise ReplicaMismatch(f"serves {info.model_name!r}, the other replicas {served!r}")
+        # The index counts a prefix as held for as long as it remembers it, so it must
+        # remember at least what one replica's pool and host tier keep.
+        if (held := info.num_blocks + info.num_host_blocks) > self.chooser.index.max_blocks:
+            log.warning("a replica keeps %d blocks (pool and host tier) but the prefix index "
+                        "remembers %d: raise --prefix-index-blocks", held,
+                        self.chooser.index.max_blocks)  # fmt: skip
         if served and (self.limits.kv_capacity_tokens <= info.num_blocks * info.block_size):
             return  # the smallest replica bounds what a request may ask
         self.model_info = generation_pb2.ModelInfo()

@@ -2,6 +2,7 @@
 
 import itertools
 
+from flagstop.scheduler_svc.core.kv_connector import KVConnectorMetadata, KVTransferResult
 from flagstop.scheduler_svc.core.output import SchedulerOutput
 from flagstop.scheduler_svc.core.request import Request, StopParams
 from flagstop.v1 import executor_pb2, scheduler_pb2
@@ -51,6 +52,9 @@ def step_to_proto(plan: SchedulerOutput) -> executor_pb2.StepRequest:
     if any(c.new_block_ids):
         cached.num_new_blocks.extend([len(b) for b in c.new_block_ids])
         cached.new_block_ids.extend(itertools.chain.from_iterable(c.new_block_ids))
+    if plan.kv_connector:
+        transfers_to_proto(plan.kv_connector, out.kv_connector)
+    out.poll_kv_transfers = plan.poll_kv_transfers
     admitted = {d.req_id: d for d in (*plan.scheduled_new_reqs, *plan.scheduled_resumed_reqs)}
     # Batch order: running first, then admitted in admission order, as the core
     # scheduled them (the order in which sampled tokens come back).
@@ -63,3 +67,14 @@ def step_to_proto(plan: SchedulerOutput) -> executor_pb2.StepRequest:
             lora_name=d.lora_name,
         )  # fmt: skip
     return step
+
+
+def transfers_to_proto(meta: KVConnectorMetadata, out: executor_pb2.KVConnectorMetadata) -> None:
+    for load in meta.loads:
+        out.loads.add(req_id=load.req_id, block_ids=load.block_ids, source_ids=load.source_ids)
+    out.save_block_ids.extend(meta.save_block_ids)
+    out.save_slots.extend(meta.save_slots)
+
+
+def transfers_from_result(result: executor_pb2.StepResult) -> KVTransferResult:
+    return KVTransferResult(result.finished_recving, result.failed_recving, result.finished_sending)

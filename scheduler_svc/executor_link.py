@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from flagstop.reconnect import Reconnect
-from flagstop.scheduler_svc.convert import step_to_proto
+from flagstop.scheduler_svc.convert import step_to_proto, transfers_from_result
 from flagstop.scheduler_svc.core.output import SchedulerOutput
 from flagstop.scheduler_svc.core.scheduler import Scheduler
 from flagstop.scheduler_svc.settings import SchedulerSettings
@@ -106,8 +106,8 @@ class ExecutorLink:
                 ))  # fmt: skip
             await self.reconnect.wait()
 
-    async def _next_executor(self) -> int:
-        """Until an executor that can serve the same requests answers: its pool size."""
+    async def _next_executor(self) -> executor_pb2.DescribeExecutorResponse:
+        """Until an executor that can serve the same requests answers: its description."""
         while True:
             info = await self._describe()
             try:
@@ -118,7 +118,8 @@ class ExecutorLink:
                 await self.reconnect.wait()
                 continue
             await self._restore_adapters(info)
-            return info.model.num_blocks
+            self.info.model.num_host_blocks = info.model.num_host_blocks
+            return info
 
     # -- LoRA adapters ---------------------------------------------------------
     # The adapters live in self.info.model.lora_adapters: the first executor's, then
@@ -195,7 +196,8 @@ class ExecutorLink:
             self.service.executor_changed()  # still live: the queue waits for the executor
             self.telemetry.executor_lost(scheduler)
             scheduler.reset_executor()
-            scheduler.reset_executor(await self._next_executor())
+            info = await self._next_executor()
+            scheduler.reset_executor(info.model.num_blocks, info.model.num_host_blocks)
 
     async def _drive(self, call, scheduler: Scheduler) -> None:
         """Plan step N+1 while step N runs (--max-steps-in-flight 2), so the executor
@@ -224,6 +226,8 @@ class ExecutorLink:
                     done, result.sampled_token_ids, result.num_sampled_tokens,
                     result.num_draft_tokens,
                 )  # fmt: skip
+                if result.finished_recving or result.failed_recving or result.finished_sending:
+                    scheduler.update_kv_transfers(transfers_from_result(result))
                 telemetry.on_update(
                     done, outputs, scheduler, service.num_queued_at_routers(), result
                 )

@@ -14,6 +14,7 @@ import grpc
 
 from flagstop.health import Health
 from flagstop.scheduler_svc.convert import request_from_proto
+from flagstop.scheduler_svc.core.host_tier import HostTierConnector
 from flagstop.scheduler_svc.core.output import OwnerOutputs, SchedulerOutput
 from flagstop.scheduler_svc.core.policy import RankedPolicy
 from flagstop.scheduler_svc.core.request import FinishReason, RequestStatus
@@ -81,7 +82,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             raise StartupError(str(e)) from None
         self.telemetry.model_name = info.model.model_name
         self.eos_token_ids = frozenset(info.model.eos_token_ids)
-        self.scheduler = Scheduler(config, info.model.num_blocks)
+        connector = None
+        if info.model.num_host_blocks:
+            if config.no_prefix_caching:
+                raise StartupError("--no-prefix-caching: the executor's host tier "
+                                   "(--kv-offload-bytes) is keyed by the prefix cache; "
+                                   "drop one of them")  # fmt: skip
+            connector = HostTierConnector(info.model.num_host_blocks, config.block_size)
+        self.scheduler = Scheduler(config, info.model.num_blocks, connector=connector)
         if isinstance(self.scheduler.policy, RankedPolicy):
             self.policy_client = RemotePolicyClient(
                 s.policy_addr, self.scheduler.policy, s.policy_deadline_ms / 1000,
@@ -91,6 +99,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if info.num_speculative_tokens:
             spec = f", speculative decoding ({info.speculative_method}, k <= "
             spec += f"{info.num_speculative_tokens})"
+        if info.model.num_host_blocks:
+            spec += f", a host tier of {info.model.num_host_blocks} blocks"
         log.info("executor %s: %s, %d blocks of %d%s", s.executor, info.model.model_name,
                  info.model.num_blocks, info.model.block_size, spec)  # fmt: skip
 
@@ -182,6 +192,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             kv_cache_usage=scheduler.kv_cache_usage,
             lora_adapters_version=self.link.lora_version,
         )  # fmt: skip
+        if scheduler.connector is not None:
+            load.num_host_cached_blocks = scheduler.connector.num_cached_blocks
+            load.external_prefix_cache_hits = scheduler.external_stats.num_hits
         if scheduler.config.max_loras:
             running, waiting = scheduler.adapters_in_use()
             load.running_loras.extend(running)
@@ -404,7 +417,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             executor_connected=self.link.connected,
             remote_policy_active=self.policy_client is not None and self.policy_client.active,
             remote_policy_failures=self.policy_client.num_failures if self.policy_client else 0,
-            num_routers=len(self.routers),
+            num_routers=len(self.routers), num_loading=s.num_loading_reqs,
+            external_prefix_cache_queries=s.external_prefix_cache_queries,
+            external_prefix_cache_hits=s.external_prefix_cache_hits,
+            num_host_blocks=self.link.model.num_host_blocks,
+            num_host_cached_blocks=self.scheduler.connector.num_cached_blocks
+            if self.scheduler.connector is not None else 0,
         )  # fmt: skip
 
     async def LoadLoRAAdapter(self, request, context) -> generation_pb2.LoadLoRAAdapterResponse:

@@ -20,6 +20,22 @@ KV_USAGE = Gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)
 PREEMPTIONS = Counter("vllm:num_preemptions", "Requests preempted", ["model_name"])
 PREFIX_QUERIES = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up", ["model_name"])
 PREFIX_HITS = Counter("vllm:prefix_cache_hits", "Prompt tokens found cached", ["model_name"])
+EXTERNAL_QUERIES = Counter(
+    "vllm:external_prefix_cache_queries",
+    "Prompt tokens of requests admitted with a KV connector (the host tier)", ["model_name"],
+)  # fmt: skip
+EXTERNAL_HITS = Counter(
+    "vllm:external_prefix_cache_hits", "Of those, tokens loaded from the connector",
+    ["model_name"],
+)  # fmt: skip
+HOST_USAGE = Gauge(
+    "vllm:cpu_cache_usage_perc", "Fraction of the host tier's blocks holding a block (0-1)",
+    ["model_name"],
+)  # fmt: skip
+LOADING = Gauge(
+    "flagstop:num_requests_loading_kv",
+    "Requests whose KV is arriving from a connector (WAITING_FOR_REMOTE_KVS)", ["model_name"],
+)  # fmt: skip
 EXECUTOR_LOSSES = Counter(
     "flagstop:executor_losses", "Executor streams lost (dead or hung)", ["model_name"]
 )
@@ -49,9 +65,9 @@ STEP_SECONDS = Histogram(
 
 
 class SchedulerTelemetry:
-    __slots__ = ("_model_name", "arrivals", "enabled", "last_hits", "last_lora",
-                 "last_preemptions", "last_queries", "last_spec", "metrics", "request_spans",
-                 "steps", "tracer")  # fmt: skip
+    __slots__ = ("_model_name", "arrivals", "enabled", "last_external", "last_hits",
+                 "last_lora", "last_preemptions", "last_queries", "last_spec", "metrics",
+                 "request_spans", "steps", "tracer")  # fmt: skip
 
     def __init__(self, telemetry: Telemetry) -> None:
         self.enabled, self.tracer = telemetry.enabled, telemetry.tracer
@@ -62,6 +78,7 @@ class SchedulerTelemetry:
         # under model_name="" would sit at zero beside the real one for good).
         self._model_name = ""
         self.last_preemptions = self.last_queries = self.last_hits = 0
+        self.last_external = (0, 0)  # external prefix-cache queries, hits
         self.last_spec: tuple[int, int, int, list[int]] = (0, 0, 0, [])
         self.metrics: tuple = ()  # this model's labelled metrics, looked up once
         self.last_lora: tuple[str, str, str] | None = None
@@ -207,6 +224,18 @@ class SchedulerTelemetry:
         self.last_queries, self.last_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
         if scheduler.spec_stats.num_drafts != self.last_spec[0]:
             self._export_spec(scheduler)
+        if scheduler.connector is not None:
+            self._export_connector(scheduler, stats)
+
+    def _export_connector(self, scheduler: Scheduler, stats) -> None:
+        name, connector = self._model_name, scheduler.connector
+        queries, hits = stats.external_prefix_cache_queries, stats.external_prefix_cache_hits
+        EXTERNAL_QUERIES.labels(name).inc(queries - self.last_external[0])
+        EXTERNAL_HITS.labels(name).inc(hits - self.last_external[1])
+        self.last_external = (queries, hits)
+        LOADING.labels(name).set(stats.num_loading_reqs)
+        if connector.num_slots:
+            HOST_USAGE.labels(name).set(connector.num_cached_blocks / connector.num_slots)
 
     def _export_spec(self, scheduler: Scheduler) -> None:
         spec, name = scheduler.spec_stats, self._model_name

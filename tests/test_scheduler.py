@@ -1,16 +1,13 @@
 """Unit tests of the scheduling rules, driven in-process step by step."""
 
-import zlib
-
 import pytest
 
 from flagstop.scheduler_svc.core.config import SchedulerConfig
 from flagstop.scheduler_svc.core.output import SchedulerOutput
-from flagstop.scheduler_svc.core.request import FinishReason, Request, RequestStatus, StopParams
+from flagstop.scheduler_svc.core.request import FinishReason, RequestStatus
 from flagstop.scheduler_svc.core.scheduler import RequestRejected, Scheduler
 from tests.helpers.scheduler_invariants import check_idle, check_invariants
-
-EOS = 2
+from tests.helpers.scheduler_steps import EOS, make_request, run_to_idle, step
 
 
 def make_scheduler(num_blocks: int = 64, policy: str = "fcfs", **overrides) -> Scheduler:
@@ -19,46 +16,12 @@ def make_scheduler(num_blocks: int = 64, policy: str = "fcfs", **overrides) -> S
     return Scheduler(SchedulerConfig(policy=policy, **config), num_blocks)
 
 
-def make_request(rid: str, num_prompt: int = 4, max_tokens: int = 8, **kw) -> Request:
-    stop_kw = {k: kw.pop(k) for k in ("min_tokens", "ignore_eos", "stop_token_ids") if k in kw}
-    # crc32, not hash(): str hashes change from run to run, and prompts that collide
-    # by chance would share cached prefixes the tests do not expect.
-    prompt = kw.pop("prompt", [10 + (zlib.crc32(rid.encode()) + i) % 50 for i in range(num_prompt)])
-    return Request(
-        rid,
-        kw.pop("owner", "router-0"),
-        prompt,
-        StopParams(max_tokens, **stop_kw),
-        eos_token_ids=frozenset({EOS}),
-        **kw,
-    )
-
-
-def step(scheduler: Scheduler, token: int = 7) -> tuple[SchedulerOutput, dict]:
-    """Schedule and immediately apply outputs: every request at the end of its known
-    tokens samples `token`."""
-    plan = scheduler.schedule()
-    check_invariants(scheduler)
-    outputs = scheduler.update_from_output(plan, [token] * len(plan.sampling_requests))
-    check_invariants(scheduler)
-    return plan, outputs
-
-
 def step_until_preemption(scheduler: Scheduler, max_steps: int = 50) -> SchedulerOutput:
     for _ in range(max_steps):
         plan, _ = step(scheduler)
         if plan.preempted_req_ids:
             return plan
     raise AssertionError("no preemption")
-
-
-def run_to_idle(scheduler: Scheduler, max_steps: int = 1000) -> list[SchedulerOutput]:
-    plans = []
-    while scheduler.has_unfinished_requests():
-        assert len(plans) < max_steps
-        plans.append(step(scheduler)[0])
-    check_idle(scheduler)
-    return plans
 
 
 # -- admission -------------------------------------------------------------------
@@ -283,6 +246,26 @@ def test_priority_preempts_the_least_important_even_if_already_scheduled():
     assert plan.preempted_req_ids == {"low"}
     assert plan.num_scheduled_tokens == {"high": 1}
     assert "low" not in plan.scheduled_cached_reqs.req_ids
+    run_to_idle(scheduler)
+
+
+def test_a_victim_unscheduled_mid_step_leaves_no_block_cached_for_its_lost_chunk():
+    # "low" prefills in chunks of 8, and its third chunk (tokens 16-23: blocks 4 and
+    # 5, cached as the step is planned) is scheduled before "high", behind it in the
+    # batch, needs a block for its decode and preempts it. Block 5 goes to "high", but
+    # block 4 waits in the free queue: its tokens were never computed, so it must not
+    # stay a prefix hit.
+    scheduler = make_scheduler(num_blocks=7, policy="priority", long_prefill_token_threshold=8)
+    low = make_request("low", num_prompt=24, max_tokens=1, priority=9, ignore_eos=True)
+    scheduler.add_request(low)
+    step(scheduler)
+    scheduler.add_request(make_request("high", num_prompt=4, max_tokens=4, priority=0))
+    step(scheduler)
+    plan, _ = step(scheduler)
+    assert plan.preempted_req_ids == {"low"} and "low" not in plan.num_scheduled_tokens
+    cached = scheduler.kv.pool.cached_blocks
+    assert all(h in cached for h in low.block_hashes[:4])  # computed in steps 1-2
+    assert low.block_hashes[4] not in cached
     run_to_idle(scheduler)
 
 

@@ -1,8 +1,10 @@
 """Random adds, aborts and steps on tiny pools, checking the scheduler after every
 step; at the end it must drain to idle with every surviving request's tokens equal
-to the stand-in model's reference."""
+to the stand-in model's reference. With a host tier, its loads finish late, fail or
+are aborted mid-way (tests/helpers/fake_kv_tier.py)."""
 
 import itertools
+import random
 
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -11,11 +13,30 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from flagstop.scheduler_svc.core.config import SchedulerConfig
 from flagstop.scheduler_svc.core.request import Request, StopParams
 from flagstop.scheduler_svc.core.scheduler import Scheduler
+from tests.helpers.fake_kv_tier import FakeTierWorker, FlakyHostTier
 from tests.helpers.hash_model import Driver, HashModelExecutor, reference_tokens
 from tests.helpers.scheduler_invariants import check_idle, check_invariants
 
 VOCAB, EOS, BLOCK_SIZE, MAX_MODEL_LEN = 24, frozenset({0}), 4, 64
 PREFIXES = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21, 22, 23, 1, 2, 3, 4]]
+
+
+class RecordingScheduler(Scheduler):
+    """Notes each admission in order: a first prefill scheduled, or a load started."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.admission_order: list[str] = []
+
+    def _admit(self, request, *args) -> None:
+        self.admission_order.append(request.request_id)
+        super()._admit(request, *args)
+
+    def _start_load(self, request, *args) -> bool:
+        started = super()._start_load(request, *args)
+        if started:
+            self.admission_order.append(request.request_id)
+        return started
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -34,9 +55,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         draft_error_rate=st.sampled_from([0.0, 0.3, 1.0]),
         # LoRA: slots for adapters among the running requests (0: requests name none).
         max_loras=st.sampled_from([0, 0, 1, 2]),
+        # KV connector: a host tier of this many blocks (0: none), its loads' delay in
+        # steps and failure rate, lookups deferred, frees delayed by a transfer.
+        tier_slots=st.sampled_from([0, 3, 12, 48]),
+        max_delay=st.integers(1, 4),
+        fail_rate=st.sampled_from([0.0, 0.3]),
+        defer_rate=st.sampled_from([0.0, 0.2]),
+        delayed_free_rate=st.sampled_from([0.0, 0.3]),
+        seed=st.integers(0, 2**16),
     )
     def setup(self, num_blocks, budget, max_num_seqs, chunked, caching, threshold, policy, depth,
-              num_spec, draft_error_rate, max_loras):  # fmt: skip
+              num_spec, draft_error_rate, max_loras, tier_slots, max_delay, fail_rate,
+              defer_rate, delayed_free_rate, seed):  # fmt: skip
         self.config = SchedulerConfig(
             max_num_batched_tokens=budget if chunked else MAX_MODEL_LEN,
             max_num_seqs=max_num_seqs,
@@ -49,20 +79,25 @@ class SchedulerMachine(RuleBasedStateMachine):
             num_speculative_tokens=num_spec,
             max_loras=max_loras,
         )
-        self.scheduler = Scheduler(self.config, num_blocks)
+        rng, self.connector, worker = random.Random(seed), None, None
         executor = HashModelExecutor(num_blocks, BLOCK_SIZE, VOCAB, draft_error_rate)
-        self.driver = Driver(self.scheduler, executor, depth, self.check_plan)
+        if tier_slots and caching:
+            self.connector = FlakyHostTier(tier_slots, BLOCK_SIZE, rng, defer_rate,
+                                           delayed_free_rate)  # fmt: skip
+            worker = FakeTierWorker(executor, self.connector, rng, fail_rate, max_delay)
+        self.scheduler = RecordingScheduler(self.config, num_blocks, connector=self.connector)
+        self.admission_order = self.scheduler.admission_order
+        self.driver = Driver(self.scheduler, executor, depth, self.check_plan, worker)
         self.ids = itertools.count()
         self.expected: dict[str, list[int]] = {}
         self.aborted: set[str] = set()
         self.arrival_order: list[str] = []
-        self.admission_order: list[str] = []
         self.adapter_of: dict[str, str] = {}
+        self.turns: list[tuple[list[int], str]] = []  # (a prompt and its answer, adapter)
 
     def check_plan(self, plan) -> None:
         assert plan.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
         assert len(self.scheduler.running) <= self.config.max_num_seqs
-        self.admission_order += [d.req_id for d in plan.scheduled_new_reqs]
 
     @rule(
         prefix=st.sampled_from([None, 0, 1]),
@@ -81,12 +116,28 @@ class SchedulerMachine(RuleBasedStateMachine):
     ):  # fmt: skip
         # An empty suffix sends a shared prefix alone: identical prompts, some block-aligned.
         prompt = (PREFIXES[prefix][:prefix_len] if prefix is not None else []) + suffix
+        self._add(prompt, max_tokens, min_tokens, ignore_eos, stop_token, priority, adapter)
+
+    @precondition(lambda self: self.turns)
+    @rule(
+        data=st.data(),
+        suffix=st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=6),
+        max_tokens=st.integers(1, 8),
+    )
+    def follow_up(self, data, suffix, max_tokens):
+        # The next turn of a conversation: its prompt is the last turn's prompt and
+        # answer, whose blocks the pool may have evicted and the tier may hold.
+        prompt, adapter = data.draw(st.sampled_from(self.turns))
+        self._add(prompt + suffix, max_tokens, 0, True, None, 0, adapter)
+
+    def _add(self, prompt, max_tokens, min_tokens, ignore_eos, stop_token, priority, adapter):
         if not prompt:
             return
         stop = StopParams(
             max_tokens, min_tokens, ignore_eos, frozenset() if stop_token is None else {stop_token}
         )
-        if len(prompt) + max_tokens > self.scheduler.kv.pool.num_blocks * BLOCK_SIZE:
+        room = min(self.scheduler.kv.pool.num_blocks * BLOCK_SIZE, MAX_MODEL_LEN)
+        if len(prompt) + max_tokens > room:
             return  # rejected at admission; covered by the unit tests
         rid = f"r{next(self.ids)}"
         adapter = adapter if self.config.max_loras else ""
@@ -105,6 +156,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.adapter_of[rid] = adapter
         self.expected[rid] = reference_tokens(prompt, stop, EOS, VOCAB, MAX_MODEL_LEN)
         self.arrival_order.append(rid)
+        self.turns.append((prompt + self.expected[rid], adapter))
 
     @precondition(lambda self: self.scheduler.requests)
     @rule(data=st.data())
@@ -136,10 +188,13 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert got == expected, rid
         if self.config.policy == "fcfs":
             # Nobody is overtaken by a request of the same adapter (or of none): first
-            # admissions follow arrival order; --max-loras lets other adapters' pass.
-            admitted = set(self.admission_order)
+            # admissions follow arrival order; --max-loras lets other adapters' pass, and
+            # a connector that asks for time lets the others pass the one it defers.
+            deferred = self.connector.deferred_ids if self.connector else set()
+            order = [r for r in dict.fromkeys(self.admission_order) if r not in deferred]
+            admitted = set(order)
             for adapter in set(self.adapter_of.values()):
-                ours = [r for r in self.admission_order if self.adapter_of[r] == adapter]
+                ours = [r for r in order if self.adapter_of[r] == adapter]
                 assert ours == [r for r in self.arrival_order
                                 if r in admitted and self.adapter_of[r] == adapter]  # fmt: skip
 

@@ -115,20 +115,44 @@ class CachedRequestData(_message.Message):
     def __init__(self, req_ids: _Optional[_Iterable[str]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_draft_slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SchedulerOutput(_message.Message):
-    __slots__ = ("finished_req_ids", "preempted_req_ids", "scheduled_cached_reqs", "scheduled_new_reqs", "trimmed_req_ids", "trimmed_num_blocks")
+    __slots__ = ("finished_req_ids", "preempted_req_ids", "scheduled_cached_reqs", "scheduled_new_reqs", "trimmed_req_ids", "trimmed_num_blocks", "kv_connector", "poll_kv_transfers")
     FINISHED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     SCHEDULED_CACHED_REQS_FIELD_NUMBER: _ClassVar[int]
     SCHEDULED_NEW_REQS_FIELD_NUMBER: _ClassVar[int]
     TRIMMED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     TRIMMED_NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_CONNECTOR_FIELD_NUMBER: _ClassVar[int]
+    POLL_KV_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     finished_req_ids: _containers.RepeatedScalarFieldContainer[str]
     preempted_req_ids: _containers.RepeatedScalarFieldContainer[str]
     scheduled_cached_reqs: CachedRequestData
     scheduled_new_reqs: _containers.RepeatedCompositeFieldContainer[NewRequestData]
     trimmed_req_ids: _containers.RepeatedScalarFieldContainer[str]
     trimmed_num_blocks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, finished_req_ids: _Optional[_Iterable[str]] = ..., preempted_req_ids: _Optional[_Iterable[str]] = ..., scheduled_cached_reqs: _Optional[_Union[CachedRequestData, _Mapping]] = ..., scheduled_new_reqs: _Optional[_Iterable[_Union[NewRequestData, _Mapping]]] = ..., trimmed_req_ids: _Optional[_Iterable[str]] = ..., trimmed_num_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
+    kv_connector: KVConnectorMetadata
+    poll_kv_transfers: bool
+    def __init__(self, finished_req_ids: _Optional[_Iterable[str]] = ..., preempted_req_ids: _Optional[_Iterable[str]] = ..., scheduled_cached_reqs: _Optional[_Union[CachedRequestData, _Mapping]] = ..., scheduled_new_reqs: _Optional[_Iterable[_Union[NewRequestData, _Mapping]]] = ..., trimmed_req_ids: _Optional[_Iterable[str]] = ..., trimmed_num_blocks: _Optional[_Iterable[int]] = ..., kv_connector: _Optional[_Union[KVConnectorMetadata, _Mapping]] = ..., poll_kv_transfers: _Optional[bool] = ...) -> None: ...
+
+class KVLoad(_message.Message):
+    __slots__ = ("req_id", "block_ids", "source_ids")
+    REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    req_id: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    source_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, req_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., source_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class KVConnectorMetadata(_message.Message):
+    __slots__ = ("loads", "save_block_ids", "save_slots")
+    LOADS_FIELD_NUMBER: _ClassVar[int]
+    SAVE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAVE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    loads: _containers.RepeatedCompositeFieldContainer[KVLoad]
+    save_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    save_slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, loads: _Optional[_Iterable[_Union[KVLoad, _Mapping]]] = ..., save_block_ids: _Optional[_Iterable[int]] = ..., save_slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("step_id", "plan", "heartbeat", "traceparent")
@@ -143,7 +167,7 @@ class StepRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., plan: _Optional[_Union[SchedulerOutput, _Mapping]] = ..., heartbeat: _Optional[bool] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled_token_ids", "logprobs", "heartbeat", "prompt_logprobs", "num_sampled_tokens", "num_draft_tokens")
+    __slots__ = ("step_id", "sampled_token_ids", "logprobs", "heartbeat", "prompt_logprobs", "num_sampled_tokens", "num_draft_tokens", "finished_recving", "failed_recving", "finished_sending")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +175,9 @@ class StepResult(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_RECVING_FIELD_NUMBER: _ClassVar[int]
+    FAILED_RECVING_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_SENDING_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
@@ -158,7 +185,10 @@ class StepResult(_message.Message):
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
     num_sampled_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_draft_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., heartbeat: _Optional[bool] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., num_sampled_tokens: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    finished_recving: _containers.RepeatedScalarFieldContainer[str]
+    failed_recving: _containers.RepeatedScalarFieldContainer[str]
+    finished_sending: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., heartbeat: _Optional[bool] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., num_sampled_tokens: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., finished_recving: _Optional[_Iterable[str]] = ..., failed_recving: _Optional[_Iterable[str]] = ..., finished_sending: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PromptLogprobs(_message.Message):
     __slots__ = ("req_id", "first_token", "logprobs")

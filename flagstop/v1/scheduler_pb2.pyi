@@ -118,27 +118,31 @@ class SchedulerMessage(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., finished_ids: _Optional[_Iterable[str]] = ..., finish_reasons: _Optional[_Iterable[_Union[RequestFinish, str]]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., credits: _Optional[int] = ..., load: _Optional[_Union[ReplicaLoad, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_executor_pb2.PromptLogprobs, _Mapping]]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReplicaLoad(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_cache_usage", "running_loras", "waiting_loras", "lora_adapters_version")
+    __slots__ = ("num_running", "num_waiting", "kv_cache_usage", "running_loras", "waiting_loras", "lora_adapters_version", "num_host_cached_blocks", "external_prefix_cache_hits")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
     RUNNING_LORAS_FIELD_NUMBER: _ClassVar[int]
     WAITING_LORAS_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EXTERNAL_PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_cache_usage: float
     running_loras: _containers.RepeatedScalarFieldContainer[str]
     waiting_loras: _containers.RepeatedScalarFieldContainer[str]
     lora_adapters_version: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., running_loras: _Optional[_Iterable[str]] = ..., waiting_loras: _Optional[_Iterable[str]] = ..., lora_adapters_version: _Optional[int] = ...) -> None: ...
+    num_host_cached_blocks: int
+    external_prefix_cache_hits: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., running_loras: _Optional[_Iterable[str]] = ..., waiting_loras: _Optional[_Iterable[str]] = ..., lora_adapters_version: _Optional[int] = ..., num_host_cached_blocks: _Optional[int] = ..., external_prefix_cache_hits: _Optional[int] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("step_id", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "executor_connected", "remote_policy_active", "remote_policy_failures", "num_routers")
+    __slots__ = ("step_id", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "executor_connected", "remote_policy_active", "remote_policy_failures", "num_routers", "num_loading", "external_prefix_cache_queries", "external_prefix_cache_hits", "num_host_blocks", "num_host_cached_blocks")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +156,11 @@ class GetStatsResponse(_message.Message):
     REMOTE_POLICY_ACTIVE_FIELD_NUMBER: _ClassVar[int]
     REMOTE_POLICY_FAILURES_FIELD_NUMBER: _ClassVar[int]
     NUM_ROUTERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOADING_FIELD_NUMBER: _ClassVar[int]
+    EXTERNAL_PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    EXTERNAL_PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     num_running: int
     num_waiting: int
@@ -165,4 +174,9 @@ class GetStatsResponse(_message.Message):
     remote_policy_active: bool
     remote_policy_failures: int
     num_routers: int
-    def __init__(self, step_id: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., executor_connected: _Optional[bool] = ..., remote_policy_active: _Optional[bool] = ..., remote_policy_failures: _Optional[int] = ..., num_routers: _Optional[int] = ...) -> None: ...
+    num_loading: int
+    external_prefix_cache_queries: int
+    external_prefix_cache_hits: int
+    num_host_blocks: int
+    num_host_cached_blocks: int
+    def __init__(self, step_id: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., executor_connected: _Optional[bool] = ..., remote_policy_active: _Optional[bool] = ..., remote_policy_failures: _Optional[int] = ..., num_routers: _Optional[int] = ..., num_loading: _Optional[int] = ..., external_prefix_cache_queries: _Optional[int] = ..., external_prefix_cache_hits: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., num_host_cached_blocks: _Optional[int] = ...) -> None: ...

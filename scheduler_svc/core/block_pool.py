@@ -86,7 +86,7 @@ class BlockPool:
         blocks = [self.free_queue.popleft() for _ in range(n)]
         for block in blocks:
             if block.block_hash is not None:
-                self._evict(block)
+                self.uncache(block)  # evicted: its contents are about to change
             block.ref_cnt = 1
         return blocks
 
@@ -100,12 +100,15 @@ class BlockPool:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
 
-    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
-        # The first block with a given content stays the cached one: block tables are
-        # append-only, so a duplicate simply stays uncached and is freed as usual.
+    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> bool:
+        """Whether the block became the cached one of its hash. The first block with
+        a given content stays the cached one: block tables are append-only, so a
+        duplicate simply stays uncached and is freed as usual."""
         if block.block_hash is None and block_hash not in self.cached_blocks:
             block.block_hash = block_hash
             self.cached_blocks[block_hash] = block
+            return True
+        return False
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop a reference; blocks reaching zero join the tail (evicted last) in order."""
@@ -114,7 +117,8 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def _evict(self, block: KVCacheBlock) -> None:
+    def uncache(self, block: KVCacheBlock) -> None:
+        """The block's contents are not what its hash says: no later request may hit it."""
         assert block.block_hash is not None
         del self.cached_blocks[block.block_hash]
         block.block_hash = None

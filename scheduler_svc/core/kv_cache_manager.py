@@ -61,6 +61,9 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.req_blocks: dict[str, _RequestBlocks] = {}
         self.prefix_stats = PrefixCacheStats()
+        # Blocks cached since the last take_newly_cached (kept only for a KV connector's
+        # write-through, which learns of them once the step's plan is final).
+        self.newly_cached: list[KVCacheBlock] | None = None
 
     def update_block_hashes(self, request: Request) -> None:
         """Hash the request's newly completed full blocks (called as tokens arrive)."""
@@ -89,10 +92,12 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: list[KVCacheBlock] | None = None,
+        delay_cache_blocks: bool = False,
     ) -> Sequence[int] | None:
         """Give the request room for num_new_tokens more tokens (after the prefix hits).
         All or nothing: None when the free blocks cannot cover it. Returns the block ids
-        appended to the request's block table."""
+        appended to the request's block table. delay_cache_blocks: a connector fills
+        them, so none is cached (no other request may hit it) until cache_blocks."""
         state = self.req_blocks.get(request.request_id)
         num_total = request.num_computed_tokens + num_new_tokens
         if state is not None and num_total <= len(state.blocks) * self.block_size:
@@ -112,8 +117,15 @@ class KVCacheManager:
         self.pool.touch(hits)
         new_blocks = hits + self.pool.get_new_blocks(num_needed)
         state.blocks.extend(new_blocks)
-        self._cache_full_blocks(request, state, num_total)
+        if not delay_cache_blocks:
+            self._cache_full_blocks(request, state, num_total)
         return [b.block_id for b in new_blocks]
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """A connector filled the request's blocks up to num_computed_tokens."""
+        state = self.req_blocks.get(request.request_id)
+        if state is not None:
+            self._cache_full_blocks(request, state, num_computed_tokens)
 
     def _cache_full_blocks(self, request: Request, state: _RequestBlocks, num_total: int) -> None:
         # Only blocks whose tokens are all known and computed once this step has run;
@@ -121,9 +133,18 @@ class KVCacheManager:
         num_full = min(num_total, len(request.all_token_ids)) // self.block_size
         if num_full <= state.num_cached_blocks or not self.enable_caching:
             return
-        for i in range(state.num_cached_blocks, num_full):
-            self.pool.cache_block(state.blocks[i], request.block_hashes[i])
+        blocks, hashes, cache_block = state.blocks, request.block_hashes, self.pool.cache_block
+        cached = [blocks[i] for i in range(state.num_cached_blocks, num_full)
+                  if cache_block(blocks[i], hashes[i])]  # fmt: skip
         state.num_cached_blocks = num_full
+        if self.newly_cached is not None:
+            self.newly_cached += cached
+
+    def take_newly_cached(self) -> list[KVCacheBlock]:
+        """The blocks cached since the last call that still are (a preemption victim's
+        may have been uncached since)."""
+        blocks, self.newly_cached = self.newly_cached or [], []
+        return [b for b in blocks if b.block_hash is not None]
 
     def trim(self, request: Request, num_tokens: int) -> int | None:
         """Give back the blocks past the first num_tokens slots (rejected drafts had
@@ -138,12 +159,21 @@ class KVCacheManager:
         del state.blocks[num_kept:]
         return num_kept
 
-    def free(self, request: Request) -> None:
+    def free(self, request: Request, num_valid_tokens: int | None = None) -> None:
+        """num_valid_tokens: a preemption victim's tokens whose KV is (or will be, by a
+        step in flight) computed. Its blocks cached past them were cached by this very
+        step for tokens the step no longer computes: they are uncached, else a later
+        hit would read KV that was never written."""
         state = self.req_blocks.pop(request.request_id, None)
-        if state is not None:
-            # Tail blocks first: they join the free queue ahead of the prefix blocks and
-            # are evicted first, so shared prefixes stay cached longest.
-            self.pool.free_blocks(reversed(state.blocks))
+        if state is None:
+            return
+        if num_valid_tokens is not None:
+            for block in state.blocks[num_valid_tokens // self.block_size :]:
+                if block.block_hash is not None and block.ref_cnt == 1:
+                    self.pool.uncache(block)
+        # Tail blocks first: they join the free queue ahead of the prefix blocks and
+        # are evicted first, so shared prefixes stay cached longest.
+        self.pool.free_blocks(reversed(state.blocks))
 
     def block_ids(self, request_id: str) -> list[int]:
         state = self.req_blocks.get(request_id)

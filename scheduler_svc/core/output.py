@@ -6,6 +6,7 @@ owns the requests."""
 from dataclasses import dataclass, field
 from typing import Any
 
+from flagstop.scheduler_svc.core.kv_connector import KVConnectorMetadata
 from flagstop.scheduler_svc.core.request import FinishReason, Request
 
 
@@ -58,12 +59,16 @@ class SchedulerOutput:
     # (rejected drafts gave back the blocks past their request's tokens).
     num_draft_slots: dict[str, int] = field(default_factory=dict)
     trimmed_blocks: dict[str, int] = field(default_factory=dict)
+    # KV connector: this step's loads and saves (None: no connector), and whether
+    # transfers are under way that the result should report on.
+    kv_connector: KVConnectorMetadata | None = None
+    poll_kv_transfers: bool = False
 
     @property
     def is_empty(self) -> bool:
         return not (
             self.num_scheduled_tokens or self.finished_req_ids or self.preempted_req_ids
-            or self.trimmed_blocks
+            or self.trimmed_blocks or self.kv_connector or self.poll_kv_transfers
         )  # fmt: skip
 
 

@@ -9,12 +9,15 @@ from flagstop.scheduler_svc.core.speculative import SPEC_PRIOR_ACCEPTANCE
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
-    FINISHED_ERROR = 6
+    # Its KV is arriving from a connector (a host tier, a prefill replica): it holds
+    # its blocks, in the scheduler's `loading` queue, until the load is reported done.
+    WAITING_FOR_REMOTE_KVS = 1
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
 
     is_finished: bool  # set on each member below
 
@@ -94,6 +97,10 @@ class Request:
     num_output_placeholders: int = 0
     num_preemptions: int = 0
     num_cached_tokens: int = -1
+    # Tokens past its local prefix hits that a connector is loading (while
+    # WAITING_FOR_REMOTE_KVS), and of those, the ones that arrived (the prefix stats').
+    num_external_tokens: int = 0
+    num_loaded_tokens: int = 0
     # Chained hashes of the full blocks of known tokens, kept up to date by the
     # KVCacheManager (which owns the block size).
     block_hashes: list[bytes] = field(default_factory=list)

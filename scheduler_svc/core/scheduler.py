@@ -2,11 +2,13 @@
 request's `num_computed_tokens` is pushed towards its known tokens under a token
 budget, and requests join and leave the batch at every step."""
 
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from flagstop.scheduler_svc.core.config import SchedulerConfig
-from flagstop.scheduler_svc.core.kv_cache_manager import KVCacheManager
+from flagstop.scheduler_svc.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from flagstop.scheduler_svc.core.kv_connector import KVConnector, KVTransferResult
 from flagstop.scheduler_svc.core.limits import (
     RequestRejected,
     check_request_length,
@@ -28,6 +30,7 @@ from flagstop.scheduler_svc.core.speculative import (
 )
 
 RUNNING, PREEMPTED = RequestStatus.RUNNING, RequestStatus.PREEMPTED
+WAITING, LOADING = RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KVS
 STOPPED, LENGTH = RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH
 ERROR = RequestStatus.FINISHED_ERROR
 
@@ -43,6 +46,9 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    num_loading_reqs: int = 0
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
 
 
 @dataclass(slots=True)
@@ -72,11 +78,16 @@ class _Step:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, num_blocks: int, policy: SchedulingPolicy | None = None
+        self,
+        config: SchedulerConfig,
+        num_blocks: int,
+        policy: SchedulingPolicy | None = None,
+        connector: KVConnector | None = None,
     ) -> None:
         self.config = config
         self.policy = policy or make_policy(config.policy)
-        self.kv = KVCacheManager(num_blocks, config.block_size, not config.no_prefix_caching)
+        self.connector = connector
+        self.kv = self._new_kv(num_blocks)
         # The longest sequence this engine can hold: the model's limit or the whole pool.
         self.max_model_len = min(config.max_model_len, num_blocks * config.block_size)
         self.block_size = config.block_size  # read per token
@@ -91,6 +102,20 @@ class Scheduler:
         # Block tables cut since the last plan (rejected drafts), for the next one.
         self.trimmed_blocks: dict[str, int] = {}
         self.spec_stats = SpecDecodingStats()
+        # KV connector: requests whose KV is arriving (WAITING_FOR_REMOTE_KVS), and
+        # requests ended whose blocks a transfer still uses (an abort mid-load, a
+        # delayed free), freed when the executor reports the transfer done.
+        self.loading: dict[str, Request] = {}
+        self.loaded: deque[Request] = deque()  # arrived, holding blocks: seated first
+        self.freeing: dict[str, Request] = {}
+        self.external_stats = PrefixCacheStats()  # tokens asked of / loaded by it
+
+    def _new_kv(self, num_blocks: int) -> KVCacheManager:
+        config = self.config
+        kv = KVCacheManager(num_blocks, config.block_size, not config.no_prefix_caching)
+        if self.connector is not None:
+            kv.newly_cached = []
+        return kv
 
     # -- requests in -------------------------------------------------------------
 
@@ -139,11 +164,18 @@ class Scheduler:
         self.abort(list(self.requests), RequestStatus.FINISHED_ERROR)
         return by_owner
 
-    def reset_executor(self, num_blocks: int | None = None) -> None:
+    def reset_executor(self, num_blocks: int | None = None, num_tier_slots: int = 0) -> None:
         """The executor was lost, and the KV cache with it: every request starts over
         by recompute (prompt + the tokens it already has), its steps in flight are
         forgotten, and the pool, sized by the new executor (None: the same size),
-        begins empty."""
+        begins empty; so does the connector's tier (num_tier_slots, the new one's)."""
+        # Loading or loaded, their blocks died with it: back to the head of the queue.
+        for request in reversed([*self.loaded, *self.loading.values()]):
+            request.status = PREEMPTED if request.num_preemptions else WAITING
+            self.waiting.prepend(request)
+        self.loading, self.loaded, self.freeing = {}, deque(), {}
+        if self.connector is not None:
+            self.connector.reset(num_tier_slots)
         # Oldest first back at the head of the queue, in the order they ran.
         for request in reversed(self.running):
             request.status = PREEMPTED
@@ -156,7 +188,7 @@ class Scheduler:
             request.num_output_placeholders = 0
         config, stats = self.config, self.kv.prefix_stats
         num_blocks = num_blocks or self.kv.pool.num_blocks
-        self.kv = KVCacheManager(num_blocks, config.block_size, not config.no_prefix_caching)
+        self.kv = self._new_kv(num_blocks)
         self.kv.prefix_stats = stats
         self.max_model_len = min(config.max_model_len, num_blocks * config.block_size)
         # The new executor starts from an empty batch: nothing of the old to drop.
@@ -174,7 +206,15 @@ class Scheduler:
         # newcomer and preempt again next step (thrashing).
         if not step.preempted_req_ids:
             self._schedule_waiting(step)
-        return self._make_output(step)
+        output = self._make_output(step)
+        if self.connector is not None:
+            # Told once the plan is final: a preemption victim's blocks are not saved.
+            self.connector.blocks_cached(self.kv.take_newly_cached())
+            output.kv_connector = self.connector.build_connector_meta()
+            # An empty step still asks after the transfers under way: it is the only
+            # way their end reaches us when nothing else runs.
+            output.poll_kv_transfers = bool(self.loading or self.freeing)
+        return output
 
     def _num_new_tokens(self, request: Request, token_budget: int) -> int:
         num_tokens = len(request.all_token_ids) + request.num_output_placeholders
@@ -251,7 +291,7 @@ class Scheduler:
     def _preempt(self, request: Request, step: _Step) -> None:
         # Recompute, not swap: the blocks go back now and the request later
         # recomputes prompt + outputs (cheap while its prefix stays cached).
-        self.kv.free(request)
+        self.kv.free(request, request.num_computed_tokens)
         self.trimmed_blocks.pop(request.request_id, None)
         request.status = PREEMPTED
         request.num_computed_tokens = 0
@@ -261,41 +301,137 @@ class Scheduler:
         step.preempted_req_ids.add(request.request_id)
 
     def _schedule_waiting(self, step: _Step) -> None:
-        config = self.config
         # Waiting requests of an adapter that has no slot left this step wait aside,
         # in order, without holding up the others (vLLM's skipped_waiting).
         adapters, skipped = self._running_adapters(), []
-        while self.waiting and step.token_budget > 0 and len(self.running) < config.max_num_seqs:
+        if self.loaded:
+            self._schedule_loaded(step, adapters)
+        while self.waiting and self._has_room(step):
             request = self.waiting.peek()
             if request.num_output_placeholders:
                 break  # preempted with a token still in flight: resume once it is known
-            if not self._fits_adapters(request, adapters):
+            found = self._find_computed(request) if self._fits_adapters(request, adapters) else None
+            if found is None:
                 skipped.append(self.waiting.pop())
                 continue
-            hits = [] if request.skip_prefix_cache else self.kv.get_computed_blocks(request)
-            num_cached = len(hits) * config.block_size
-            num_new = request.num_tokens - num_cached
-            if not config.no_chunked_prefill:
-                num_new = min(
-                    num_new, config.long_prefill_token_threshold or num_new, step.token_budget
-                )
-            elif num_new > step.token_budget:
+            hits, num_cached, num_external = found
+            if num_external:
+                if not self._start_load(request, hits, num_cached, num_external):
+                    break
+                self.waiting.pop()
+                continue
+            num_new = self._num_prefill_tokens(request, num_cached, step)
+            if num_new is None or self.kv.allocate_slots(request, num_new, hits) is None:
                 break  # head-of-line blocking keeps FCFS fair
-            if self.kv.allocate_slots(request, num_new, hits) is None:
-                break
             self.waiting.pop()
-            if request.lora_name:
-                adapters.add(request.lora_name)
-            self.kv.prefix_stats.record(request.num_tokens, num_cached)
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_cached
-            request.num_computed_tokens = num_cached
-            step.admitted_reqs.append(request)
-            self.running.append(request)
-            step.num_scheduled_tokens[request.request_id] = num_new
-            step.token_budget -= num_new
+            self._admit(request, num_cached, num_new, step, adapters)
         for request in reversed(skipped):
             self.waiting.prepend(request)
+
+    def _schedule_loaded(self, step: _Step, adapters: set[str]) -> None:
+        """Requests whose KV arrived hold their blocks, and were admitted when their
+        load started: they take seats before anyone waiting (else a request the pool
+        cannot hold would stall them and the blocks they hold: vLLM #57841)."""
+        passed: list[Request] = []
+        while self.loaded and self._has_room(step):
+            request = self.loaded.popleft()
+            if not self._fits_adapters(request, adapters):
+                passed.append(request)
+                continue
+            num_new = self._num_prefill_tokens(request, request.num_computed_tokens, step)
+            if num_new is None:
+                self.loaded.appendleft(request)
+                break
+            self.kv.allocate_slots(request, num_new)  # within the blocks it reserved
+            self._admit(request, request.num_computed_tokens, num_new, step, adapters)
+        self.loaded.extendleft(reversed(passed))
+
+    def _has_room(self, step: _Step) -> bool:
+        return step.token_budget > 0 and len(self.running) < self.config.max_num_seqs
+
+    def _num_prefill_tokens(self, request: Request, num_cached: int, step: _Step) -> int | None:
+        """This step's chunk of the request's prefill; None: it does not fit whole
+        (--no-chunked-prefill) and must wait."""
+        num_new = request.num_tokens - num_cached
+        config = self.config
+        if config.no_chunked_prefill:
+            return num_new if num_new <= step.token_budget else None
+        return min(num_new, config.long_prefill_token_threshold or num_new, step.token_budget)
+
+    def _find_computed(self, request: Request) -> tuple[list, int, int] | None:
+        """(local hits, tokens they cover, tokens the connector can load), or None
+        while the connector asks for time."""
+        if request.skip_prefix_cache:
+            return [], 0, 0
+        hits = self.kv.get_computed_blocks(request)
+        num_cached = len(hits) * self.config.block_size
+        if self.connector is None:
+            return hits, num_cached, 0
+        num_external = self.connector.get_num_new_matched_tokens(request, num_cached)
+        return None if num_external is None else (hits, num_cached, num_external)
+
+    def _admit(
+        self, request: Request, num_cached: int, num_new: int, step: _Step, adapters: set[str]
+    ) -> None:
+        if request.lora_name:
+            adapters.add(request.lora_name)
+        self.kv.prefix_stats.record(request.num_tokens, num_cached - request.num_loaded_tokens)
+        if self.connector is not None:
+            self.external_stats.record(request.num_tokens, request.num_loaded_tokens)
+            request.num_loaded_tokens = 0
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_cached
+        request.num_computed_tokens = num_cached
+        step.admitted_reqs.append(request)
+        self.running.append(request)
+        step.num_scheduled_tokens[request.request_id] = num_new
+        step.token_budget -= num_new
+
+    def _start_load(self, request: Request, hits: list, num_cached: int, num_external: int) -> bool:
+        """Reserve blocks for the request's whole remaining prefill, uncached (a load
+        fills them), and park it until the connector reports the load; False when the
+        pool cannot hold it yet."""
+        num_new = request.num_tokens - num_cached
+        if self.kv.allocate_slots(request, num_new, hits, delay_cache_blocks=True) is None:
+            return False
+        request.num_computed_tokens = num_cached
+        request.num_external_tokens = num_external
+        request.status = LOADING
+        self.loading[request.request_id] = request
+        bs = self.config.block_size
+        block_ids = self.kv.block_ids(request.request_id)
+        first = num_cached // bs
+        self.connector.update_state_after_alloc(
+            request, block_ids[first : first + num_external // bs], num_external
+        )
+        return True
+
+    def update_kv_transfers(self, result: KVTransferResult) -> None:
+        """The executor's connector finished or failed these transfers. A loaded
+        request's blocks enter the prefix cache now (never before: vLLM's
+        no-spurious-prefix-caching rule) and it waits for a seat, its last token still
+        to compute; a failed load keeps its blocks and recomputes what did not arrive;
+        an ended request's blocks are freed."""
+        if self.connector is not None:
+            self.connector.update_connector_output(result)
+        failed = set(result.failed_recving)
+        for req_id in (*result.finished_recving, *failed):
+            if (request := self.loading.pop(req_id, None)) is not None:
+                self._loaded(request, req_id not in failed)
+            elif (ended := self.freeing.pop(req_id, None)) is not None:
+                self.kv.free(ended)  # aborted while its KV arrived
+        for req_id in result.finished_sending:
+            if (ended := self.freeing.pop(req_id, None)) is not None:
+                self.kv.free(ended)
+
+    def _loaded(self, request: Request, ok: bool) -> None:
+        if ok:
+            request.num_computed_tokens += request.num_external_tokens
+            request.num_loaded_tokens = request.num_external_tokens
+            self.kv.cache_blocks(request, request.num_computed_tokens)
+        request.num_external_tokens = 0
+        request.status = PREEMPTED if request.num_preemptions else WAITING
+        self.loaded.append(request)
 
     def _running_adapters(self) -> set[str]:
         if not self.config.max_loras:
@@ -495,8 +631,17 @@ class Scheduler:
         if was_running:
             # The executor still holds it; preempted ones were already dropped there.
             self.finished_req_ids.add(request.request_id)
+        if request.status == LOADING:
+            # A load is writing its blocks: they are freed when it is reported done.
+            del self.loading[request.request_id]
+            self.freeing[request.request_id] = request
+        elif self.connector is not None and self.connector.request_finished(
+            request, self.kv.block_ids(request.request_id)
+        ):
+            self.freeing[request.request_id] = request  # a transfer still reads them
+        else:
+            self.kv.free(request)
         request.status = status
-        self.kv.free(request)
         del self.requests[request.request_id]
         return was_running
 
@@ -505,11 +650,14 @@ class Scheduler:
         self.running = [r for r in self.running if not r.status.is_finished]
         if queued_ids:
             self.waiting.remove_all(queued_ids)
+            if self.loaded:
+                self.loaded = deque(r for r in self.loaded if r.request_id not in queued_ids)
 
     # -- introspection -----------------------------------------------------------
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Requests, or transfers whose blocks wait to be freed."""
+        return bool(self.requests or self.freeing)
 
     def request_ids_by_owner(self) -> dict[str, list[str]]:
         by_owner: dict[str, list[str]] = {}
@@ -535,7 +683,7 @@ class Scheduler:
 
     def adapters_in_use(self) -> tuple[list[str], list[str]]:
         """The LoRA adapters of the running requests, and of the waiting ones, sorted."""
-        waiting = {r.lora_name for r in self.waiting if r.lora_name}
+        waiting = {r.lora_name for r in (*self.waiting, *self.loaded) if r.lora_name}
         return sorted(self._running_adapters()), sorted(waiting)
 
     def make_stats(self) -> SchedulerStats:
@@ -543,11 +691,14 @@ class Scheduler:
         return SchedulerStats(
             step_id=self.step_id,
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=len(self.waiting) + len(self.loaded),
             num_free_blocks=pool.num_free_blocks,
             num_total_blocks=pool.num_blocks,
             kv_cache_usage=pool.usage(),
             prefix_cache_queries=self.kv.prefix_stats.num_queries,
             prefix_cache_hits=self.kv.prefix_stats.num_hits,
             num_preemptions=self.num_preemptions,
+            num_loading_reqs=len(self.loading),
+            external_prefix_cache_queries=self.external_stats.num_queries,
+            external_prefix_cache_hits=self.external_stats.num_hits,
         )

@@ -16,6 +16,7 @@ import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from flagstop.scheduler_svc.core.output import OwnerOutputs, SchedulerOutput
 from flagstop.scheduler_svc.core.request import StopParams
@@ -175,7 +176,9 @@ class Driver:
     executor: HashModelExecutor
     depth: int = 2
     on_step: Callable[[SchedulerOutput], None] | None = None
-    in_flight: deque[tuple[SchedulerOutput, list[list[int]]]] = field(default_factory=deque)
+    # A KV connector's worker side (tests/helpers/fake_kv_tier.py), or None.
+    tier_worker: Any = None
+    in_flight: deque[tuple[SchedulerOutput, list[list[int]], Any]] = field(default_factory=deque)
     tokens: dict[str, list[int]] = field(default_factory=dict)
     finish_reasons: dict[str, object] = field(default_factory=dict)
     num_steps: int = 0
@@ -186,12 +189,17 @@ class Driver:
         if self.on_step is not None:
             self.on_step(plan)
         if not plan.is_empty:
-            self.in_flight.append((plan, self.executor.execute(plan)))
+            worker = self.tier_worker
+            if worker is not None:
+                worker.before_forward(plan)
+            sampled = self.executor.execute(plan)
+            result = worker.after_forward(plan) if worker is not None else None
+            self.in_flight.append((plan, sampled, result))
         if self.in_flight and (len(self.in_flight) >= self.depth or not plan.num_scheduled_tokens):
             self.collect(*self.in_flight.popleft())
         return plan
 
-    def collect(self, plan: SchedulerOutput, sampled: list[list[int]]) -> None:
+    def collect(self, plan: SchedulerOutput, sampled: list[list[int]], transfers=None) -> None:
         if plan.num_draft_slots:
             counts = [len(tokens) for tokens in sampled]
             flat = [t for tokens in sampled for t in tokens]
@@ -201,6 +209,8 @@ class Driver:
             outputs = self.scheduler.update_from_output(plan, [t for [t] in sampled])
         for owner_outputs in outputs.values():
             self._record(owner_outputs)
+        if transfers:
+            self.scheduler.update_kv_transfers(transfers)
 
     def _record(self, out: OwnerOutputs) -> None:
         for rid, token in zip(out.req_ids, out.new_token_ids, strict=True):

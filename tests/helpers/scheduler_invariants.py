@@ -28,20 +28,39 @@ def check_invariants(scheduler: Scheduler) -> None:
 
 
 def _check_queues(scheduler: Scheduler) -> None:
-    running = scheduler.running
-    waiting = list(scheduler.waiting)
+    running, loading = scheduler.running, list(scheduler.loading.values())
+    waiting, loaded = list(scheduler.waiting), list(scheduler.loaded)
     assert len(running) <= scheduler.config.max_num_seqs
     adapters = {r.lora_name for r in running if r.lora_name}
     assert len(adapters) <= scheduler.config.max_loras, f"adapters {adapters} above --max-loras"
     assert all(r.status == RequestStatus.RUNNING for r in running)
-    assert all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in waiting)
-    queued = {r.request_id for r in running} | {r.request_id for r in waiting}
-    assert len(queued) == len(running) + len(waiting), "a request is queued twice"
-    assert queued == set(scheduler.requests), "requests and queues disagree"
-    assert set(scheduler.kv.req_blocks) == {r.request_id for r in running}
+    assert all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+               for r in (*waiting, *loaded))  # fmt: skip
+    assert all(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in loading)
+    assert all(r.status.is_finished for r in scheduler.freeing.values())
+    queued = [r.request_id for r in (*running, *loading, *loaded, *waiting)]
+    assert len(set(queued)) == len(queued), "a request is queued twice"
+    assert set(queued) == set(scheduler.requests), "requests and queues disagree"
+    assert not set(scheduler.freeing) & set(scheduler.requests), "a freeing request still lives"
+    assert set(scheduler.kv.req_blocks) == (
+        {r.request_id for r in (*running, *loading, *loaded)} | set(scheduler.freeing)
+    ), "blocks held by a request no queue knows"
+    for request in loading + loaded:
+        _check_reserved(scheduler, request)
     for request in scheduler.requests.values():
         assert request.num_output_placeholders >= 0
         assert request.num_computed_tokens <= request.num_tokens + request.num_output_placeholders
+
+
+def _check_reserved(scheduler: Scheduler, request) -> None:
+    # A load reserves the whole remaining prefill, and nothing it writes is a prefix
+    # hit before it is reported done.
+    blocks = scheduler.kv.req_blocks[request.request_id].blocks
+    bs = scheduler.config.block_size
+    assert len(blocks) * bs >= request.num_tokens, f"{request.request_id} reserved too little"
+    if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+        first = request.num_computed_tokens // bs
+        assert all(b.block_hash is None for b in blocks[first:]), "a loading block is cached"
 
 
 def check_idle(scheduler: Scheduler) -> None:
@@ -49,6 +68,7 @@ def check_idle(scheduler: Scheduler) -> None:
     check_invariants(scheduler)
     kv = scheduler.kv
     assert not scheduler.requests and not scheduler.running and not len(scheduler.waiting)
+    assert not scheduler.loading and not scheduler.loaded and not scheduler.freeing
     assert not kv.req_blocks
     assert kv.pool.num_free_blocks == kv.pool.num_blocks
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)

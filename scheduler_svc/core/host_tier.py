@@ -1,0 +1,115 @@
+"""The host-memory tier of the prefix cache, scheduler side: which block hashes the
+executor's host buffer holds, in which slot, and the copies each step asks for.
+
+Policy (vLLM's OffloadingConnector, SGLang HiCache's write_through): every full block
+is written through to the tier in the step that computes it, keyed by the prefix
+cache's chained hash, unless the tier holds that hash already. Eviction is least
+recently used, where a use is a save or a load: a slot is reused from the oldest
+entry on, skipping slots a load still reads and slots this step saves into. A prefix
+hit in the tier (the blocks past the pool's own hits, up to the last token) loads back
+into blocks the scheduler reserved, while the request waits as WAITING_FOR_REMOTE_KVS.
+
+The executor holds the bytes (executor/kv_offload.py) and executes the copies in plan
+order: a step's saves run after its forward and before any later step's loads, so a
+load never reads a slot before the save that fills it. Only a load planned in the same
+step as the slot's save could: the scheduler tells the tier of a step's cached blocks
+after its lookups, and the lookup stops at a slot saved this step regardless."""
+
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+
+from flagstop.scheduler_svc.core.block_pool import KVCacheBlock
+from flagstop.scheduler_svc.core.kv_connector import (
+    KVConnectorMetadata,
+    KVLoad,
+    KVTransferResult,
+)
+from flagstop.scheduler_svc.core.request import Request
+
+
+class HostTierConnector:
+    def __init__(self, num_slots: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.reset(num_slots)
+
+    def reset(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self.slots: OrderedDict[bytes, int] = OrderedDict()  # hash -> slot, oldest first
+        self.free_slots = list(range(num_slots - 1, -1, -1))
+        self.pinned: Counter[int] = Counter()  # slots loads read
+        self.loads_of: dict[str, list[int]] = {}  # request id -> slots its load reads
+        self.meta = KVConnectorMetadata()
+        self.saving: set[int] = set()  # slots this step's saves fill
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.slots)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        first = num_computed_tokens // self.block_size
+        last = (request.num_tokens - 1) // self.block_size  # never the last token
+        num_blocks = 0
+        for block_hash in request.block_hashes[first:last]:
+            slot = self.slots.get(block_hash)
+            if slot is None or slot in self.saving:
+                break
+            num_blocks += 1
+        return num_blocks * self.block_size
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        first = request.num_computed_tokens // self.block_size
+        hashes = request.block_hashes[first : first + num_external_tokens // self.block_size]
+        slots = [self.slots[h] for h in hashes]
+        for block_hash in hashes:
+            self.slots.move_to_end(block_hash)
+        self.pinned.update(slots)
+        self.loads_of[request.request_id] = slots
+        self.meta.loads.append(KVLoad(request.request_id, block_ids, slots))
+
+    def blocks_cached(self, blocks: Sequence[KVCacheBlock]) -> None:
+        for block in blocks:
+            block_hash = block.block_hash
+            if block_hash in self.slots:
+                self.slots.move_to_end(block_hash)
+                continue
+            slot = self._take_slot()
+            if slot is None:
+                return  # every slot is read by a load or filled this step
+            self.slots[block_hash] = slot
+            self.saving.add(slot)
+            self.meta.save_block_ids.append(block.block_id)
+            self.meta.save_slots.append(slot)
+
+    def _take_slot(self) -> int | None:
+        if self.free_slots:
+            return self.free_slots.pop()
+        for block_hash, slot in self.slots.items():
+            if not self.pinned[slot] and slot not in self.saving:
+                del self.slots[block_hash]
+                return slot
+        return None
+
+    def build_connector_meta(self) -> KVConnectorMetadata:
+        meta, self.meta = self.meta, KVConnectorMetadata()
+        self.saving = set()
+        return meta
+
+    def update_connector_output(self, result: KVTransferResult) -> None:
+        for req_id in result.finished_recving:
+            self._unpin(self.loads_of.pop(req_id, ()))
+        for req_id in result.failed_recving:
+            slots = set(self.loads_of.pop(req_id, ()))
+            self._unpin(slots)
+            # What a failed copy read is suspect: those entries go, their slots with them.
+            for block_hash, slot in list(self.slots.items()):
+                if slot in slots and not self.pinned[slot]:
+                    del self.slots[block_hash]
+                    self.free_slots.append(slot)
+
+    def _unpin(self, slots) -> None:
+        self.pinned.subtract(slots)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+        return False  # saves run in the step that computes a block: nothing reads it later

@@ -1,0 +1,100 @@
+"""The KV connector seam, scheduler side (after vLLM V1's KVConnectorBase_V1): KV that
+lives beyond this pool (a host tier, a prefill replica) is found, loaded into blocks
+the scheduler reserved, and reported back; blocks a transfer still reads are freed
+once the connector says so.
+
+The scheduler asks `get_num_new_matched_tokens` for a waiting request after its local
+prefix hits; a positive answer reserves the request's blocks for its whole remaining
+prefill (vLLM #45388: reserving only the loaded part deadlocks), parks it in its own
+queue as WAITING_FOR_REMOTE_KVS (no token budget, no seat of --max-num-seqs, never
+blocking the requests behind it) and tells the connector which blocks to fill
+(`update_state_after_alloc`). Each step's plan carries `build_connector_meta()` to the
+executor, whose worker side moves the bytes and reports finished and failed loads;
+`Scheduler.update_kv_transfers` applies them. Loads here are always asynchronous: the
+request runs only once its KV is whole, so no layer of a forward waits on a transfer.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from flagstop.scheduler_svc.core.block_pool import KVCacheBlock
+from flagstop.scheduler_svc.core.request import Request
+
+
+@dataclass(slots=True)
+class KVLoad:
+    """Fill a request's blocks block_ids[i] from the connector's source_ids[i] (a host
+    tier's slots)."""
+
+    req_id: str
+    block_ids: list[int]
+    source_ids: list[int]
+
+
+@dataclass(slots=True)
+class KVConnectorMetadata:
+    """One step's transfers for the executor's connector: loads to start before the
+    forward, and blocks this step computes to save after it."""
+
+    loads: list[KVLoad] = field(default_factory=list)
+    save_block_ids: list[int] = field(default_factory=list)
+    save_slots: list[int] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.loads or self.save_block_ids)
+
+
+@dataclass(slots=True)
+class KVTransferResult:
+    """What the executor's connector reports in a step result."""
+
+    finished_recving: Sequence[str] = ()
+    failed_recving: Sequence[str] = ()
+    finished_sending: Sequence[str] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.finished_recving or self.failed_recving or self.finished_sending)
+
+
+class KVConnector(Protocol):
+    num_slots: int  # blocks it can hold beyond the pool (0: none of its own)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int | None:
+        """Tokens past the first num_computed_tokens (the local hits) that can be
+        loaded, never the last known token (its logits are the next step's); None:
+        ask again next step. No side effects."""
+        ...
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        """The blocks reserved for the loadable tokens: the load to start."""
+        ...
+
+    def blocks_cached(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Blocks that enter the prefix cache with this step (their tokens are computed
+        by it, or were loaded): a write-through tier saves the ones it lacks."""
+        ...
+
+    def build_connector_meta(self) -> KVConnectorMetadata:
+        """The transfers decided since the last plan (taken: the next call starts empty)."""
+        ...
+
+    def update_connector_output(self, result: KVTransferResult) -> None:
+        """Transfers the executor finished or failed (their sources may be reused)."""
+        ...
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+        """A request ended; True: a transfer still reads its blocks, which the
+        scheduler frees once finished_sending names it."""
+        ...
+
+    def reset(self, num_slots: int) -> None:
+        """The executor was replaced: whatever it held beyond the pool is gone."""
+        ...
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks resident beyond the pool (the load report's)."""
+        ...
