@@ -3,11 +3,13 @@ it back from host memory (or a file), token-exact against transformers, on one r
 and on two, with every block free afterwards."""
 
 import random
+import time
 
 import pytest
 
 from tests.helpers.checkpoints import reference_generate
 from tests.helpers.metrics import scrape
+from tests.helpers.streams import Streams, assert_token_exact
 from tools.stack import generate, start_stack
 
 NUM_BLOCKS = 24  # 384 slots of 16 tokens: three flush prompts evict everything
@@ -62,5 +64,32 @@ def test_a_prefix_the_pool_evicted_loads_back_token_exact(variant, model_dir, tm
         assert metric("vllm:external_prefix_cache_hits_total") == stats.external_prefix_cache_hits
         assert 0 < metric("vllm:cpu_cache_usage_perc") <= 1
         assert metric("flagstop:num_requests_loading_kv") == 0
+    finally:
+        stack.stop(10)
+
+
+@pytest.mark.processes
+def test_a_killed_executor_with_a_host_tier_is_replaced_token_exact(model_dir, tmp_path, reference):
+    args = ["--num-blocks", str(NUM_BLOCKS), "--kv-offload-bytes", str(64 << 20)]
+    stack = start_stack(model_dir, tmp_path, executor_args=args)
+    try:
+        first, flush = _turns(11)
+        answers = [_greedy(stack, prompt, 12) for prompt in first]
+        for prompt in flush:
+            _greedy(stack, prompt, 4)
+        # The follow-ups load their prefixes from the tier; the executor dies as soon as
+        # a load is seen (or a token, when the copies beat the poll), taking its loads
+        # and its tier with it, and the new one recomputes them.
+        follow_ups = [(p + a + [5, 6, 7], 24) for p, a in zip(first, answers, strict=True)]
+        streams = Streams(stack, follow_ups)
+        deadline = time.monotonic() + 30
+        while not stack.stats().num_loading and not any(streams.tokens):
+            assert time.monotonic() < deadline, "the follow-ups did not start"
+        stack.kill("executor")
+        stack.restart("executor")
+        assert_token_exact(reference, streams)
+        stats = stack.wait_idle()
+        assert stats.num_free_blocks == stats.num_total_blocks and stats.num_loading == 0
+        assert stats.executor_connected and stats.num_host_blocks > 0
     finally:
         stack.stop(10)

@@ -79,21 +79,41 @@ class SchedulerMachine(RuleBasedStateMachine):
             num_speculative_tokens=num_spec,
             max_loras=max_loras,
         )
-        rng, self.connector, worker = random.Random(seed), None, None
-        executor = HashModelExecutor(num_blocks, BLOCK_SIZE, VOCAB, draft_error_rate)
+        self.rng, self.connector = random.Random(seed), None
+        self.tier_slots, self.fail_rate, self.max_delay = tier_slots, fail_rate, max_delay
+        self.draft_error_rate = draft_error_rate
         if tier_slots and caching:
-            self.connector = FlakyHostTier(tier_slots, BLOCK_SIZE, rng, defer_rate,
+            self.connector = FlakyHostTier(tier_slots, BLOCK_SIZE, self.rng, defer_rate,
                                            delayed_free_rate)  # fmt: skip
-            worker = FakeTierWorker(executor, self.connector, rng, fail_rate, max_delay)
         self.scheduler = RecordingScheduler(self.config, num_blocks, connector=self.connector)
         self.admission_order = self.scheduler.admission_order
-        self.driver = Driver(self.scheduler, executor, depth, self.check_plan, worker)
+        self.driver = Driver(self.scheduler, None, depth, self.check_plan)
+        self._new_executor()
         self.ids = itertools.count()
         self.expected: dict[str, list[int]] = {}
         self.aborted: set[str] = set()
         self.arrival_order: list[str] = []
         self.adapter_of: dict[str, str] = {}
         self.turns: list[tuple[list[int], str]] = []  # (a prompt and its answer, adapter)
+
+    def _new_executor(self) -> None:
+        num_blocks = self.scheduler.kv.pool.num_blocks
+        executor = HashModelExecutor(num_blocks, BLOCK_SIZE, VOCAB, self.draft_error_rate,
+                                     seed=self.rng.randrange(1 << 16))  # fmt: skip
+        self.driver.executor = executor
+        if self.connector is not None:
+            self.driver.tier_worker = FakeTierWorker(executor, self.connector, self.rng,
+                                                     self.fail_rate, self.max_delay)  # fmt: skip
+
+    # Now and then, and whenever KV is arriving (the interesting moment to lose it).
+    @precondition(lambda self: self.scheduler.loading or self.scheduler.loaded
+                  or self.driver.num_steps % 13 == 5)  # fmt: skip
+    @rule()
+    def lose_executor(self):
+        # Its KV, its tier and its steps in flight are gone; every request recomputes.
+        self.driver.in_flight.clear()
+        self.scheduler.reset_executor(num_tier_slots=self.tier_slots)
+        self._new_executor()
 
     def check_plan(self, plan) -> None:
         assert plan.total_num_scheduled_tokens <= self.config.max_num_batched_tokens

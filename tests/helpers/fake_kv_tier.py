@@ -29,6 +29,9 @@ class FlakyHostTier(HostTierConnector):
         super().__init__(num_slots, block_size)
         self.rng, self.defer_rate, self.delayed_free_rate = rng, defer_rate, delayed_free_rate
         self.deferred_ids: set[str] = set()
+
+    def reset(self, num_slots: int) -> None:
+        super().reset(num_slots)
         self.sending: list[tuple[str, list[int]]] = []  # (request id, blocks it reads)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int):
