@@ -50,6 +50,8 @@ class HostTier:
         self.host = self._allocate(num_slots * self.slot_bytes, path, caches[0].device)
         self.host = self.host.view(num_slots, self.slot_bytes)
         self.device = caches[0].device
+        # The loads' copies run on their own stream, beside the forwards (CUDA).
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.copier = ThreadPoolExecutor(1, thread_name_prefix="kv-offload")
         self.loads: deque[tuple[str, Future]] = deque()  # started, not yet reported
 
@@ -74,10 +76,11 @@ class HostTier:
 
     @torch.inference_mode()
     def _load(self, block_ids: list[int], slots: list[int]) -> None:
-        ids = torch.tensor(block_ids, device=self.device)
-        rows = torch.tensor(slots)
-        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        rows, stream = torch.tensor(slots), self.stream
+        # Every device op of the copy on the side stream, the index tensor's too (made
+        # on another stream, the copies could read it before it is written).
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            ids = torch.tensor(block_ids, device=self.device)
             for view, offset in zip(self.views, self.offsets, strict=True):
                 part = self.host[rows, offset : offset + view.shape[1]]
                 view[ids] = part.to(self.device, non_blocking=True)
