@@ -96,7 +96,7 @@ def result_to_proto(step_id: int, output: SampleOutput) -> executor_pb2.StepResu
     result = executor_pb2.StepResult(
         step_id=step_id, sampled_token_ids=output.token_ids,
         num_sampled_tokens=output.num_sampled_tokens, num_draft_tokens=output.num_draft_tokens,
-        finished_recving=output.finished_recving, failed_recving=output.failed_recving,
+        finished_recving=output.finished_recving,
     )  # fmt: skip
     for token_id, row in zip(output.token_ids, output.logprobs or (), strict=False):
         _fill(result.logprobs.add(token_id=token_id), row)

@@ -62,6 +62,6 @@ class SampleOutput:
     # accepted drafts) and the drafts each was proposed.
     num_sampled_tokens: list[int] = field(default_factory=list)
     num_draft_tokens: list[int] = field(default_factory=list)
-    # KV connector: requests whose KV load ended on every rank, or failed.
+    # KV connector: requests whose KV load ended on every rank (a host-tier copy
+    # never fails as a miss: one that raises fails the step).
     finished_recving: list[str] = field(default_factory=list)
-    failed_recving: list[str] = field(default_factory=list)

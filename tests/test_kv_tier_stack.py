@@ -23,6 +23,16 @@ def _turns(seed: int) -> tuple[list[list[int]], list[list[int]]]:
     return first, flush
 
 
+def _first_turns_then_flush(stack, seed: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Each conversation's first turn and its answer, then enough other prompts to
+    evict them from the pool (the tier keeps them)."""
+    first, flush = _turns(seed)
+    answers = [_greedy(stack, prompt, 12) for prompt in first]
+    for prompt in flush:
+        _greedy(stack, prompt, 4)
+    return first, answers
+
+
 def _greedy(stack, prompt: list[int], max_tokens: int) -> list[int]:
     tokens, _, last = generate(stack, prompt_token_ids=prompt, max_tokens=max_tokens,
                                temperature=0, ignore_eos=True)  # fmt: skip
@@ -40,10 +50,7 @@ def test_a_prefix_the_pool_evicted_loads_back_token_exact(variant, model_dir, tm
         args += ["--tensor-parallel-size", "2"]
     stack = start_stack(model_dir, tmp_path, executor_args=args)
     try:
-        first, flush = _turns(7)
-        answers = [_greedy(stack, prompt, 12) for prompt in first]
-        for prompt in flush:
-            _greedy(stack, prompt, 4)
+        first, answers = _first_turns_then_flush(stack, 7)
         before = stack.stats()
         assert before.num_host_blocks > NUM_BLOCKS and before.num_host_cached_blocks > 0
         # The next turn of each: its prompt is the last prompt and answer and more; a
@@ -73,10 +80,7 @@ def test_a_killed_executor_with_a_host_tier_is_replaced_token_exact(model_dir, t
     args = ["--num-blocks", str(NUM_BLOCKS), "--kv-offload-bytes", str(64 << 20)]
     stack = start_stack(model_dir, tmp_path, executor_args=args)
     try:
-        first, flush = _turns(11)
-        answers = [_greedy(stack, prompt, 12) for prompt in first]
-        for prompt in flush:
-            _greedy(stack, prompt, 4)
+        first, answers = _first_turns_then_flush(stack, 11)
         # The follow-ups load their prefixes from the tier; the executor dies as soon as
         # a load is seen (or a token, when the copies beat the poll), taking its loads
         # and its tier with it, and the new one recomputes them.

@@ -392,15 +392,15 @@ class Scheduler:
         fills them), and park it until the connector reports the load; False when the
         pool cannot hold it yet."""
         num_new = request.num_tokens - num_cached
-        if self.kv.allocate_slots(request, num_new, hits, delay_cache_blocks=True) is None:
+        block_ids = self.kv.allocate_slots(request, num_new, hits, delay_cache_blocks=True)
+        if block_ids is None:
             return False
         request.num_computed_tokens = num_cached
         request.num_external_tokens = num_external
         request.status = LOADING
         self.loading[request.request_id] = request
-        bs = self.config.block_size
-        block_ids = self.kv.block_ids(request.request_id)
-        first = num_cached // bs
+        # A fresh block table: the hits, then the new blocks, the loaded ones first.
+        first, bs = len(hits), self.config.block_size
         self.connector.update_state_after_alloc(
             request, block_ids[first : first + num_external // bs], num_external
         )

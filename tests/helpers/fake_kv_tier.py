@@ -94,34 +94,32 @@ class FakeTierWorker:
         return KVTransferResult(recved, failed, self._tick_sends())
 
     def _tick_loads(self) -> tuple[list[str], list[str]]:
-        recved, failed, still = [], [], []
+        recved, failed = [], []
         bs = self.executor.block_size
-        for load in self.loads:
-            load.steps_left -= 1
-            if load.steps_left > 0:
-                still.append(load)
-                continue
+        due, self.loads = _due(self.loads)
+        for load in due:
             for slot, content in zip(load.source_ids, load.contents, strict=True):
                 assert self.store[slot] == content, f"slot {slot} reused while a load read it"
             for block_id, content in zip(load.block_ids, load.contents, strict=True):
                 entries = [GARBAGE] * bs if load.fails else content
                 self.executor.kv[block_id * bs : (block_id + 1) * bs] = entries
             (failed if load.fails else recved).append(load.req_id)
-        self.loads = still
         return recved, failed
 
     def _tick_sends(self) -> list[str]:
-        done, still = [], []
-        for send in self.sends:
-            send.steps_left -= 1
-            if send.steps_left > 0:
-                still.append(send)
-                continue
+        due, self.sends = _due(self.sends)
+        for send in due:
             for block_id, content in zip(send.block_ids, send.contents, strict=True):
                 assert self._block(block_id) == content, f"block {block_id} reused mid-send"
-            done.append(send.req_id)
-        self.sends = still
-        return done
+        return [send.req_id for send in due]
 
     def _delay(self) -> int:
         return self.rng.randint(1, self.max_delay)
+
+
+def _due(transfers: list[_Transfer]) -> tuple[list[_Transfer], list[_Transfer]]:
+    """One step older: (those whose time came, the rest)."""
+    for transfer in transfers:
+        transfer.steps_left -= 1
+    return ([t for t in transfers if t.steps_left <= 0],
+            [t for t in transfers if t.steps_left > 0])  # fmt: skip
