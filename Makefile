@@ -26,6 +26,12 @@ MAX_LORAS ?= $(if $(LORA),4)
 # The prefix cache's host tier, in bytes: `make serve KV_OFFLOAD_BYTES=8589934592`
 # (docs/kv_tiers.md).
 KV_OFFLOAD_BYTES ?=
+# Prefill/decode disaggregation: `make serve PD=1` runs a prefill replica (scheduler
+# :50054, executor :50055) beside the decode replica (:50052, :50053) behind the router,
+# which prefills prompts with PD_THRESHOLD or more uncached tokens on the prefill one
+# (PD_THRESHOLD=0: every prompt); `make up PD=1` the same in compose (docs/kv_tiers.md).
+PD ?=
+PD_THRESHOLD ?= 512
 # The router's client-facing gRPC server: `make serve GRPC_SERVER=native` (pygrpc-native,
 # plaintext only; docs/load_testing.md). `make up GRPC_SERVER=native` too.
 GRPC_SERVER ?= grpcio
@@ -36,16 +42,19 @@ TOOL_CALL_PARSER ?= $(if $(filter $(MODEL_DIR),$(MODEL)),hermes)
 export HF_HUB_OFFLINE := 1
 
 # Docker users: `make up` (GPU executor: `make up GPU=1`; router processes: ROUTERS=N;
-# two replicas behind the router: REPLICAS=2; a remote scheduling policy:
-# `make up POLICY=fair-share` or POLICY=shortest-prompt-first), `make logs`, `make ps`,
-# `make down`. Kubernetes: deploy/k8s (kustomize).
+# two replicas behind the router: REPLICAS=2; a prefill and a decode replica: PD=1; a
+# remote scheduling policy: `make up POLICY=fair-share` or POLICY=shortest-prompt-first),
+# `make logs`, `make ps`, `make down`. Kubernetes: deploy/k8s (kustomize).
 DOCKER_COMPOSE ?= docker compose
 REPLICAS ?= 1
 comma := ,
 PROFILES := $(if $(POLICY),policy) $(if $(filter 2,$(REPLICAS)),replicas)
+PROFILES += $(if $(PD),pd)
+SCHEDULERS := scheduler:50052$(if $(filter 2,$(REPLICAS)),$(comma)scheduler-2:50052)$(if $(PD),$(comma)scheduler-prefill:50052)
 COMPOSE := $(if $(strip $(PROFILES)),COMPOSE_PROFILES=$(subst $() ,$(comma),$(strip $(PROFILES)))) \
 	$(if $(POLICY),SCHEDULER_POLICY=remote POLICY_STRATEGY=$(POLICY)) \
-	$(if $(filter 2,$(REPLICAS)),ROUTER_SCHEDULERS=scheduler:50052$(comma)scheduler-2:50052) \
+	$(if $(filter-out scheduler:50052,$(SCHEDULERS)),ROUTER_SCHEDULERS=$(SCHEDULERS)) \
+	$(if $(PD),KV_ROLE=decode PD_THRESHOLD=$(PD_THRESHOLD)) \
 	$(if $(filter-out 1,$(TP)),TP=$(TP)) $(if $(EP),EP=$(EP)) \
 	$(if $(filter-out 1,$(ROUTERS)),ROUTERS=$(ROUTERS)) \
 	$(if $(SPEC),SPEC='$(SPEC)') $(if $(filter-out grpcio,$(GRPC_SERVER)),GRPC_SERVER=$(GRPC_SERVER)) \
@@ -88,17 +97,25 @@ model: $(MODEL_DIR)/config.json
 $(MODEL_DIR)/config.json: $(STAMP) tools/make_model.py
 	$(PY) -m tools.make_model --size $(SIZE) --arch $(ARCH) --out $(MODEL_DIR)
 
-# Ctrl-C (SIGINT) reaches all three, and each drains and exits 0.
+# Ctrl-C (SIGINT) reaches them all, and each drains and exits 0.
+EXECUTOR_FLAGS = --model $(MODEL) --tensor-parallel-size $(TP) \
+	$(if $(filter 1,$(EP)),--expert-parallel) $(if $(SPEC),--speculative-config '$(SPEC)') \
+	$(if $(MAX_LORAS),--max-loras $(MAX_LORAS)) $(if $(LORA),--lora-modules '$(LORA)') \
+	$(if $(KV_OFFLOAD_BYTES),--kv-offload-bytes $(KV_OFFLOAD_BYTES))
 serve: $(STAMP) $(if $(filter $(MODEL_DIR),$(MODEL)),$(MODEL_DIR)/config.json)
 	@echo "router 127.0.0.1:50051 (OpenAI HTTP :8000), scheduler :50052, executor :50053" \
-		"on $(MODEL), tensor parallel $(TP)$(if $(filter 1,$(EP)), (expert parallel)), $(ROUTERS) router process(es); Ctrl-C stops"
-	@trap 'kill -INT $$e $$s $$r 2>/dev/null; wait' INT TERM; \
-	$(VENV)/bin/flagstop-executor --model $(MODEL) --port 50053 --tensor-parallel-size $(TP) \
-		$(if $(filter 1,$(EP)),--expert-parallel) $(if $(SPEC),--speculative-config '$(SPEC)') \
-		$(if $(MAX_LORAS),--max-loras $(MAX_LORAS)) $(if $(LORA),--lora-modules '$(LORA)') \
-		$(if $(KV_OFFLOAD_BYTES),--kv-offload-bytes $(KV_OFFLOAD_BYTES)) & e=$$!; \
+		"$(if $(PD),(decode; the prefill replica: scheduler :50054, executor :50055) )on $(MODEL)," \
+		"tensor parallel $(TP)$(if $(filter 1,$(EP)), (expert parallel)), $(ROUTERS) router process(es); Ctrl-C stops"
+	@trap 'kill -INT $$e $$s $$r $$pe $$ps 2>/dev/null; wait' INT TERM; \
+	$(VENV)/bin/flagstop-executor $(EXECUTOR_FLAGS) --port 50053 \
+		$(if $(PD),--kv-role decode) & e=$$!; \
 	$(VENV)/bin/flagstop-scheduler --executor 127.0.0.1:50053 --port 50052 & s=$$!; \
-	$(VENV)/bin/flagstop-router --model $(MODEL) --scheduler 127.0.0.1:50052 --port 50051 \
+	$(if $(PD),$(VENV)/bin/flagstop-executor $(EXECUTOR_FLAGS) --port 50055 --metrics-port 8005 \
+		--kv-role prefill & pe=$$!; \
+	$(VENV)/bin/flagstop-scheduler --executor 127.0.0.1:50055 --port 50054 --metrics-port 8004 \
+		& ps=$$!;) \
+	$(VENV)/bin/flagstop-router --model $(MODEL) --port 50051 \
+		--scheduler 127.0.0.1:50052$(if $(PD),$(comma)127.0.0.1:50054 --pd-threshold $(PD_THRESHOLD)) \
 		--processes $(ROUTERS) $(if $(TOOL_CALL_PARSER),--tool-call-parser $(TOOL_CALL_PARSER)) \
 		--grpc-server $(GRPC_SERVER) & r=$$!; \
 	wait
@@ -152,7 +169,8 @@ bench-lora: $(STAMP)
 	$(PY) bench/lora_bench.py
 
 # The host tier on a multi-turn workload that outgrows the pool (the small model on
-# the CPU, pool only vs pool + tier; about 3 minutes).
+# the CPU, pool only vs pool + tier), and two colocated replicas against a prefill and a
+# decode one (simulator and CPU; about 8 minutes).
 bench-kv-tier: $(STAMP)
 	$(PY) bench/kv_tier_bench.py
 	$(PY) bench/report.py

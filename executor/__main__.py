@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from flagstop.executor.config import ExecutorConfig
+from flagstop.executor.kv_pull import LeaseClient
 from flagstop.executor.service import SERVICE_NAME, ExecutorService
 from flagstop.executor.settings import ExecutorSettings
 from flagstop.health import Health
@@ -69,8 +70,21 @@ def bound_onednn_caches(config: ExecutorConfig) -> None:
     os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = capacity  # oneDNN's own
 
 
+def with_kv_transfer_host(config: ExecutorConfig, host: str) -> ExecutorConfig:
+    """--kv-role prefill or decode: the address others reach this executor at, --host
+    unless set (and --host only when it names one address)."""
+    if config.kv_role == "both" or config.kv_transfer_host:
+        return config
+    if host in ("0.0.0.0", "::", ""):
+        raise StartupError(f"--kv-role {config.kv_role} with --host {host}: set "
+                           "--kv-transfer-host to the address other executors reach this "
+                           "one at")  # fmt: skip
+    return config.model_copy(update={"kv_transfer_host": host})
+
+
 async def serve(settings: ExecutorSettings) -> None:
-    config = config_from(settings, ExecutorConfig)  # what the runner and the ranks take
+    # What the runner and the ranks take.
+    config = with_kv_transfer_host(config_from(settings, ExecutorConfig), settings.host)
     bound_onednn_caches(config)
     membership = None
     if not config.simulate:
@@ -90,18 +104,25 @@ async def serve(settings: ExecutorSettings) -> None:
         raise
     except (OSError, ValueError, RuntimeError) as e:
         raise StartupError(f"cannot load {settings.model}: {e}") from None
-    server = new_server(settings.port, settings.host, TLSConfig.from_settings(settings))
+    tls = TLSConfig.from_settings(settings)
+    server = new_server(settings.port, settings.host, tls)
     health = Health(server, [SERVICE_NAME])
     telemetry = Telemetry("flagstop-executor")
-    service = ExecutorService(runner, Path(settings.model).name, telemetry, group)
+    kv_endpoint = ""
+    if config.kv_role == "prefill":
+        kv_endpoint = f"{config.kv_transfer_host}:{settings.port}"
+    elif config.kv_role == "decode":  # rank 0 asks the prefill executors for leases
+        runner.kv_worker.leases = LeaseClient(tls, config.kv_transfer_timeout_s)
+    service = ExecutorService(runner, Path(settings.model).name, telemetry, group, kv_endpoint)
     executor_pb2_grpc.add_ExecutorServicer_to_server(service, server)
     start_metrics_server(settings.metrics_port, settings.host)
     await server.start()
     health.set_ready(True)
     what = "SIMULATED (a load-test tool, not a model)" if settings.simulate else settings.model
-    log.info("serving %s on %s:%d: %d KV blocks of %d tokens on %s, tensor parallel %d",
+    role = "" if config.kv_role == "both" else f", KV role {config.kv_role}"
+    log.info("serving %s on %s:%d: %d KV blocks of %d tokens on %s, tensor parallel %d%s",
              what, settings.host, settings.port, runner.num_blocks, runner.block_size,
-             runner.device, runner.tensor_parallel_size)  # fmt: skip
+             runner.device, runner.tensor_parallel_size, role)  # fmt: skip
 
     async def drain() -> None:
         health.set_ready(False)

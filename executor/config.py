@@ -45,6 +45,22 @@ class ExecutorConfig(BaseModel):
     kv_offload_path: str | None = None
     """a file to back the host tier instead of memory (mapped; created at
     --kv-offload-bytes)"""
+    kv_role: Literal["both", "prefill", "decode"] = "both"
+    """prefill/decode disaggregation (docs/kv_tiers.md): prefill computes long prompts
+    for decode replicas and holds their blocks until one has read them, decode reads
+    them from the prefill replica over Mooncake's transfer engine; both (default):
+    neither"""
+    kv_transfer_host: str | None = None
+    """with --kv-role prefill or decode: the address other executors reach this one's
+    gRPC port and transfer engine at; default: --host (which must then not be
+    0.0.0.0)"""
+    kv_lease_s: PositiveFloat = 30.0
+    """--kv-role prefill: seconds a handed-off request's blocks stay held for a decode
+    replica that has not read them (each renewal restarts it); then they are freed and
+    a later read fails loudly"""
+    kv_transfer_timeout_s: PositiveFloat = 10.0
+    """--kv-role decode: a handshake, lease call or read of a prefill executor taking
+    longer fails, and the request recomputes its prompt here"""
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     """share of the GPU's memory for weights, activations and the KV cache (CUDA)"""
     max_num_seqs: PositiveInt = 256
@@ -94,6 +110,10 @@ class ExecutorConfig(BaseModel):
     (never before min_tokens); 0: never"""
     simulate_num_blocks: PositiveInt = 65536
     """the simulator's KV blocks, unless --num-blocks says"""
+    simulate_kv_transfer_us_per_token: NonNegativeFloat = 5.0
+    """the simulator's reads of a prefill executor's KV (--kv-role decode): this many
+    microseconds a token (an 8B model's 128 KiB of KV a token over a 200 Gb/s NIC, like
+    the step costs above)"""
 
     @field_validator("speculative_config", mode="before")
     @classmethod
@@ -121,4 +141,7 @@ class ExecutorConfig(BaseModel):
             raise ValueError("--lora-modules needs --max-loras (the adapters' slots)")
         if self.kv_offload_path and not self.kv_offload_bytes:
             raise ValueError("--kv-offload-path needs --kv-offload-bytes (the file's size)")
+        if self.kv_role != "both" and self.kv_offload_bytes:
+            raise ValueError(f"--kv-role {self.kv_role} with --kv-offload-bytes: a host tier "
+                             "beside disaggregation is not supported yet; drop one")  # fmt: skip
         return self

@@ -3,7 +3,7 @@ the step plan (the scheduler core's SchedulerOutput) in, sampled tokens out. The
 one encoder is the scheduler's (scheduler_svc/convert.py: step_to_proto)."""
 
 from flagstop.executor.sampling_params import SampleOutput, SamplingParams, TokenLogprobs
-from flagstop.scheduler_svc.core.kv_connector import KVConnectorMetadata, KVLoad
+from flagstop.scheduler_svc.core.kv_connector import KVConnectorMetadata, KVLoad, KVSend
 from flagstop.scheduler_svc.core.output import (
     CachedRequestData,
     NewRequestData,
@@ -87,8 +87,10 @@ def plan_from_proto(step: executor_pb2.StepRequest) -> SchedulerOutput:
 
 def transfers_from_proto(m: executor_pb2.KVConnectorMetadata) -> KVConnectorMetadata:
     return KVConnectorMetadata(
-        loads=[KVLoad(x.req_id, list(x.block_ids), list(x.source_ids)) for x in m.loads],
+        loads=[KVLoad(x.req_id, list(x.block_ids), list(x.source_ids), x.endpoint, x.engine_id,
+                      x.transfer_id) for x in m.loads],
         save_block_ids=list(m.save_block_ids), save_slots=list(m.save_slots),
+        sends=[KVSend(x.transfer_id, list(x.block_ids)) for x in m.sends],
     )  # fmt: skip
 
 
@@ -96,7 +98,8 @@ def result_to_proto(step_id: int, output: SampleOutput) -> executor_pb2.StepResu
     result = executor_pb2.StepResult(
         step_id=step_id, sampled_token_ids=output.token_ids,
         num_sampled_tokens=output.num_sampled_tokens, num_draft_tokens=output.num_draft_tokens,
-        finished_recving=output.finished_recving,
+        finished_recving=output.finished_recving, failed_recving=output.failed_recving,
+        finished_sending=output.finished_sending,
     )  # fmt: skip
     for token_id, row in zip(output.token_ids, output.logprobs or (), strict=False):
         _fill(result.logprobs.add(token_id=token_id), row)

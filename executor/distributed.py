@@ -257,7 +257,8 @@ def start_group(config: ExecutorConfig, membership: Membership | None) -> Group:
     children = []
     if membership.rank == 0 and not _started_by_torchrun():
         children = _spawn(config, membership.world_size, store.port)
-    tp = TensorParallel(Shard(membership.rank, membership.world_size, config.expert_parallel))
+    tp = TensorParallel(Shard(membership.rank, membership.world_size, config.expert_parallel),
+                        store=store)  # fmt: skip
     return Group(
         tp, store, config.tp_timeout, children, device=device_for(config, membership.local_rank)
     )

@@ -17,6 +17,7 @@ tensor parallelism each rank keeps its own shard in its own tier, at the same sl
   and the scheduler recomputes its requests on the next one.
 """
 
+import asyncio
 import contextlib
 import logging
 from collections import deque
@@ -25,16 +26,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from flagstop.executor.parallel import TensorParallel
-from flagstop.scheduler_svc.core.kv_connector import KVLoad
+from flagstop.scheduler_svc.core.kv_connector import KVConnectorMetadata, KVTransferResult
 
 log = logging.getLogger("flagstop.executor")
-# A step with nothing to compute waits this long for a load before answering: the
-# scheduler's only news of a load is a step result, and an idle engine would
-# otherwise poll in a busy loop.
-POLL_WAIT_S = 0.005
 
 
 class HostTier:
+    """A KVWorker (executor/kv_worker.py)."""
+
     def __init__(
         self, caches: list[torch.Tensor], num_slots: int, tp: TensorParallel,
         path: str | None = None,
@@ -62,15 +61,18 @@ class HostTier:
             return torch.from_file(path, shared=True, size=num_bytes, dtype=torch.uint8)
         return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
 
-    def save(self, block_ids: list[int], slots: list[int]) -> None:
-        """Copy blocks this step computed into their slots (after the forward)."""
-        ids = torch.tensor(block_ids, device=self.device)
-        rows = torch.tensor(slots)
+    def after_forward(self, meta: KVConnectorMetadata) -> None:
+        """Copy blocks this step computed into their slots."""
+        if not meta.save_block_ids:
+            return
+        ids = torch.tensor(meta.save_block_ids, device=self.device)
+        rows = torch.tensor(meta.save_slots)
         for view, offset in zip(self.views, self.offsets, strict=True):
             self.host[rows, offset : offset + view.shape[1]] = view[ids].cpu()
 
-    def start_loads(self, loads: list[KVLoad]) -> None:
-        for load in loads:
+    def start(self, meta: KVConnectorMetadata) -> None:
+        """The loads, copied while the forward runs."""
+        for load in meta.loads:
             job = self.copier.submit(self._load, load.block_ids, load.source_ids)
             self.loads.append((load.req_id, job))
 
@@ -87,14 +89,16 @@ class HostTier:
         if stream is not None:
             stream.synchronize()
 
-    def finished_loads(self, wait: bool = False) -> list[str]:
+    async def wait(self, timeout_s: float) -> None:
+        if self.loads:
+            # asyncio.wait, not wait_for: a timeout must not cancel the copy.
+            await asyncio.wait([asyncio.wrap_future(self.loads[0][1])], timeout=timeout_s)
+
+    def finished(self) -> KVTransferResult:
         """The requests whose loads finished on every rank (each rank calls this at the
-        same point of the same step). wait: give the oldest a moment first."""
+        same point of the same step)."""
         if not self.loads:
-            return []
-        if wait:
-            with contextlib.suppress(TimeoutError):
-                self.loads[0][1].result(timeout=POLL_WAIT_S)
+            return KVTransferResult()
         num_done = 0
         for _, job in self.loads:
             if not job.done():
@@ -106,9 +110,9 @@ class HostTier:
             req_id, job = self.loads.popleft()
             job.result()  # raises what the copy raised
             finished.append(req_id)
-        return finished
+        return KVTransferResult(finished)
 
-    def drain(self) -> None:
+    def reset(self) -> None:
         """Wait out every load (a new scheduler stream: its blocks are the new one's)."""
         for _, job in self.loads:
             try:

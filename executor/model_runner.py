@@ -3,7 +3,9 @@ batch and the sampler, on one device."""
 
 import logging
 import threading
+import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -13,6 +15,14 @@ from flagstop.executor.attention import attention_backend
 from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.input_batch import InputBatch
 from flagstop.executor.kv_offload import HostTier
+from flagstop.executor.kv_pull import DecodeSide, StoreBoard
+from flagstop.executor.kv_worker import (
+    POLL_WAIT_S,
+    KVWorker,
+    PrefillFollower,
+    PrefillSide,
+    kv_layout,
+)
 from flagstop.executor.lora.adapter import AdapterError
 from flagstop.executor.lora.manager import LoRAManager
 from flagstop.executor.models.llama import KVCache
@@ -23,6 +33,7 @@ from flagstop.executor.sampling import sample
 from flagstop.executor.sampling_params import PromptLogprobs, SampleOutput, SamplingParams
 from flagstop.executor.spec.proposer import Proposer, make_proposer
 from flagstop.executor.step_inputs import Drafts, StepInputs, prepare_inputs
+from flagstop.scheduler_svc.core.kv_connector import KVTransferResult
 from flagstop.scheduler_svc.core.output import NewRequestData, SchedulerOutput
 from flagstop.structured import GrammarError, GrammarSpec
 from flagstop.utils import cdiv
@@ -94,16 +105,6 @@ class ModelRunner:
         if spec is not None and tp.rank == 0:
             self.proposer = make_proposer(spec, self)
         self.draft_channel = None  # under tensor parallelism: set by the group's driver
-        # Every rank holds the same block ids: the pool is the smallest rank's.
-        self.num_blocks = tp.min_over_ranks(self._determine_num_blocks())
-        self.kv_caches = self._allocate_kv_caches(self.num_blocks)
-        if hasattr(self.proposer, "allocate"):  # a draft model's cache, on the same blocks
-            self.proposer.allocate(self.num_blocks)
-        self.host_tier = self._host_tier()
-        self.num_host_blocks = 0 if self.host_tier is None else self.host_tier.num_slots
-        # Loads the last step found finished (on every rank), for its result.
-        self.finished_recving: list[str] = []
-        self.batch = self._new_batch()
         self.last_inputs: StepInputs | None = None  # ranks > 0: awaiting sampled tokens
         # Rank 0 (which samples), on the first constrained request: loading the
         # tokenizer and the grammar engine costs a server that never sees one nothing.
@@ -111,27 +112,84 @@ class ModelRunner:
         self._grammars_lock = threading.Lock()
         # Rows whose grammar failed here (see _add_matchers): their token is -1.
         self._failed_rows: set[int] = set()
+        # The KV connector's side (set once the cache is), and the transfers the last
+        # step found ended (on every rank), for its result.
+        self.kv_worker: KVWorker | None = None
+        self.transfers = KVTransferResult()
+        # Every rank holds the same block ids: the pool is the smallest rank's (on
+        # CUDA a warm-up forward measures it, with everything above in place).
+        self.num_blocks = tp.min_over_ranks(self._determine_num_blocks())
+        self.kv_caches = self._allocate_kv_caches(self.num_blocks)
+        if hasattr(self.proposer, "allocate"):  # a draft model's cache, on the same blocks
+            self.proposer.allocate(self.num_blocks)
+        # A new one every start: an older instance's leases and addresses are void.
+        self.kv_engine_id = uuid.uuid4().hex[:12]
+        self.kv_layout = self._kv_layout()
+        self.kv_worker = self._kv_worker()
+        tier = self.kv_worker if isinstance(self.kv_worker, HostTier) else None
+        self.num_host_blocks = 0 if tier is None else tier.num_slots
+        self.batch = self._new_batch()
 
-    def _host_tier(self) -> HostTier | None:
-        """--kv-offload-bytes: the host tier over every KV tensor of this rank."""
-        config = self.config
-        if not config.kv_offload_bytes:
-            return None
+    @property
+    def _all_kv_caches(self) -> list[torch.Tensor]:
+        """Every KV tensor of this rank, a draft model's after the model's own."""
         caches = [t for pair in self.kv_caches for t in pair]
-        caches += [t for pair in getattr(self.proposer, "kv_caches", ()) for t in pair]
-        num_slots = self.tp.min_over_ranks(config.kv_offload_bytes // self.block_bytes)
-        if num_slots < 1:
-            raise ValueError(f"--kv-offload-bytes {config.kv_offload_bytes} holds no block "
-                             f"of {self.block_bytes} bytes: raise it")  # fmt: skip
-        return HostTier(caches, num_slots, self.tp, config.kv_offload_path)
+        return caches + [t for pair in getattr(self.proposer, "kv_caches", ()) for t in pair]
+
+    def _kv_layout(self) -> str:
+        mc, caches = self.model_config, self._all_kv_caches
+        return kv_layout(Path(self.config.model).name, {
+            "arch": mc.architecture, "dtype": str(self.kv_cache_dtype).removeprefix("torch."),
+            "block_size": self.block_size, "tensor_parallel": self.tp.size,
+            "tensors": f"{len(caches)}x{list(caches[0].shape[1:])}",
+            "block_bytes": self.block_bytes,
+        })  # fmt: skip
+
+    def _kv_worker(self) -> KVWorker | None:
+        """--kv-offload-bytes: the host tier over every KV tensor of this rank;
+        --kv-role: its side of disaggregation, over Mooncake's transfer engine."""
+        config = self.config
+        if config.kv_offload_bytes:
+            num_slots = self.tp.min_over_ranks(config.kv_offload_bytes // self.block_bytes)
+            if num_slots < 1:
+                raise ValueError(f"--kv-offload-bytes {config.kv_offload_bytes} holds no block "
+                                 f"of {self.block_bytes} bytes: raise it")  # fmt: skip
+            return HostTier(self._all_kv_caches, num_slots, self.tp, config.kv_offload_path)
+        if config.kv_role == "both":
+            return None
+        return self._disaggregation_side()
+
+    def _disaggregation_side(self) -> KVWorker:
+        """--kv-role: every rank's KV tensors registered with Mooncake's transfer engine,
+        and its side: reads (decode), or leases and the handshake (prefill, rank 0)."""
+        from flagstop.executor.mooncake_transport import MooncakeTransport
+
+        config, tp = self.config, self.tp
+        transport = MooncakeTransport(self._all_kv_caches, config.kv_transfer_host or "127.0.0.1",
+                                      config.kv_transfer_timeout_s)  # fmt: skip
+        if config.kv_role == "decode":
+            board = StoreBoard(tp.store) if tp.size > 1 else None
+            return DecodeSide(tp.rank, self.kv_layout, transport, tp.mins_over_ranks, board)
+        if tp.size > 1:  # every rank's regions, for rank 0's handshake
+            tp.store.set(f"flagstop/kv-rank/{tp.rank}", transport.rank.SerializeToString())
+        if tp.rank != 0:
+            return PrefillFollower(transport)
+
+        def ranks() -> list:
+            others = [type(transport.rank).FromString(tp.store.get(f"flagstop/kv-rank/{r}"))
+                      for r in range(1, tp.size)]  # fmt: skip
+            return [transport.rank, *others]
+
+        return PrefillSide(self.kv_layout, self.kv_engine_id, self.num_blocks,
+                           config.kv_lease_s, ranks)  # fmt: skip
 
     def reset(self) -> None:
         """Forget every request (a new scheduler stream). The cache contents need no
         clearing: nothing is read that the new scheduler has not had written (a load
         still copying is waited out)."""
-        if self.host_tier is not None:
-            self.host_tier.drain()
-        self.finished_recving = []
+        if self.kv_worker is not None:
+            self.kv_worker.reset()
+        self.transfers = KVTransferResult()
         self.batch = self._new_batch()
         self.last_inputs = None
         if self._grammars is not None:
@@ -226,6 +284,26 @@ class ModelRunner:
         """Apply the diff and run the forward: logits [num_sampling, vocab] in plan
         order (with drafts, 1 + drafts rows per sampling request; on rank 0, None on
         the other ranks); None without scheduled tokens."""
+        self._apply(plan)
+        if not plan.num_scheduled_tokens:
+            self._collect_transfers()
+            return None
+        scheduled = self.batch.schedule(plan)
+        drafts = self._drafts(scheduled) if scheduled[4].any() else None
+        inputs = prepare_inputs(self.batch, scheduled, self.device, drafts)
+        if self.lora is not None:
+            self._set_lora_step(inputs)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attention)
+        logits = self.model.compute_logits(hidden[inputs.all_logits_indices])
+        if self.kv_worker is not None:
+            if plan.kv_connector:
+                self.kv_worker.after_forward(plan.kv_connector)  # saves what it computed
+            self._collect_transfers()
+        return logits, inputs
+
+    def _apply(self, plan: SchedulerOutput) -> None:
+        """The plan's diff to the persistent batch, and its transfers started (copied
+        while the forward runs)."""
         if self._failed_rows or (self._grammars is not None and self._grammars.matchers):
             self._drop_matchers(plan)
         if self.proposer is not None:
@@ -237,25 +315,13 @@ class ModelRunner:
             if self.proposer is not None:
                 for data in (*plan.scheduled_new_reqs, *plan.scheduled_resumed_reqs):
                     self.proposer.add(data.req_id, self.batch.req_rows[data.req_id], self.batch)
-        transfers = plan.kv_connector if self.host_tier is not None else None
-        if transfers is not None and transfers.loads:
-            self.host_tier.start_loads(transfers.loads)  # copied while the forward runs
-        if not plan.num_scheduled_tokens:
-            if self.host_tier is not None:
-                self.finished_recving = self.host_tier.finished_loads(plan.poll_kv_transfers)
-            return None
-        scheduled = self.batch.schedule(plan)
-        drafts = self._drafts(scheduled) if scheduled[4].any() else None
-        inputs = prepare_inputs(self.batch, scheduled, self.device, drafts)
-        if self.lora is not None:
-            self._set_lora_step(inputs)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attention)
-        logits = self.model.compute_logits(hidden[inputs.all_logits_indices])
-        if self.host_tier is not None:
-            if transfers is not None and transfers.save_block_ids:
-                self.host_tier.save(transfers.save_block_ids, transfers.save_slots)
-            self.finished_recving = self.host_tier.finished_loads()
-        return logits, inputs
+        if self.kv_worker is not None and plan.kv_connector:
+            self.kv_worker.start(plan.kv_connector)
+
+    def _collect_transfers(self) -> None:
+        """What ended (on every rank), for the step's result."""
+        if self.kv_worker is not None:
+            self.transfers = self.kv_worker.finished()
 
     def _set_lora_step(self, inputs: StepInputs) -> None:
         """Each token's adapter. A request whose adapter is not registered (unloaded
@@ -321,17 +387,15 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> SampleOutput:
         """One step: the tokens of the requests that sample, in plan order."""
         result = self.compute_logits(plan)
-        finished_recving, self.finished_recving = self.finished_recving, []
         if result is None:
-            return SampleOutput([], finished_recving=finished_recving)
+            return self._with_transfers(SampleOutput([]))
         logits, inputs = result
         assert logits is not None, "only rank 0 samples"
         prompt_logits = None
         if inputs.prompt_chunks:
             num_sampling = len(inputs.logits_indices)
             logits, prompt_logits = logits[:num_sampling], logits[num_sampling:]
-        output = self._sample(logits, inputs)
-        output.finished_recving = finished_recving
+        output = self._with_transfers(self._sample(logits, inputs))
         if prompt_logits is not None:
             output.prompt_logprobs = self._prompt_logprobs(prompt_logits, inputs, plan)
         num_known = self.batch.num_tokens[inputs.sampling_rows]
@@ -417,12 +481,25 @@ class ModelRunner:
                 log.error("request %s: %s", data.req_id, e)
                 self._failed_rows.add(row)
 
+    def _with_transfers(self, output: SampleOutput) -> SampleOutput:
+        transfers, self.transfers = self.transfers, KVTransferResult()
+        output.finished_recving = list(transfers.finished_recving)
+        output.failed_recving = list(transfers.failed_recving)
+        output.finished_sending = list(transfers.finished_sending)
+        return output
+
     async def step(self, plan: SchedulerOutput) -> SampleOutput:
         """The Runner's step: execute() on the event loop's own thread. The next step
         waits in gRPC's buffers anyway, and a forward on a worker thread ran ~20%
         slower on the CPU (measured with bench/peers.py), its threads contending with
-        the loop."""
-        return self.execute(plan)
+        the loop. A step with nothing to compute, while transfers are under way, gives
+        them a moment to end first (the loop serves gRPC meanwhile)."""
+        if self.kv_worker is None or plan.num_scheduled_tokens or not plan.poll_kv_transfers:
+            return self.execute(plan)
+        self._apply(plan)
+        await self.kv_worker.wait(POLL_WAIT_S)
+        self._collect_transfers()
+        return self._with_transfers(SampleOutput([]))
 
     def take_expert_tokens(self) -> list[int] | None:
         return self.model.take_expert_tokens()

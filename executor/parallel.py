@@ -97,6 +97,7 @@ class TensorParallel:
     shard: Shard = field(default_factory=Shard)
     device_group: object = None
     cpu_group: object = None
+    store: object = None  # the group's rendezvous store (torch.distributed.Store)
     # Time spent in collectives, for the benchmark (perf_counter seconds).
     collective_s: float = 0.0
 
@@ -126,11 +127,15 @@ class TensorParallel:
         return torch.cat(parts, dim=-1) if parts is not None else None
 
     def min_over_ranks(self, value: int) -> int:
+        return self.mins_over_ranks([value])[0]
+
+    def mins_over_ranks(self, values: list[int]) -> list[int]:
+        """Each value's least over the ranks (every rank passes as many)."""
         if self.shard.size == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.int64)
+            return values
+        t = torch.tensor(values, dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
-        return int(t.item())
+        return t.tolist()
 
 
 SINGLE = TensorParallel()

@@ -2,13 +2,16 @@
 (executor/model_runner.py, a real model on a paged KV cache) and the executor
 simulator (executor/simulator.py, a load-test tool) both implement it."""
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.models.config import ModelConfig
 from flagstop.executor.sampling_params import SampleOutput
 from flagstop.scheduler_svc.core.output import SchedulerOutput
 from flagstop.structured import GrammarSpec
+
+if TYPE_CHECKING:
+    from flagstop.executor.kv_worker import KVWorker
 
 
 class Runner(Protocol):
@@ -23,6 +26,11 @@ class Runner(Protocol):
     # and how they are proposed.
     num_speculative_tokens: int
     speculative_method: str
+    # The KV connector's executor side (executor/kv_worker.py), or None; the KV layout
+    # two executors must share to exchange blocks, and this instance's id.
+    kv_worker: "KVWorker | None"
+    kv_layout: str
+    kv_engine_id: str
 
     @property
     def device(self) -> object:

@@ -63,5 +63,9 @@ class SampleOutput:
     num_sampled_tokens: list[int] = field(default_factory=list)
     num_draft_tokens: list[int] = field(default_factory=list)
     # KV connector: requests whose KV load ended on every rank (a host-tier copy
-    # never fails as a miss: one that raises fails the step).
+    # never fails as a miss: one that raises fails the step), or failed (a prefill
+    # executor's blocks that could not be read, or whose lease ended first), and the
+    # leases of handed-off blocks a decode side no longer reads.
     finished_recving: list[str] = field(default_factory=list)
+    failed_recving: list[str] = field(default_factory=list)
+    finished_sending: list[str] = field(default_factory=list)

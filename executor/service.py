@@ -13,6 +13,7 @@ import grpc
 from prometheus_client import Histogram
 
 from flagstop.executor.convert import plan_from_proto, result_to_proto
+from flagstop.executor.kv_worker import LayoutMismatch
 from flagstop.executor.tp_messages import LORA_LOAD, LORA_UNLOAD
 from flagstop.structured import GrammarError, spec_from_proto
 from flagstop.telemetry import LATENCY_BUCKETS, Telemetry, extract
@@ -23,6 +24,8 @@ if TYPE_CHECKING:  # the simulator runs this service without torch
     from flagstop.executor.runner import Runner
 
 log = logging.getLogger("flagstop.executor")
+KV_ROLES = {"both": generation_pb2.KV_ROLE_BOTH, "prefill": generation_pb2.KV_ROLE_PREFILL,
+            "decode": generation_pb2.KV_ROLE_DECODE}  # fmt: skip
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
 STEP_SECONDS = Histogram(
     "flagstop:executor_step_seconds", "Input preparation, forward and sampling of one step",
@@ -43,9 +46,11 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         model_name: str,
         telemetry: Telemetry,
         group: "GroupDriver | None" = None,
+        kv_endpoint: str = "",
     ) -> None:
-        """group: the tensor-parallel ranks this process (rank 0) drives, if any."""
-        self.runner = runner
+        """group: the tensor-parallel ranks this process (rank 0) drives, if any;
+        kv_endpoint: where decode executors reach this one (--kv-role prefill)."""
+        self.runner, self.kv_endpoint = runner, kv_endpoint
         self.tracer = telemetry.tracer
         self.model_name = model_name
         self.group = group
@@ -66,6 +71,7 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
             max_loras=runner.max_loras, num_host_blocks=runner.num_host_blocks,
             lora_adapters=[generation_pb2.LoRAAdapter(name=name, path=path)
                            for name, path in runner.lora_adapters().items()],
+            kv_role=KV_ROLES[runner.config.kv_role], kv_layout=runner.kv_layout,
         )  # fmt: skip
         return executor_pb2.DescribeExecutorResponse(
             model=model, max_num_seqs=runner.config.max_num_seqs,
@@ -73,7 +79,38 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
             tensor_parallel_size=runner.tensor_parallel_size,
             num_speculative_tokens=runner.num_speculative_tokens,
             speculative_method=runner.speculative_method,
+            kv_endpoint=self.kv_endpoint, kv_engine_id=runner.kv_engine_id,
         )  # fmt: skip
+
+    # -- prefill/decode disaggregation: a prefill executor's side ------------------
+
+    def _prefill_side(self, engine_id: str | None = None):
+        """The prefill side's leases; None on another executor, or for a lease taken at
+        another instance of this one (it holds nothing of it)."""
+        worker = self.runner.kv_worker
+        if not hasattr(worker, "leases") or engine_id not in (None, worker.engine_id):
+            return None
+        return worker
+
+    async def KVHandshake(self, request, context) -> executor_pb2.KVHandshakeResponse:
+        if (side := self._prefill_side()) is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "not a prefill executor (--kv-role prefill)")  # fmt: skip
+        try:
+            return side.handshake(request.kv_layout)
+        except LayoutMismatch as e:
+            log.error("refused a decode executor: %s", e)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+
+    async def RenewKVLease(self, request, context) -> executor_pb2.RenewKVLeaseResponse:
+        side = self._prefill_side(request.engine_id)
+        held = side is not None and await side.leases.renew(request.transfer_id)
+        return executor_pb2.RenewKVLeaseResponse(held=held)
+
+    async def ReleaseKVLease(self, request, context) -> executor_pb2.ReleaseKVLeaseResponse:
+        side = self._prefill_side(request.engine_id)
+        held = side is not None and await side.leases.release(request.transfer_id)
+        return executor_pb2.ReleaseKVLeaseResponse(held=held)
 
     async def PrepareGrammar(self, request, context) -> executor_pb2.PrepareGrammarResponse:
         try:

@@ -23,11 +23,18 @@ multi-token steps, rollbacks and block trims.
 With --max-loras it registers LoRA adapters by their adapter_config.json (the rank and
 target modules it names; no weights are read, no low-rank product is run), so that
 adapter-aware scheduling and routing are load-tested too.
+
+With --kv-role it takes its side of prefill/decode disaggregation: a prefill
+simulator holds the leases and answers the handshake as a real prefill executor does;
+a decode simulator asks for them the same way and "reads" the blocks in the time
+--simulate-kv-transfer-us-per-token says. So the router's splitting and both
+schedulers' hand-offs run at GPU step rates too.
 """
 
 import asyncio
 import json
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,10 +42,13 @@ import numpy as np
 
 from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.input_batch import InputBatch
+from flagstop.executor.kv_pull import DecodeSide, SimulatedTransport
+from flagstop.executor.kv_worker import POLL_WAIT_S, KVWorker, PrefillSide, kv_layout
 from flagstop.executor.models.config import ModelConfig
 from flagstop.executor.sampling_params import SampleOutput, SamplingParams
 from flagstop.scheduler_svc.core.output import SchedulerOutput
 from flagstop.structured import GrammarSpec
+from flagstop.v1 import executor_pb2
 
 _A, _B, _C = 0x9E3779B1, 0x85EBCA6B, 0xC2B2AE35  # odd 32-bit mixers
 MAX_STOP_IDS = 16  # stop ids kept per row, the first of them emitted as a stop
@@ -100,6 +110,24 @@ class SimulatedRunner:
         self.adapters: dict[str, str] = {}
         for name, path in config.lora_module_paths:
             self.load_lora(name, path)
+        self.kv_engine_id = uuid.uuid4().hex[:12]
+        self.kv_layout = kv_layout(Path(config.model).name, {
+            "arch": mc.architecture, "simulated": True, "block_size": self.block_size,
+        })  # fmt: skip
+        self.kv_worker = self._kv_worker()
+
+    def _kv_worker(self) -> KVWorker | None:
+        """--kv-role: its side of disaggregation, without bytes."""
+        config = self.config
+        if config.kv_role == "prefill":
+            ranks = [executor_pb2.KVRank(session="simulated")]
+            return PrefillSide(self.kv_layout, self.kv_engine_id, self.num_blocks,
+                               config.kv_lease_s, lambda: ranks)  # fmt: skip
+        if config.kv_role == "decode":
+            block_s = config.simulate_kv_transfer_us_per_token * self.block_size / 1e6
+            return DecodeSide(0, self.kv_layout, SimulatedTransport(block_s),
+                              lambda values: values)  # fmt: skip
+        return None
 
     def lora_adapters(self) -> dict[str, str]:
         return dict(self.adapters)
@@ -125,6 +153,8 @@ class SimulatedRunner:
 
     def reset(self) -> None:
         self.batch = self._new_batch()
+        if self.kv_worker is not None:
+            self.kv_worker.reset()
 
     def take_expert_tokens(self) -> None:
         return None  # the simulator routes nothing
@@ -135,17 +165,27 @@ class SimulatedRunner:
         return 0.0
 
     async def step(self, plan: SchedulerOutput) -> SampleOutput:
-        """The step's tokens, once the simulated device would have finished it."""
+        """The step's tokens, once the simulated device would have finished it (and the
+        transfers that ended meanwhile)."""
         output = self.execute(plan)
         start = max(time.monotonic(), self.busy_until)
         self.busy_until = start + self.last_step_seconds
         await asyncio.sleep(self.busy_until - time.monotonic())
+        if (worker := self.kv_worker) is not None:
+            if plan.poll_kv_transfers and not plan.num_scheduled_tokens:
+                await worker.wait(POLL_WAIT_S)
+            transfers = worker.finished()
+            output.finished_recving = list(transfers.finished_recving)
+            output.failed_recving = list(transfers.failed_recving)
+            output.finished_sending = list(transfers.finished_sending)
         return output
 
     def execute(self, plan: SchedulerOutput) -> SampleOutput:
         """One step's tokens at once; last_step_seconds is what it would have taken."""
         batch = self.batch
         batch.apply(plan)
+        if self.kv_worker is not None and plan.kv_connector:
+            self.kv_worker.start(plan.kv_connector)
         self.last_step_seconds = 0.0
         if not plan.num_scheduled_tokens:
             return SampleOutput([])

@@ -27,6 +27,8 @@ from flagstop.scheduler_svc.core.limits import RequestRejected
 from flagstop.telemetry import Telemetry
 from flagstop.v1 import generation_pb2, scheduler_pb2
 
+REQUEST_FINISH_TRANSFER = scheduler_pb2.REQUEST_FINISH_TRANSFER
+
 
 class RouterEngine:
     def __init__(
@@ -117,12 +119,12 @@ class RouterEngine:
             add.max_tokens = request.max_tokens
         if request.HasField("num_speculative_tokens"):
             add.num_speculative_tokens = request.num_speculative_tokens
-        replica = self.replicas.choose(token_ids, self.replicas.routable(), lora_name=lora_name)
-        pending = Pending(request_id, request, token_ids, trace, add, replica)
+        pending = Pending(request_id, request, token_ids, trace, add)
         if request.HasField("logprobs"):
             pending.logprobs = []
+        replica, queued = self.replicas.place(pending, add, self.replicas.routable())
         self.requests[request_id] = pending
-        replica.admission.push(add)
+        replica.admission.push(queued)
         replica.flush.set()
         return pending
 
@@ -158,7 +160,11 @@ class RouterEngine:
                     if not waiter.done():
                         waiter.set_result(None)
         for request_id, reason in zip(msg.finished_ids, msg.finish_reasons, strict=True):
-            if (pending := requests.get(request_id)) is not None:
+            if (pending := requests.get(request_id)) is None:
+                continue
+            if reason == REQUEST_FINISH_TRANSFER:  # its prefill is done: the decode goes on
+                self.replicas.hand_off(pending, msg.kv_transfers.get(request_id))
+            else:
                 pending.end(reason)
         for error in msg.errors:
             if (pending := requests.get(error.request_id)) is not None:

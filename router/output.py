@@ -51,7 +51,9 @@ class Pending:
     prompt_token_ids: list[int]
     trace: RequestTrace
     add: scheduler_pb2.AddRequest  # as first sent: kept to resubmit to a new scheduler
-    replica: "Replica"  # where it is queued or served
+    replica: "Replica | None" = None  # where it is queued or served (its prefill, if split)
+    # Split (prefill/decode disaggregation): where its decode goes after the prefill.
+    decode_replica: "Replica | None" = None
     generated: list[int] = field(default_factory=list)  # every token, in order
     # With logprobs: generated's entries, index for index.
     logprobs: list[generation_pb2.TokenLogprob] | None = None

@@ -49,6 +49,7 @@ class Replica:
         self.adapters: dict[str, str] = {}
         self.max_loras = 0
         self.lora_version = -1
+        self.kv_role = 0  # ModelInfo.kv_role: prefill, decode or both (0)
         self.describing: asyncio.Task | None = None  # held: the loop keeps tasks weakly
 
     @property
@@ -120,6 +121,7 @@ class Replica:
         info = await stub.Describe(scheduler_pb2.DescribeSchedulerRequest(), timeout=5)
         self.fleet.described(info.model)
         self.take_adapters(info.model)
+        self.kv_role = info.model.kv_role
         self.described = True
         call = stub.Connect()
         await call.write(scheduler_pb2.RouterMessage(router_id=self.settings.router_id))

@@ -6,7 +6,12 @@ Each request goes to one replica (router/routing.py) and waits in that replica's
 admission queue until its scheduler grants credits. A replica that is lost hands back
 the requests its scheduler held, as their remainders, to the head of its queue; when
 it stays away past --replica-grace-s (or leaves the list) its queue moves to the live
-replicas, and with none live the requests fail after --scheduler-timeout."""
+replicas, and with none live the requests fail after --scheduler-timeout.
+
+With prefill/decode disaggregation a request may run in two halves: its prefill at a
+prefill replica, which ends it with REQUEST_FINISH_TRANSFER and says where its KV
+waits, then its remainder (prompt + first token) at a decode replica, which reads
+that KV. Either half lost goes on as any lost request does."""
 
 import asyncio
 import contextlib
@@ -18,7 +23,14 @@ import grpc
 from flagstop.router.discovery import Resolver, has_names, parse_targets
 from flagstop.router.output import Pending
 from flagstop.router.replica import Replica, ReplicaMismatch
-from flagstop.router.routing import PrefixIndex, ReplicaChooser, ReplicaView, RoutingConfig
+from flagstop.router.routing import (
+    BOTH,
+    PREFILL,
+    PrefixIndex,
+    ReplicaChooser,
+    ReplicaView,
+    RoutingConfig,
+)
 from flagstop.router.settings import RouterSettings
 from flagstop.router.telemetry import ROUTED, export_model
 from flagstop.router.validation import ModelLimits
@@ -47,6 +59,7 @@ class ReplicaSet:
         self.tls = TLSConfig.from_settings(settings)
         self.model_info = generation_pb2.ModelInfo()
         self.limits: ModelLimits | None = None
+        self.kv_layout = ""  # the disaggregated replicas' (prefill and decode roles)
         self.by_address: dict[str, Replica] = {}
         self.leaving: list[Replica] = []  # left the scheduler list, requests not moved yet
         self.chooser = ReplicaChooser(
@@ -106,6 +119,12 @@ class ReplicaSet:
         served = self.model_info.model_name
         if served and info.model_name != served:
             raise ReplicaMismatch(f"serves {info.model_name!r}, the other replicas {served!r}")
+        if info.kv_role != BOTH:  # its blocks must mean the same at every other one
+            if self.kv_layout and info.kv_layout != self.kv_layout:
+                raise ReplicaMismatch(f"its KV layout ({info.kv_layout}) is not the other "
+                                      f"disaggregated replicas' ({self.kv_layout}): they "
+                                      "could not read each other's blocks")  # fmt: skip
+            self.kv_layout = info.kv_layout
         # The index counts a prefix as held for as long as it remembers it, so it must
         # remember at least what one replica's pool and host tier keep.
         if (held := info.num_blocks + info.num_host_blocks) > self.chooser.index.max_blocks:
@@ -153,24 +172,76 @@ class ReplicaSet:
         """Every adapter some replica holds: name -> its directory there."""
         return {name: path for r in self.by_address.values() for name, path in r.adapters.items()}
 
-    def choose(
-        self, token_ids, replicas: list[Replica], moved: bool = False, lora_name: str = ""
-    ) -> Replica:
+    def place(
+        self, pending: Pending, add: scheduler_pb2.AddRequest, replicas: list[Replica],
+        moved: bool = False,
+    ) -> tuple[Replica, scheduler_pb2.AddRequest]:  # fmt: skip
+        """Where the request (add: what it asks now, pending.add or its remainder) is to
+        be queued, and what to queue: itself, or its prefill, marked to be handed off,
+        when the routing splits it."""
+        lora_name = add.lora_name
         if lora_name:  # only a replica holding the adapter can run it
             replicas = [r for r in replicas if lora_name in r.adapters] or replicas
         by_name = {r.address: r for r in replicas}
-        hashes = []
+        token_ids, hashes = add.prompt_token_ids, []
         if self.settings.routing == "prefix":
             hashes = chain_hashes(list(token_ids), self.model_info.block_size,
                                   parent_hash=lora_root(lora_name))  # fmt: skip
-        views = [ReplicaView(r.address, r.load, r.reported.kv_cache_usage,
-                             frozenset(r.reported.running_loras), r.max_loras)
-                 for r in replicas]  # fmt: skip
-        name, why = self.chooser.choose(hashes, views, lora_name)
+        views = self._views(replicas)
+        # Prompt logprobs come out of a prefill's logits, and a remainder bound for a
+        # decode replica has had its prefill: neither is split (again).
+        splittable = not (add.sampling.HasField("prompt_logprobs")
+                          or add.kv_transfer.remote_endpoint)  # fmt: skip
+        name, decode, why = self.chooser.place(
+            hashes, len(token_ids), self.model_info.block_size, views, lora_name, splittable
+        )
+        if decode is not None or add.kv_transfer.do_remote_decode:
+            add = self._marked(add, decode is not None)
         replica = by_name[name]
+        pending.replica, pending.decode_replica = replica, by_name.get(decode)
         replica.routed_since_report += 1
         ROUTED.labels(name, "moved" if moved else why).inc()
-        return replica
+        return replica, add
+
+    @staticmethod
+    def _marked(add: scheduler_pb2.AddRequest, remote_decode: bool) -> scheduler_pb2.AddRequest:
+        """A copy that asks the replica to hand the decode off, or not (never pending.add
+        itself: its remainders are whole requests)."""
+        marked = scheduler_pb2.AddRequest()
+        marked.CopyFrom(add)
+        marked.kv_transfer.do_remote_decode = remote_decode
+        return marked
+
+    def hand_off(self, pending: Pending, params: scheduler_pb2.KVTransferParams | None) -> None:
+        """A prefill replica computed the prompt and the first token: the remainder goes
+        to the decode replica (another decode or colocated one if that is gone), which
+        reads the prompt's KV from where params say it waits."""
+        pending.sent = False
+        add = pending.remainder()
+        if params is not None:
+            add.kv_transfer.CopyFrom(params)
+        target = pending.decode_replica
+        live = [r for r in self.by_address.values() if r.connected and r.kv_role != PREFILL]
+        if target is None or not target.connected:
+            target = self._best_of(add, live) or pending.replica  # no decode replica: whole
+        pending.replica, pending.decode_replica = target, None
+        target.routed_since_report += 1
+        ROUTED.labels(target.address, "pd-decode").inc()
+        pending.trace.handed_off(target.address)
+        target.admission.push_front([add])
+        target.flush.set()
+
+    def _best_of(self, add: scheduler_pb2.AddRequest, replicas: list[Replica]) -> Replica | None:
+        if not replicas:
+            return None
+        name, _ = self.chooser.choose([], self._views(replicas), add.lora_name)
+        return next(r for r in replicas if r.address == name)
+
+    @staticmethod
+    def _views(replicas: list[Replica]) -> list[ReplicaView]:
+        return [ReplicaView(r.address, r.load, r.reported.kv_cache_usage,
+                            frozenset(r.reported.running_loras), r.max_loras, r.kv_role)
+                for r in replicas]  # fmt: skip
 
     async def _rebalance_forever(self) -> None:
         while True:
@@ -194,9 +265,9 @@ class ReplicaSet:
     def _move(self, replica: Replica, live: list[Replica]) -> None:
         moved: dict[Replica, list[scheduler_pb2.AddRequest]] = {}
         for add in replica.admission.take_all():
-            target = self.choose(add.prompt_token_ids, live, moved=True, lora_name=add.lora_name)
-            self.requests[add.request_id].replica = target
-            moved.setdefault(target, []).append(add)
+            if (pending := self.requests.get(add.request_id)) is not None:
+                target, add = self.place(pending, add, live, moved=True)
+                moved.setdefault(target, []).append(add)
         for target, adds in moved.items():
             target.admission.push_front(adds)  # they came before what is queued there
             target.flush.set()

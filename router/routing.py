@@ -17,6 +17,15 @@ Extension's LoRA affinity does, first to the replicas where its adapter runs alr
 with a slot free for one more adapter, then anywhere; among them by the rule above.
 Its block hashes start from its adapter's root (kv_cache_manager.lora_root), so the
 prefix index never mixes two adapters' blocks either.
+
+With prefill/decode disaggregation (replicas of --kv-role prefill and decode), a
+request is placed among the decode (and colocated) replicas by the rules above; when
+that is a decode replica and at least --pd-threshold of the prompt's tokens are not
+cached there (llm-d's pdThreshold), its prefill goes to a prefill replica, chosen by
+the same rules among those, and the decode replica reads the KV from it. Short or
+cached prompts stay whole on one replica (Dynamo: "if the prefill is short or the
+decode engine has a high prefix cache hit, often it is more efficient to prefill
+locally"). Without a replica of either role every request runs whole.
 """
 
 import itertools
@@ -26,6 +35,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 Routing = Literal["prefix", "least-loaded", "round-robin"]
+# ModelInfo.kv_role's values (generation.proto's KVRole).
+BOTH, PREFILL, DECODE = 0, 1, 2
 
 
 @dataclass(slots=True)
@@ -37,6 +48,7 @@ class ReplicaView:
     kv_cache_usage: float = 0.0
     running_loras: frozenset[str] = frozenset()  # adapters of its running requests
     max_loras: int = 0
+    kv_role: int = BOTH
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +63,7 @@ class RoutingConfig:
     balance_abs_threshold: int = 32
     balance_rel_threshold: float = 1.5
     kv_high: float = 0.95
+    pd_threshold: int = 512  # uncached prompt tokens from which a prefill is split off
 
 
 class PrefixIndex:
@@ -122,6 +135,25 @@ class ReplicaChooser:
         name, by_prefix = self._by_prefix(hashes, replicas)
         self.index.record(hashes, name)
         return name, why or by_prefix
+
+    def place(
+        self, hashes: Sequence[bytes], num_tokens: int, block_size: int,
+        replicas: Sequence[ReplicaView], lora_name: str = "", splittable: bool = True,
+    ) -> tuple[str, str | None, str]:  # fmt: skip
+        """(where the request runs, or its prefill; its decode replica when it is split
+        off; why). Whole requests go to decode and colocated replicas, or to prefill
+        replicas while no other is up."""
+        prefill = [r for r in replicas if r.kv_role == PREFILL]
+        serving = [r for r in replicas if r.kv_role != PREFILL] or prefill
+        cached = self.index.matched(hashes) if splittable and prefill else {}
+        name, why = self.choose(hashes, serving, lora_name)
+        decode = next(r for r in serving if r.name == name)
+        if not (splittable and prefill and decode.kv_role == DECODE):
+            return name, None, why
+        if num_tokens - cached.get(name, 0) * block_size < self.config.pd_threshold:
+            return name, None, why
+        prefill_name, _ = self.choose(hashes, prefill, lora_name)
+        return prefill_name, name, "pd-prefill"
 
     def _by_adapter(
         self, lora_name: str, replicas: Sequence[ReplicaView]

@@ -59,6 +59,11 @@ class RouterSettings(ServiceSettings):
     it holds the prefix, when it has more than this many requests more"""
     balance_rel_threshold: float = Field(1.5, ge=1)
     """... and more than this many times as many (both must hold)"""
+    pd_threshold: NonNegativeInt = 512
+    """prefill/decode disaggregation (replicas of --kv-role prefill and decode): a
+    prompt with at least this many tokens not cached at the decode replica it goes to
+    is prefilled at a prefill replica first (llm-d's pdThreshold); shorter or cached
+    ones run whole at the decode replica. 0: every prompt"""
     prefix_index_blocks: PositiveInt = 1 << 17
     """block hashes the prefix index remembers (LRU, ~400 bytes each: 50 MB at the default)"""
     replica_grace_s: NonNegativeFloat = 5.0

@@ -73,6 +73,10 @@ class RequestTrace:
     def traceparent(self) -> str:
         return inject(self.span) if self.span.is_recording() else ""
 
+    def handed_off(self, decode_replica: str) -> None:
+        """Its prefill is done at a prefill replica; its decode goes on elsewhere."""
+        self.span.add_event("handed off", {"flagstop.decode_replica": decode_replica})
+
     def first_token(self) -> None:
         self.first_token_at = time.monotonic()
         self.span.add_event("first token")

@@ -2,7 +2,11 @@
 
 import itertools
 
-from flagstop.scheduler_svc.core.kv_connector import KVConnectorMetadata, KVTransferResult
+from flagstop.scheduler_svc.core.kv_connector import (
+    KVConnectorMetadata,
+    KVHandoff,
+    KVTransferResult,
+)
 from flagstop.scheduler_svc.core.output import SchedulerOutput
 from flagstop.scheduler_svc.core.request import Request, StopParams
 from flagstop.v1 import executor_pb2, scheduler_pb2
@@ -30,6 +34,22 @@ def request_from_proto(
         max_spec_tokens=add.num_speculative_tokens
         if add.HasField("num_speculative_tokens") else None,
         lora_name=add.lora_name,
+        do_remote_decode=add.kv_transfer.do_remote_decode,
+        remote_prefill=handoff_from_proto(add.kv_transfer)
+        if add.kv_transfer.remote_endpoint else None,
+    )  # fmt: skip
+
+
+def handoff_from_proto(p: scheduler_pb2.KVTransferParams) -> KVHandoff:
+    return KVHandoff(p.transfer_id, p.remote_endpoint, p.remote_engine_id,
+                     tuple(p.remote_block_ids), p.num_remote_tokens)  # fmt: skip
+
+
+def handoff_to_proto(handoff: KVHandoff) -> scheduler_pb2.KVTransferParams:
+    return scheduler_pb2.KVTransferParams(
+        remote_endpoint=handoff.endpoint, remote_engine_id=handoff.engine_id,
+        transfer_id=handoff.transfer_id, remote_block_ids=handoff.block_ids,
+        num_remote_tokens=handoff.num_tokens,
     )  # fmt: skip
 
 
@@ -71,9 +91,14 @@ def step_to_proto(plan: SchedulerOutput) -> executor_pb2.StepRequest:
 
 def transfers_to_proto(meta: KVConnectorMetadata, out: executor_pb2.KVConnectorMetadata) -> None:
     for load in meta.loads:
-        out.loads.add(req_id=load.req_id, block_ids=load.block_ids, source_ids=load.source_ids)
+        out.loads.add(
+            req_id=load.req_id, block_ids=load.block_ids, source_ids=load.source_ids,
+            endpoint=load.endpoint, engine_id=load.engine_id, transfer_id=load.transfer_id,
+        )  # fmt: skip
     out.save_block_ids.extend(meta.save_block_ids)
     out.save_slots.extend(meta.save_slots)
+    for send in meta.sends:
+        out.sends.add(transfer_id=send.transfer_id, block_ids=send.block_ids)
 
 
 def transfers_from_result(result: executor_pb2.StepResult) -> KVTransferResult:

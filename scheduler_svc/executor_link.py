@@ -78,6 +78,13 @@ class ExecutorLink:
                 f"the executor came back with another model ({model.model_name}, block size "
                 f"{model.block_size}); retry the request"
             )
+        if known.model_name and (model.kv_role, model.kv_layout) != (
+            known.kv_role, known.kv_layout,
+        ):  # fmt: skip
+            raise ExecutorMismatch(
+                f"the executor came back with another KV role or layout ({model.kv_layout}, "
+                f"role {model.kv_role}); restart it as it was, or this scheduler"
+            )
         for flag, ours, theirs in (
             ("--max-num-seqs", s.max_num_seqs, info.max_num_seqs),
             ("--max-num-batched-tokens", s.max_num_batched_tokens, info.max_num_batched_tokens),
@@ -119,6 +126,7 @@ class ExecutorLink:
                 continue
             await self._restore_adapters(info)
             self.info.model.num_host_blocks = info.model.num_host_blocks
+            self.service.executor_replaced(info)
             return info
 
     # -- LoRA adapters ---------------------------------------------------------

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from flagstop.health import Health
-from flagstop.scheduler_svc.convert import request_from_proto
+from flagstop.scheduler_svc.convert import handoff_to_proto, request_from_proto
+from flagstop.scheduler_svc.core.disaggregation import DecodeConnector, PrefillConnector
 from flagstop.scheduler_svc.core.host_tier import HostTierConnector
 from flagstop.scheduler_svc.core.output import OwnerOutputs, SchedulerOutput
 from flagstop.scheduler_svc.core.policy import RankedPolicy
@@ -32,6 +33,7 @@ SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 # replica goes idle), so that its replica choice does not rest on an old figure.
 LOAD_REPORT_INTERVAL_S = 0.25
 EMPTY_LOGPROB = generation_pb2.TokenLogprob()
+KV_ROLES = {generation_pb2.KV_ROLE_PREFILL: "prefill", generation_pb2.KV_ROLE_DECODE: "decode"}
 
 
 # Credits a router may hold beyond its queued requests while the waiting queue has room.
@@ -82,13 +84,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             raise StartupError(str(e)) from None
         self.telemetry.model_name = info.model.model_name
         self.eos_token_ids = frozenset(info.model.eos_token_ids)
-        connector = None
-        if info.model.num_host_blocks:
-            if config.no_prefix_caching:
-                raise StartupError("--no-prefix-caching: the executor's host tier "
-                                   "(--kv-offload-bytes) is keyed by the prefix cache; "
-                                   "drop one of them")  # fmt: skip
-            connector = HostTierConnector(info.model.num_host_blocks, config.block_size)
+        connector = self._connector(info, config)
         self.scheduler = Scheduler(config, info.model.num_blocks, connector=connector)
         if isinstance(self.scheduler.policy, RankedPolicy):
             self.policy_client = RemotePolicyClient(
@@ -101,8 +97,32 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             spec += f"{info.num_speculative_tokens})"
         if info.model.num_host_blocks:
             spec += f", a host tier of {info.model.num_host_blocks} blocks"
+        if info.model.kv_role:
+            spec += f", KV role {KV_ROLES[info.model.kv_role]}"
         log.info("executor %s: %s, %d blocks of %d%s", s.executor, info.model.model_name,
                  info.model.num_blocks, info.model.block_size, spec)  # fmt: skip
+
+    @staticmethod
+    def _connector(info: executor_pb2.DescribeExecutorResponse, config):
+        """The KV connector the executor calls for: a host tier, a prefill or a decode
+        replica's side of disaggregation, or none."""
+        if info.model.num_host_blocks:
+            if config.no_prefix_caching:
+                raise StartupError("--no-prefix-caching: the executor's host tier "
+                                   "(--kv-offload-bytes) is keyed by the prefix cache; "
+                                   "drop one of them")  # fmt: skip
+            return HostTierConnector(info.model.num_host_blocks, config.block_size)
+        if info.model.kv_role == generation_pb2.KV_ROLE_PREFILL:
+            return PrefillConnector(info.kv_endpoint, info.kv_engine_id, uuid.uuid4().hex[:12])
+        if info.model.kv_role == generation_pb2.KV_ROLE_DECODE:
+            return DecodeConnector(config.block_size)
+        return None
+
+    def executor_replaced(self, info: executor_pb2.DescribeExecutorResponse) -> None:
+        """A new executor instance: hand-offs name it from now on."""
+        connector = self.scheduler.connector if self.scheduler is not None else None
+        if isinstance(connector, PrefillConnector):
+            connector.endpoint, connector.engine_id = info.kv_endpoint, info.kv_engine_id
 
     async def run(self) -> None:
         await self.connect_executor()
@@ -136,6 +156,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 num_cached_tokens=out.num_cached_tokens, credits=self._take_credits(conn),
                 load=load, prompt_logprobs=prompt_logprobs.get(owner, ()),
             )  # fmt: skip
+            for request_id, handoff in out.kv_transfers.items():
+                msg.kv_transfers[request_id].CopyFrom(handoff_to_proto(handoff))
             if logprobs:
                 msg.logprobs.extend(self._in_order(out.req_ids, logprobs))
             conn.outbox.put_nowait(msg)
@@ -423,6 +445,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             num_host_blocks=self.link.model.num_host_blocks,
             num_host_cached_blocks=self.scheduler.connector.num_cached_blocks
             if self.scheduler.connector is not None else 0,
+            num_kv_leases=s.num_kv_leases,
         )  # fmt: skip
 
     async def LoadLoRAAdapter(self, request, context) -> generation_pb2.LoadLoRAAdapterResponse:

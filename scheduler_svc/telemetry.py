@@ -22,7 +22,8 @@ PREFIX_QUERIES = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up",
 PREFIX_HITS = Counter("vllm:prefix_cache_hits", "Prompt tokens found cached", ["model_name"])
 EXTERNAL_QUERIES = Counter(
     "vllm:external_prefix_cache_queries",
-    "Prompt tokens of requests admitted with a KV connector (the host tier)", ["model_name"],
+    "Prompt tokens of requests admitted with a KV connector (a host tier, a prefill replica)",
+    ["model_name"],
 )  # fmt: skip
 EXTERNAL_HITS = Counter(
     "vllm:external_prefix_cache_hits", "Of those, tokens loaded from the connector",
@@ -35,6 +36,16 @@ HOST_USAGE = Gauge(
 LOADING = Gauge(
     "flagstop:num_requests_loading_kv",
     "Requests whose KV is arriving from a connector (WAITING_FOR_REMOTE_KVS)", ["model_name"],
+)  # fmt: skip
+KV_LEASES = Gauge(
+    "flagstop:num_kv_leases",
+    "Prefill replica: handed-off requests whose blocks are held for a decode replica",
+    ["model_name"],
+)  # fmt: skip
+KV_LOAD_FAILURES = Counter(
+    "flagstop:kv_load_failures",
+    "KV loads that failed (a prefill side lost, timed out, refused, or its lease over "
+    "before the read): the request recomputes", ["model_name"],
 )  # fmt: skip
 EXECUTOR_LOSSES = Counter(
     "flagstop:executor_losses", "Executor streams lost (dead or hung)", ["model_name"]
@@ -164,6 +175,8 @@ class SchedulerTelemetry:
     ) -> None:
         started, span = self.steps.pop(plan.step_id, (time.monotonic(), None))
         self.metrics[0].observe(time.monotonic() - started)
+        if result is not None and result.failed_recving:
+            KV_LOAD_FAILURES.labels(self._model_name).inc(len(result.failed_recving))
         if span is not None:
             if result is not None and result.num_draft_tokens:
                 span.set_attribute("flagstop.drafted_tokens", sum(result.num_draft_tokens))
@@ -234,6 +247,8 @@ class SchedulerTelemetry:
         EXTERNAL_HITS.labels(name).inc(hits - self.last_external[1])
         self.last_external = (queries, hits)
         LOADING.labels(name).set(stats.num_loading_reqs)
+        if connector.hands_off:
+            KV_LEASES.labels(name).set(stats.num_kv_leases)
         if connector.num_slots:
             HOST_USAGE.labels(name).set(connector.num_cached_blocks / connector.num_slots)
 

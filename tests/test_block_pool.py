@@ -99,14 +99,14 @@ def test_shared_prefix_is_ref_counted_and_survives_one_owner():
     b_ids = admit(kv, request("b", [*range(8), 42, 43]))
     assert b_ids[:2] == a_ids[:2] and b_ids[2] != a_ids[2]
     assert [kv.pool.blocks[i].ref_cnt for i in a_ids] == [2, 2, 1]
-    kv.free(request("a", []))
+    kv.free("a")
     assert [kv.pool.blocks[i].ref_cnt for i in b_ids] == [1, 1, 1]
 
 
 def test_free_in_reverse_order_evicts_the_tail_first():
     kv = make_manager(num_blocks=3)
     block_ids = admit(kv, request("a", list(range(12))))
-    kv.free(request("a", []))
+    kv.free("a")
     assert ids(kv.pool.free_queue) == block_ids[::-1]
 
 
@@ -121,7 +121,7 @@ def test_allocate_is_all_or_nothing():
 def test_revived_hits_count_against_the_free_blocks():
     kv = make_manager(num_blocks=3)
     admit(kv, request("a", list(range(9))))  # 3 blocks, 2 of them cached (full)
-    kv.free(request("a", []))
+    kv.free("a")
     b = request("b", [*range(8), 50, 51, 52, 53, 54])
     kv.update_block_hashes(b)
     hits = kv.get_computed_blocks(b)

@@ -163,3 +163,19 @@ def test_make_up_replicas_2_routes_to_both_replicas():
         assert services[name]["environment"]["FLAGSTOP_SCHEDULER_PORT"] == port, name
     executor = services["scheduler-2"]["environment"]["FLAGSTOP_SCHEDULER_EXECUTOR"]
     assert services[executor.split(":")[0]]["profiles"] == ["replicas"]
+
+
+def test_make_up_pd_1_puts_a_prefill_replica_beside_the_decode_one():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MAKE")}  # under make test
+    done = subprocess.run(["make", "-n", "up", "PD=1"], cwd=ROOT, capture_output=True,
+                          text=True, check=True, env=env)  # fmt: skip
+    command = next(line for line in done.stdout.splitlines() if " up -d" in line)
+    assert "COMPOSE_PROFILES=pd" in command and "KV_ROLE=decode" in command
+    schedulers = re.search(r"ROUTER_SCHEDULERS=(\S+)", command).group(1).split(",")
+    assert schedulers == ["scheduler:50052", "scheduler-prefill:50052"]
+    services = load(COMPOSE)
+    executor = services["scheduler-prefill"]["environment"]["FLAGSTOP_SCHEDULER_EXECUTOR"]
+    prefill = services[executor.split(":")[0]]
+    assert prefill["profiles"] == ["pd"]
+    assert prefill["environment"]["FLAGSTOP_EXECUTOR_KV_ROLE"] == "prefill"
+    assert interpolate(services["executor"]["environment"]["FLAGSTOP_EXECUTOR_KV_ROLE"]) == "both"

@@ -16,7 +16,7 @@ from tools.stack import ROOT
 pytestmark = pytest.mark.processes  # every test here runs processes
 
 K8S = ROOT / "deploy" / "k8s"
-OVERLAYS = ["cpu", "gpu", "tp", "gateway"]
+OVERLAYS = ["cpu", "gpu", "tp", "gateway", "pd"]
 KUBERNETES_VERSION = "1.32.0"  # the oldest release we support
 # Custom resources (not in the Kubernetes schemas): the fields their CRDs require.
 CUSTOM = {
@@ -78,7 +78,8 @@ def test_every_command_and_variable_is_one_our_code_takes(overlay, monkeypatch):
         command = container["command"]
         assert command[:2] == ["python", "-m"], name
         parse, prefix = PARSERS[command[2]]
-        env = {e["name"]: e["value"] for e in container.get("env", [])}
+        # A value the kubelet fills in (the Pod's IP) stands as an address here.
+        env = {e["name"]: e.get("value", "10.0.0.1") for e in container.get("env", [])}
         ours = {k: v for k, v in env.items() if prefix and k.startswith(prefix)}
         assert set(env) - set(ours) <= {"OTEL_SERVICE_NAME"}, f"{name}: {sorted(env)}"
         with monkeypatch.context() as patch:
@@ -92,7 +93,7 @@ def test_every_command_and_variable_is_one_our_code_takes(overlay, monkeypatch):
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_probes_ask_the_health_entries_on_the_ports_served(overlay):
     for name, container in containers(render(overlay)):
-        env = {e["name"]: e["value"] for e in container.get("env", [])}
+        env = {e["name"]: e.get("value") for e in container.get("env", [])}
         ports = {v for k, v in env.items() if k.endswith("_PORT")}
         for probe, entry in [("livenessProbe", "liveness"), ("readinessProbe", "readiness")]:
             if probe in container:
@@ -118,3 +119,30 @@ def test_the_routers_find_the_replicas_through_the_headless_service():
                   if name == "flagstop-router" and c["name"] == "router")  # fmt: skip
     env = {e["name"]: e["value"] for e in router["env"]}
     assert env["FLAGSTOP_ROUTER_SCHEDULER"] == f"dns:flagstop-replica:{port}"
+
+
+def test_the_disaggregated_pools_are_one_service_apart_by_role():
+    """Prefill and decode Pods are both the headless Service's (every router finds
+    both) and each Deployment selects only its own; each executor takes its role and
+    is reached at its Pod's IP."""
+    objects = render("pd")
+    service = next(o for o in objects if o["kind"] == "Service"
+                   and o["metadata"]["name"] == "flagstop-replica")  # fmt: skip
+    roles = {}
+    for obj in objects:
+        if obj["kind"] != "Deployment" or obj["metadata"]["name"] == "flagstop-router":
+            continue
+        selector = obj["spec"]["selector"]["matchLabels"]
+        labels = obj["spec"]["template"]["metadata"]["labels"]
+        assert service["spec"]["selector"].items() <= labels.items()
+        executor = next(c for c in obj["spec"]["template"]["spec"]["containers"]
+                        if c["name"] == "executor")  # fmt: skip
+        env = {e["name"]: e for e in executor["env"]}
+        role = env["FLAGSTOP_EXECUTOR_KV_ROLE"]["value"]
+        assert (
+            selector["app.kubernetes.io/component"] == role == labels["app.kubernetes.io/component"]
+        )
+        host = env["FLAGSTOP_EXECUTOR_KV_TRANSFER_HOST"]["valueFrom"]["fieldRef"]["fieldPath"]
+        assert host == "status.podIP"
+        roles[obj["metadata"]["name"]] = role
+    assert roles == {"flagstop-replica": "decode", "flagstop-replica-prefill": "prefill"}

@@ -138,4 +138,4 @@ def test_finish_reasons_have_the_same_values_on_the_wire_and_in_the_core():
         assert scheduler_pb2.RequestFinish.Name(reason) == f"REQUEST_FINISH_{reason.name}"
     for reason in (FinishReason.STOP, FinishReason.LENGTH):
         assert generation_pb2.FinishReason.Name(reason) == f"FINISH_REASON_{reason.name}"
-    assert [r.label for r in FinishReason] == ["stop", "length", "abort", "error"]
+    assert [r.label for r in FinishReason] == ["stop", "length", "abort", "error", "transfer"]

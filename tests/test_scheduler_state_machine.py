@@ -1,7 +1,10 @@
 """Random adds, aborts and steps on tiny pools, checking the scheduler after every
 step; at the end it must drain to idle with every surviving request's tokens equal
 to the stand-in model's reference. With a host tier, its loads finish late, fail or
-are aborted mid-way (tests/helpers/fake_kv_tier.py)."""
+are aborted mid-way (tests/helpers/fake_kv_tier.py). As a prefill replica, requests
+are handed off after their first token and their blocks held under leases that end
+late; as a decode replica, requests arrive with their prompt's KV waiting at a
+prefill replica, and their loads finish late, fail or are aborted."""
 
 import itertools
 import random
@@ -11,9 +14,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from flagstop.scheduler_svc.core.config import SchedulerConfig
-from flagstop.scheduler_svc.core.request import Request, StopParams
+from flagstop.scheduler_svc.core.disaggregation import DecodeConnector, PrefillConnector
+from flagstop.scheduler_svc.core.kv_connector import KVHandoff
+from flagstop.scheduler_svc.core.request import FinishReason, Request, StopParams
 from flagstop.scheduler_svc.core.scheduler import Scheduler
-from tests.helpers.fake_kv_tier import FakeTierWorker, FlakyHostTier
+from tests.helpers.fake_kv_tier import FakeTierWorker, FlakyHostTier, prefill_side_blocks
 from tests.helpers.hash_model import Driver, HashModelExecutor, reference_tokens
 from tests.helpers.scheduler_invariants import check_idle, check_invariants
 
@@ -62,11 +67,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         fail_rate=st.sampled_from([0.0, 0.3]),
         defer_rate=st.sampled_from([0.0, 0.2]),
         delayed_free_rate=st.sampled_from([0.0, 0.3]),
+        # Prefill/decode disaggregation: this scheduler's side (instead of a tier).
+        kv_role=st.sampled_from(["", "", "", "prefill", "decode"]),
         seed=st.integers(0, 2**16),
     )
     def setup(self, num_blocks, budget, max_num_seqs, chunked, caching, threshold, policy, depth,
               num_spec, draft_error_rate, max_loras, tier_slots, max_delay, fail_rate,
-              defer_rate, delayed_free_rate, seed):  # fmt: skip
+              defer_rate, delayed_free_rate, kv_role, seed):  # fmt: skip
         self.config = SchedulerConfig(
             max_num_batched_tokens=budget if chunked else MAX_MODEL_LEN,
             max_num_seqs=max_num_seqs,
@@ -82,7 +89,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.rng, self.connector = random.Random(seed), None
         self.tier_slots, self.fail_rate, self.max_delay = tier_slots, fail_rate, max_delay
         self.draft_error_rate = draft_error_rate
-        if tier_slots and caching:
+        self.kv_role = kv_role
+        self.remote_store: dict[str, list[list]] = {}  # a prefill replica's, by hand-off
+        if kv_role == "prefill":
+            self.connector = PrefillConnector("prefill:1", "engine", "machine")
+        elif kv_role == "decode":
+            self.connector = DecodeConnector(BLOCK_SIZE)
+        elif tier_slots and caching:
             self.connector = FlakyHostTier(tier_slots, BLOCK_SIZE, self.rng, defer_rate,
                                            delayed_free_rate)  # fmt: skip
         self.scheduler = RecordingScheduler(self.config, num_blocks, connector=self.connector)
@@ -95,6 +108,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.arrival_order: list[str] = []
         self.adapter_of: dict[str, str] = {}
         self.turns: list[tuple[list[int], str]] = []  # (a prompt and its answer, adapter)
+        self.handed_off: set[str] = set()  # requests a prefill replica is to hand off
 
     def _new_executor(self) -> None:
         num_blocks = self.scheduler.kv.pool.num_blocks
@@ -102,8 +116,10 @@ class SchedulerMachine(RuleBasedStateMachine):
                                      seed=self.rng.randrange(1 << 16))  # fmt: skip
         self.driver.executor = executor
         if self.connector is not None:
-            self.driver.tier_worker = FakeTierWorker(executor, self.connector, self.rng,
-                                                     self.fail_rate, self.max_delay)  # fmt: skip
+            worker = FakeTierWorker(executor, self.connector, self.rng, self.fail_rate,
+                                    self.max_delay)  # fmt: skip
+            worker.remote = self.remote_store  # the prefill replica outlives this executor
+            self.driver.tier_worker = worker
 
     # Now and then, and whenever KV is arriving (the interesting moment to lose it).
     @precondition(lambda self: self.scheduler.loading or self.scheduler.loaded
@@ -129,14 +145,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         stop_token=st.sampled_from([None, 3, 4]),
         priority=st.integers(0, 2),
         adapter=st.sampled_from(["", "", "a", "b", "c"]),
+        disaggregated=st.booleans(),
     )
     def add(
         self, prefix, prefix_len, suffix, max_tokens, min_tokens, ignore_eos, stop_token, priority,
-        adapter,
+        adapter, disaggregated,
     ):  # fmt: skip
         # An empty suffix sends a shared prefix alone: identical prompts, some block-aligned.
         prompt = (PREFIXES[prefix][:prefix_len] if prefix is not None else []) + suffix
-        self._add(prompt, max_tokens, min_tokens, ignore_eos, stop_token, priority, adapter)
+        self._add(prompt, max_tokens, min_tokens, ignore_eos, stop_token, priority, adapter,
+                  disaggregated)  # fmt: skip
 
     @precondition(lambda self: self.turns)
     @rule(
@@ -150,7 +168,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         prompt, adapter = data.draw(st.sampled_from(self.turns))
         self._add(prompt + suffix, max_tokens, 0, True, None, 0, adapter)
 
-    def _add(self, prompt, max_tokens, min_tokens, ignore_eos, stop_token, priority, adapter):
+    def _add(self, prompt, max_tokens, min_tokens, ignore_eos, stop_token, priority, adapter,
+             disaggregated=False):  # fmt: skip
         if not prompt:
             return
         stop = StopParams(
@@ -161,20 +180,25 @@ class SchedulerMachine(RuleBasedStateMachine):
             return  # rejected at admission; covered by the unit tests
         rid = f"r{next(self.ids)}"
         adapter = adapter if self.config.max_loras else ""
-        self.scheduler.add_request(
-            Request(
-                rid,
-                f"router-{priority % 2}",
-                prompt,
-                stop,
-                EOS,
-                priority,
-                float(len(self.arrival_order)),
-                lora_name=adapter,
+        request = Request(rid, f"router-{priority % 2}", prompt, stop, EOS, priority,
+                          float(len(self.arrival_order)), lora_name=adapter)  # fmt: skip
+        expected = reference_tokens(prompt, stop, EOS, VOCAB, MAX_MODEL_LEN)
+        if disaggregated and self.kv_role == "prefill":
+            request.do_remote_decode = True  # it ends with its first token
+            if len(expected) > 1:
+                self.handed_off.add(rid)
+            expected = expected[:1]
+        elif disaggregated and self.kv_role == "decode" and len(prompt) > 1:
+            # A remainder: the prefill replica computed all but its last token.
+            transfer_id = f"kv-{rid}"
+            blocks = prefill_side_blocks(prompt[:-1], BLOCK_SIZE)
+            self.remote_store[transfer_id] = blocks
+            request.remote_prefill = KVHandoff(
+                transfer_id, "prefill:1", "engine", tuple(range(len(blocks))), len(prompt) - 1
             )
-        )
+        self.scheduler.add_request(request)
         self.adapter_of[rid] = adapter
-        self.expected[rid] = reference_tokens(prompt, stop, EOS, VOCAB, MAX_MODEL_LEN)
+        self.expected[rid] = expected
         self.arrival_order.append(rid)
         self.turns.append((prompt + self.expected[rid], adapter))
 
@@ -206,11 +230,13 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert got == expected[: len(got)], rid
             else:
                 assert got == expected, rid
+            if rid in self.handed_off and rid not in self.aborted:
+                assert self.driver.finish_reasons[rid] == FinishReason.TRANSFER, rid
         if self.config.policy == "fcfs":
             # Nobody is overtaken by a request of the same adapter (or of none): first
             # admissions follow arrival order; --max-loras lets other adapters' pass, and
             # a connector that asks for time lets the others pass the one it defers.
-            deferred = self.connector.deferred_ids if self.connector else set()
+            deferred = getattr(self.connector, "deferred_ids", set())
             order = [r for r in dict.fromkeys(self.admission_order) if r not in deferred]
             admitted = set(order)
             for adapter in set(self.adapter_of.values()):

@@ -241,19 +241,33 @@ def start_replicas(
     router_args=(),
     env: dict[str, str] | None = None,
     num_routed: int | None = None,
+    replica_executor_args=(),
+    wait_routed: bool = True,
 ) -> Stack:
     """A router in front of num_replicas replicas (scheduler-i + executor-i each); it
     knows the first num_routed of them (default all) from its --config file, which
-    set_routed() rewrites (then SIGHUP the router)."""
+    set_routed() rewrites (then SIGHUP the router). replica_executor_args[i]: more
+    flags for executor-i (a prefill and a decode replica: --kv-role). wait_routed:
+    return once the router holds a stream to each (else once all serve)."""
     return _once_more_if_a_port_was_taken(lambda: _start_replicas(
         model_dir, log_dir, num_replicas, executor_args, scheduler_args, router_args, env,
-        num_routed,
+        num_routed, replica_executor_args, wait_routed,
     ))  # fmt: skip
+
+
+def start_disaggregated(
+    model_dir: Path, log_dir: Path, prefill_args=(), decode_args=(), **kwargs
+) -> Stack:
+    """A router in front of a prefill replica (scheduler-0 + executor-0) and a decode
+    replica (scheduler-1 + executor-1); prefill_args, decode_args: more flags for
+    either executor."""
+    roles = [["--kv-role", "prefill", *prefill_args], ["--kv-role", "decode", *decode_args]]
+    return start_replicas(model_dir, log_dir, 2, replica_executor_args=roles, **kwargs)
 
 
 def _start_replicas(
     model_dir, log_dir, num_replicas, executor_args, scheduler_args, router_args, env,
-    num_routed,
+    num_routed, replica_executor_args, wait_routed,
 ) -> Stack:  # fmt: skip
     names = ["router"] + [f"{kind}-{i}" for i in range(num_replicas)
                           for kind in ("scheduler", "executor")]  # fmt: skip
@@ -261,8 +275,9 @@ def _start_replicas(
     commands = {"router": ["-m", "flagstop.router", "--model", str(model_dir),
                            "--config", str(log_dir / "router.json"), *router_args]}  # fmt: skip
     for i in range(num_replicas):
+        own = replica_executor_args[i] if i < len(replica_executor_args) else []
         commands[f"executor-{i}"] = ["-m", "flagstop.executor", "--model", str(model_dir),
-                                     *executor_args]  # fmt: skip
+                                     *executor_args, *own]  # fmt: skip
         commands[f"scheduler-{i}"] = ["-m", "flagstop.scheduler_svc", "--executor",
                                       address[f"executor-{i}"], *scheduler_args]  # fmt: skip
     metrics_ports = {name: free_port() for name in names}
@@ -276,8 +291,13 @@ def _start_replicas(
     stack.set_routed(num_replicas if num_routed is None else num_routed)
     stack.processes = {name: spawn(name, args, log_dir, env) for name, args in commands.items()}
     _wait_up(stack)
-    for i in range(num_replicas if num_routed is None else num_routed):
-        stack.wait_routers(1, scheduler=f"scheduler-{i}")  # routable, not only up
+    try:
+        for i in range(num_replicas if num_routed is None else num_routed):
+            if wait_routed:
+                stack.wait_routers(1, scheduler=f"scheduler-{i}")  # routable, not only up
+    except Exception:
+        stack.stop(5)  # no process outlives a stack that did not come up
+        raise
     return stack
 
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from flagstop.v1 import generation_pb2 as flagstop_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66lagstop/v1/executor.proto\x12\x0b\x66lagstop.v1\x1a\x1c\x66lagstop/v1/generation.proto\"S\n\x15PrepareGrammarRequest\x12:\n\x12structured_outputs\x18\x01 \x01(\x0b\x32\x1e.flagstop.v1.StructuredOutputs\"1\n\x16PrepareGrammarResponse\x12\x17\n\x0f\x63ompile_seconds\x18\x01 \x01(\x01\"\x19\n\x17\x44\x65scribeExecutorRequest\"\xd7\x01\n\x18\x44\x65scribeExecutorResponse\x12%\n\x05model\x18\x01 \x01(\x0b\x32\x16.flagstop.v1.ModelInfo\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\x08 \x01(\x05\x12\x1c\n\x14tensor_parallel_size\x18\t \x01(\x05\x12\x1e\n\x16num_speculative_tokens\x18\n \x01(\x05\x12\x1a\n\x12speculative_method\x18\x0b \x01(\tJ\x04\x08\x02\x10\x07\"\xef\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x05 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x15\n\x08logprobs\x18\x07 \x01(\x05H\x01\x88\x01\x01\x12:\n\x12structured_outputs\x18\x08 \x01(\x0b\x32\x1e.flagstop.v1.StructuredOutputs\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\r\n\x05min_p\x18\x0c \x01(\x02\x12>\n\nlogit_bias\x18\r \x03(\x0b\x32*.flagstop.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\x05H\x02\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xe5\x01\n\x0eNewRequestData\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\x05\x12\x34\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1b.flagstop.v1.SamplingParams\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\x05\x12\x1c\n\x14num_scheduled_tokens\x18\x07 \x01(\x05\x12\x11\n\tlora_name\x18\x08 \x01(\t\"\xa7\x01\n\x11\x43\x61\x63hedRequestData\x12\x0f\n\x07req_ids\x18\x01 \x03(\t\x12\x1b\n\x13num_computed_tokens\x18\x02 \x03(\x05\x12\x1c\n\x14num_scheduled_tokens\x18\x03 \x03(\x05\x12\x16\n\x0enum_new_blocks\x18\x04 \x03(\x05\x12\x15\n\rnew_block_ids\x18\x05 \x03(\x05\x12\x17\n\x0fnum_draft_slots\x18\x06 \x03(\x05\"\xc6\x02\n\x0fSchedulerOutput\x12\x18\n\x10\x66inished_req_ids\x18\x01 \x03(\t\x12\x19\n\x11preempted_req_ids\x18\x02 \x03(\t\x12=\n\x15scheduled_cached_reqs\x18\x03 \x01(\x0b\x32\x1e.flagstop.v1.CachedRequestData\x12\x37\n\x12scheduled_new_reqs\x18\x04 \x03(\x0b\x32\x1b.flagstop.v1.NewRequestData\x12\x17\n\x0ftrimmed_req_ids\x18\x05 \x03(\t\x12\x1a\n\x12trimmed_num_blocks\x18\x06 \x03(\x05\x12\x36\n\x0ckv_connector\x18\x07 \x01(\x0b\x32 .flagstop.v1.KVConnectorMetadata\x12\x19\n\x11poll_kv_transfers\x18\x08 \x01(\x08\"?\n\x06KVLoad\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x05\x12\x12\n\nsource_ids\x18\x03 \x03(\x05\"e\n\x13KVConnectorMetadata\x12\"\n\x05loads\x18\x01 \x03(\x0b\x32\x13.flagstop.v1.KVLoad\x12\x16\n\x0esave_block_ids\x18\x02 \x03(\x05\x12\x12\n\nsave_slots\x18\x03 \x03(\x05\"r\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12*\n\x04plan\x18\x02 \x01(\x0b\x32\x1c.flagstop.v1.SchedulerOutput\x12\x11\n\theartbeat\x18\x03 \x01(\x08\x12\x13\n\x0btraceparent\x18\x04 \x01(\t\"\xb0\x02\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x19\n\x11sampled_token_ids\x18\x02 \x03(\x05\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.flagstop.v1.TokenLogprob\x12\x11\n\theartbeat\x18\x04 \x01(\x08\x12\x34\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x1b.flagstop.v1.PromptLogprobs\x12\x1a\n\x12num_sampled_tokens\x18\x06 \x03(\x05\x12\x18\n\x10num_draft_tokens\x18\x07 \x03(\x05\x12\x18\n\x10\x66inished_recving\x18\x08 \x03(\t\x12\x16\n\x0e\x66\x61iled_recving\x18\t \x03(\t\x12\x18\n\x10\x66inished_sending\x18\n \x03(\t\"b\n\x0ePromptLogprobs\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\x05\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.flagstop.v1.TokenLogprob2\xc2\x03\n\x08\x45xecutor\x12W\n\x08\x44\x65scribe\x12$.flagstop.v1.DescribeExecutorRequest\x1a%.flagstop.v1.DescribeExecutorResponse\x12@\n\x07\x45xecute\x12\x18.flagstop.v1.StepRequest\x1a\x17.flagstop.v1.StepResult(\x01\x30\x01\x12Y\n\x0ePrepareGrammar\x12\".flagstop.v1.PrepareGrammarRequest\x1a#.flagstop.v1.PrepareGrammarResponse\x12\\\n\x0fLoadLoRAAdapter\x12#.flagstop.v1.LoadLoRAAdapterRequest\x1a$.flagstop.v1.LoadLoRAAdapterResponse\x12\x62\n\x11UnloadLoRAAdapter\x12%.flagstop.v1.UnloadLoRAAdapterRequest\x1a&.flagstop.v1.UnloadLoRAAdapterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x66lagstop/v1/executor.proto\x12\x0b\x66lagstop.v1\x1a\x1c\x66lagstop/v1/generation.proto\"\'\n\x12KVHandshakeRequest\x12\x11\n\tkv_layout\x18\x01 \x01(\t\"0\n\x08KVRegion\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x02 \x01(\x04\"A\n\x06KVRank\x12\x0f\n\x07session\x18\x01 \x01(\t\x12&\n\x07regions\x18\x02 \x03(\x0b\x32\x15.flagstop.v1.KVRegion\"s\n\x13KVHandshakeResponse\x12\x11\n\tkv_layout\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\x05\x12\"\n\x05ranks\x18\x04 \x03(\x0b\x32\x13.flagstop.v1.KVRank\"=\n\x13RenewKVLeaseRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\"$\n\x14RenewKVLeaseResponse\x12\x0c\n\x04held\x18\x01 \x01(\x08\"?\n\x15ReleaseKVLeaseRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\"&\n\x16ReleaseKVLeaseResponse\x12\x0c\n\x04held\x18\x01 \x01(\x08\"S\n\x15PrepareGrammarRequest\x12:\n\x12structured_outputs\x18\x01 \x01(\x0b\x32\x1e.flagstop.v1.StructuredOutputs\"1\n\x16PrepareGrammarResponse\x12\x17\n\x0f\x63ompile_seconds\x18\x01 \x01(\x01\"\x19\n\x17\x44\x65scribeExecutorRequest\"\x82\x02\n\x18\x44\x65scribeExecutorResponse\x12%\n\x05model\x18\x01 \x01(\x0b\x32\x16.flagstop.v1.ModelInfo\x12\x14\n\x0cmax_num_seqs\x18\x07 \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\x08 \x01(\x05\x12\x1c\n\x14tensor_parallel_size\x18\t \x01(\x05\x12\x1e\n\x16num_speculative_tokens\x18\n \x01(\x05\x12\x1a\n\x12speculative_method\x18\x0b \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x0c \x01(\t\x12\x14\n\x0ckv_engine_id\x18\r \x01(\tJ\x04\x08\x02\x10\x07\"\xef\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x05 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x15\n\x08logprobs\x18\x07 \x01(\x05H\x01\x88\x01\x01\x12:\n\x12structured_outputs\x18\x08 \x01(\x0b\x32\x1e.flagstop.v1.StructuredOutputs\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\r\n\x05min_p\x18\x0c \x01(\x02\x12>\n\nlogit_bias\x18\r \x03(\x0b\x32*.flagstop.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\x05H\x02\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xe5\x01\n\x0eNewRequestData\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\x05\x12\x34\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1b.flagstop.v1.SamplingParams\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\x05\x12\x1c\n\x14num_scheduled_tokens\x18\x07 \x01(\x05\x12\x11\n\tlora_name\x18\x08 \x01(\t\"\xa7\x01\n\x11\x43\x61\x63hedRequestData\x12\x0f\n\x07req_ids\x18\x01 \x03(\t\x12\x1b\n\x13num_computed_tokens\x18\x02 \x03(\x05\x12\x1c\n\x14num_scheduled_tokens\x18\x03 \x03(\x05\x12\x16\n\x0enum_new_blocks\x18\x04 \x03(\x05\x12\x15\n\rnew_block_ids\x18\x05 \x03(\x05\x12\x17\n\x0fnum_draft_slots\x18\x06 \x03(\x05\"\xc6\x02\n\x0fSchedulerOutput\x12\x18\n\x10\x66inished_req_ids\x18\x01 \x03(\t\x12\x19\n\x11preempted_req_ids\x18\x02 \x03(\t\x12=\n\x15scheduled_cached_reqs\x18\x03 \x01(\x0b\x32\x1e.flagstop.v1.CachedRequestData\x12\x37\n\x12scheduled_new_reqs\x18\x04 \x03(\x0b\x32\x1b.flagstop.v1.NewRequestData\x12\x17\n\x0ftrimmed_req_ids\x18\x05 \x03(\t\x12\x1a\n\x12trimmed_num_blocks\x18\x06 \x03(\x05\x12\x36\n\x0ckv_connector\x18\x07 \x01(\x0b\x32 .flagstop.v1.KVConnectorMetadata\x12\x19\n\x11poll_kv_transfers\x18\x08 \x01(\x08\"y\n\x06KVLoad\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x05\x12\x12\n\nsource_ids\x18\x03 \x03(\x05\x12\x10\n\x08\x65ndpoint\x18\x04 \x01(\t\x12\x11\n\tengine_id\x18\x05 \x01(\t\x12\x13\n\x0btransfer_id\x18\x06 \x01(\t\"0\n\x06KVSend\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x05\"\x89\x01\n\x13KVConnectorMetadata\x12\"\n\x05loads\x18\x01 \x03(\x0b\x32\x13.flagstop.v1.KVLoad\x12\x16\n\x0esave_block_ids\x18\x02 \x03(\x05\x12\x12\n\nsave_slots\x18\x03 \x03(\x05\x12\"\n\x05sends\x18\x04 \x03(\x0b\x32\x13.flagstop.v1.KVSend\"r\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12*\n\x04plan\x18\x02 \x01(\x0b\x32\x1c.flagstop.v1.SchedulerOutput\x12\x11\n\theartbeat\x18\x03 \x01(\x08\x12\x13\n\x0btraceparent\x18\x04 \x01(\t\"\xb0\x02\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x19\n\x11sampled_token_ids\x18\x02 \x03(\x05\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.flagstop.v1.TokenLogprob\x12\x11\n\theartbeat\x18\x04 \x01(\x08\x12\x34\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x1b.flagstop.v1.PromptLogprobs\x12\x1a\n\x12num_sampled_tokens\x18\x06 \x03(\x05\x12\x18\n\x10num_draft_tokens\x18\x07 \x03(\x05\x12\x18\n\x10\x66inished_recving\x18\x08 \x03(\t\x12\x16\n\x0e\x66\x61iled_recving\x18\t \x03(\t\x12\x18\n\x10\x66inished_sending\x18\n \x03(\t\"b\n\x0ePromptLogprobs\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\x05\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.flagstop.v1.TokenLogprob2\xc4\x05\n\x08\x45xecutor\x12W\n\x08\x44\x65scribe\x12$.flagstop.v1.DescribeExecutorRequest\x1a%.flagstop.v1.DescribeExecutorResponse\x12@\n\x07\x45xecute\x12\x18.flagstop.v1.StepRequest\x1a\x17.flagstop.v1.StepResult(\x01\x30\x01\x12Y\n\x0ePrepareGrammar\x12\".flagstop.v1.PrepareGrammarRequest\x1a#.flagstop.v1.PrepareGrammarResponse\x12\\\n\x0fLoadLoRAAdapter\x12#.flagstop.v1.LoadLoRAAdapterRequest\x1a$.flagstop.v1.LoadLoRAAdapterResponse\x12\x62\n\x11UnloadLoRAAdapter\x12%.flagstop.v1.UnloadLoRAAdapterRequest\x1a&.flagstop.v1.UnloadLoRAAdapterResponse\x12P\n\x0bKVHandshake\x12\x1f.flagstop.v1.KVHandshakeRequest\x1a .flagstop.v1.KVHandshakeResponse\x12S\n\x0cRenewKVLease\x12 .flagstop.v1.RenewKVLeaseRequest\x1a!.flagstop.v1.RenewKVLeaseResponse\x12Y\n\x0eReleaseKVLease\x12\".flagstop.v1.ReleaseKVLeaseRequest\x1a#.flagstop.v1.ReleaseKVLeaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,34 +34,52 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_PREPAREGRAMMARREQUEST']._serialized_start=73
-  _globals['_PREPAREGRAMMARREQUEST']._serialized_end=156
-  _globals['_PREPAREGRAMMARRESPONSE']._serialized_start=158
-  _globals['_PREPAREGRAMMARRESPONSE']._serialized_end=207
-  _globals['_DESCRIBEEXECUTORREQUEST']._serialized_start=209
-  _globals['_DESCRIBEEXECUTORREQUEST']._serialized_end=234
-  _globals['_DESCRIBEEXECUTORRESPONSE']._serialized_start=237
-  _globals['_DESCRIBEEXECUTORRESPONSE']._serialized_end=452
-  _globals['_SAMPLINGPARAMS']._serialized_start=455
-  _globals['_SAMPLINGPARAMS']._serialized_end=950
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=860
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=908
-  _globals['_NEWREQUESTDATA']._serialized_start=953
-  _globals['_NEWREQUESTDATA']._serialized_end=1182
-  _globals['_CACHEDREQUESTDATA']._serialized_start=1185
-  _globals['_CACHEDREQUESTDATA']._serialized_end=1352
-  _globals['_SCHEDULEROUTPUT']._serialized_start=1355
-  _globals['_SCHEDULEROUTPUT']._serialized_end=1681
-  _globals['_KVLOAD']._serialized_start=1683
-  _globals['_KVLOAD']._serialized_end=1746
-  _globals['_KVCONNECTORMETADATA']._serialized_start=1748
-  _globals['_KVCONNECTORMETADATA']._serialized_end=1849
-  _globals['_STEPREQUEST']._serialized_start=1851
-  _globals['_STEPREQUEST']._serialized_end=1965
-  _globals['_STEPRESULT']._serialized_start=1968
-  _globals['_STEPRESULT']._serialized_end=2272
-  _globals['_PROMPTLOGPROBS']._serialized_start=2274
-  _globals['_PROMPTLOGPROBS']._serialized_end=2372
-  _globals['_EXECUTOR']._serialized_start=2375
-  _globals['_EXECUTOR']._serialized_end=2825
+  _globals['_KVHANDSHAKEREQUEST']._serialized_start=73
+  _globals['_KVHANDSHAKEREQUEST']._serialized_end=112
+  _globals['_KVREGION']._serialized_start=114
+  _globals['_KVREGION']._serialized_end=162
+  _globals['_KVRANK']._serialized_start=164
+  _globals['_KVRANK']._serialized_end=229
+  _globals['_KVHANDSHAKERESPONSE']._serialized_start=231
+  _globals['_KVHANDSHAKERESPONSE']._serialized_end=346
+  _globals['_RENEWKVLEASEREQUEST']._serialized_start=348
+  _globals['_RENEWKVLEASEREQUEST']._serialized_end=409
+  _globals['_RENEWKVLEASERESPONSE']._serialized_start=411
+  _globals['_RENEWKVLEASERESPONSE']._serialized_end=447
+  _globals['_RELEASEKVLEASEREQUEST']._serialized_start=449
+  _globals['_RELEASEKVLEASEREQUEST']._serialized_end=512
+  _globals['_RELEASEKVLEASERESPONSE']._serialized_start=514
+  _globals['_RELEASEKVLEASERESPONSE']._serialized_end=552
+  _globals['_PREPAREGRAMMARREQUEST']._serialized_start=554
+  _globals['_PREPAREGRAMMARREQUEST']._serialized_end=637
+  _globals['_PREPAREGRAMMARRESPONSE']._serialized_start=639
+  _globals['_PREPAREGRAMMARRESPONSE']._serialized_end=688
+  _globals['_DESCRIBEEXECUTORREQUEST']._serialized_start=690
+  _globals['_DESCRIBEEXECUTORREQUEST']._serialized_end=715
+  _globals['_DESCRIBEEXECUTORRESPONSE']._serialized_start=718
+  _globals['_DESCRIBEEXECUTORRESPONSE']._serialized_end=976
+  _globals['_SAMPLINGPARAMS']._serialized_start=979
+  _globals['_SAMPLINGPARAMS']._serialized_end=1474
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1384
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1432
+  _globals['_NEWREQUESTDATA']._serialized_start=1477
+  _globals['_NEWREQUESTDATA']._serialized_end=1706
+  _globals['_CACHEDREQUESTDATA']._serialized_start=1709
+  _globals['_CACHEDREQUESTDATA']._serialized_end=1876
+  _globals['_SCHEDULEROUTPUT']._serialized_start=1879
+  _globals['_SCHEDULEROUTPUT']._serialized_end=2205
+  _globals['_KVLOAD']._serialized_start=2207
+  _globals['_KVLOAD']._serialized_end=2328
+  _globals['_KVSEND']._serialized_start=2330
+  _globals['_KVSEND']._serialized_end=2378
+  _globals['_KVCONNECTORMETADATA']._serialized_start=2381
+  _globals['_KVCONNECTORMETADATA']._serialized_end=2518
+  _globals['_STEPREQUEST']._serialized_start=2520
+  _globals['_STEPREQUEST']._serialized_end=2634
+  _globals['_STEPRESULT']._serialized_start=2637
+  _globals['_STEPRESULT']._serialized_end=2941
+  _globals['_PROMPTLOGPROBS']._serialized_start=2943
+  _globals['_PROMPTLOGPROBS']._serialized_end=3041
+  _globals['_EXECUTOR']._serialized_start=3044
+  _globals['_EXECUTOR']._serialized_end=3752
 # @@protoc_insertion_point(module_scope)

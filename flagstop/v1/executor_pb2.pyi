@@ -7,6 +7,68 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class KVHandshakeRequest(_message.Message):
+    __slots__ = ("kv_layout",)
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    kv_layout: str
+    def __init__(self, kv_layout: _Optional[str] = ...) -> None: ...
+
+class KVRegion(_message.Message):
+    __slots__ = ("address", "block_bytes")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    address: int
+    block_bytes: int
+    def __init__(self, address: _Optional[int] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+
+class KVRank(_message.Message):
+    __slots__ = ("session", "regions")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    regions: _containers.RepeatedCompositeFieldContainer[KVRegion]
+    def __init__(self, session: _Optional[str] = ..., regions: _Optional[_Iterable[_Union[KVRegion, _Mapping]]] = ...) -> None: ...
+
+class KVHandshakeResponse(_message.Message):
+    __slots__ = ("kv_layout", "engine_id", "num_blocks", "ranks")
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    kv_layout: str
+    engine_id: str
+    num_blocks: int
+    ranks: _containers.RepeatedCompositeFieldContainer[KVRank]
+    def __init__(self, kv_layout: _Optional[str] = ..., engine_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[KVRank, _Mapping]]] = ...) -> None: ...
+
+class RenewKVLeaseRequest(_message.Message):
+    __slots__ = ("transfer_id", "engine_id")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    engine_id: str
+    def __init__(self, transfer_id: _Optional[str] = ..., engine_id: _Optional[str] = ...) -> None: ...
+
+class RenewKVLeaseResponse(_message.Message):
+    __slots__ = ("held",)
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    held: bool
+    def __init__(self, held: _Optional[bool] = ...) -> None: ...
+
+class ReleaseKVLeaseRequest(_message.Message):
+    __slots__ = ("transfer_id", "engine_id")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    engine_id: str
+    def __init__(self, transfer_id: _Optional[str] = ..., engine_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseKVLeaseResponse(_message.Message):
+    __slots__ = ("held",)
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    held: bool
+    def __init__(self, held: _Optional[bool] = ...) -> None: ...
+
 class PrepareGrammarRequest(_message.Message):
     __slots__ = ("structured_outputs",)
     STRUCTURED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
@@ -24,20 +86,24 @@ class DescribeExecutorRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeExecutorResponse(_message.Message):
-    __slots__ = ("model", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "num_speculative_tokens", "speculative_method")
+    __slots__ = ("model", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "num_speculative_tokens", "speculative_method", "kv_endpoint", "kv_engine_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_METHOD_FIELD_NUMBER: _ClassVar[int]
+    KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    KV_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     model: _generation_pb2.ModelInfo
     max_num_seqs: int
     max_num_batched_tokens: int
     tensor_parallel_size: int
     num_speculative_tokens: int
     speculative_method: str
-    def __init__(self, model: _Optional[_Union[_generation_pb2.ModelInfo, _Mapping]] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., speculative_method: _Optional[str] = ...) -> None: ...
+    kv_endpoint: str
+    kv_engine_id: str
+    def __init__(self, model: _Optional[_Union[_generation_pb2.ModelInfo, _Mapping]] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., speculative_method: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., kv_engine_id: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "min_tokens", "stop_token_ids", "logprobs", "structured_outputs", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_p", "logit_bias", "prompt_logprobs")
@@ -135,24 +201,40 @@ class SchedulerOutput(_message.Message):
     def __init__(self, finished_req_ids: _Optional[_Iterable[str]] = ..., preempted_req_ids: _Optional[_Iterable[str]] = ..., scheduled_cached_reqs: _Optional[_Union[CachedRequestData, _Mapping]] = ..., scheduled_new_reqs: _Optional[_Iterable[_Union[NewRequestData, _Mapping]]] = ..., trimmed_req_ids: _Optional[_Iterable[str]] = ..., trimmed_num_blocks: _Optional[_Iterable[int]] = ..., kv_connector: _Optional[_Union[KVConnectorMetadata, _Mapping]] = ..., poll_kv_transfers: _Optional[bool] = ...) -> None: ...
 
 class KVLoad(_message.Message):
-    __slots__ = ("req_id", "block_ids", "source_ids")
+    __slots__ = ("req_id", "block_ids", "source_ids", "endpoint", "engine_id", "transfer_id")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     source_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, req_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., source_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    endpoint: str
+    engine_id: str
+    transfer_id: str
+    def __init__(self, req_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., source_ids: _Optional[_Iterable[int]] = ..., endpoint: _Optional[str] = ..., engine_id: _Optional[str] = ..., transfer_id: _Optional[str] = ...) -> None: ...
+
+class KVSend(_message.Message):
+    __slots__ = ("transfer_id", "block_ids")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, transfer_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVConnectorMetadata(_message.Message):
-    __slots__ = ("loads", "save_block_ids", "save_slots")
+    __slots__ = ("loads", "save_block_ids", "save_slots", "sends")
     LOADS_FIELD_NUMBER: _ClassVar[int]
     SAVE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     SAVE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SENDS_FIELD_NUMBER: _ClassVar[int]
     loads: _containers.RepeatedCompositeFieldContainer[KVLoad]
     save_block_ids: _containers.RepeatedScalarFieldContainer[int]
     save_slots: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, loads: _Optional[_Iterable[_Union[KVLoad, _Mapping]]] = ..., save_block_ids: _Optional[_Iterable[int]] = ..., save_slots: _Optional[_Iterable[int]] = ...) -> None: ...
+    sends: _containers.RepeatedCompositeFieldContainer[KVSend]
+    def __init__(self, loads: _Optional[_Iterable[_Union[KVLoad, _Mapping]]] = ..., save_block_ids: _Optional[_Iterable[int]] = ..., save_slots: _Optional[_Iterable[int]] = ..., sends: _Optional[_Iterable[_Union[KVSend, _Mapping]]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("step_id", "plan", "heartbeat", "traceparent")

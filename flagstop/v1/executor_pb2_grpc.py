@@ -60,6 +60,21 @@ class ExecutorStub:
                 request_serializer=flagstop_dot_v1_dot_generation__pb2.UnloadLoRAAdapterRequest.SerializeToString,
                 response_deserializer=flagstop_dot_v1_dot_generation__pb2.UnloadLoRAAdapterResponse.FromString,
                 _registered_method=True)
+        self.KVHandshake = channel.unary_unary(
+                '/flagstop.v1.Executor/KVHandshake',
+                request_serializer=flagstop_dot_v1_dot_executor__pb2.KVHandshakeRequest.SerializeToString,
+                response_deserializer=flagstop_dot_v1_dot_executor__pb2.KVHandshakeResponse.FromString,
+                _registered_method=True)
+        self.RenewKVLease = channel.unary_unary(
+                '/flagstop.v1.Executor/RenewKVLease',
+                request_serializer=flagstop_dot_v1_dot_executor__pb2.RenewKVLeaseRequest.SerializeToString,
+                response_deserializer=flagstop_dot_v1_dot_executor__pb2.RenewKVLeaseResponse.FromString,
+                _registered_method=True)
+        self.ReleaseKVLease = channel.unary_unary(
+                '/flagstop.v1.Executor/ReleaseKVLease',
+                request_serializer=flagstop_dot_v1_dot_executor__pb2.ReleaseKVLeaseRequest.SerializeToString,
+                response_deserializer=flagstop_dot_v1_dot_executor__pb2.ReleaseKVLeaseResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutorServicer:
@@ -102,6 +117,31 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KVHandshake(self, request, context):
+        """Prefill/decode disaggregation (docs/kv_tiers.md), answered by a prefill executor
+        (--kv-role prefill) to the decode executors that read its blocks: the handshake
+        (FAILED_PRECONDITION, one line, when the two KV layouts differ; else where each
+        rank's KV tensors are), and the lease a handed-off request's blocks are held
+        under until the decode side has read them. Its reads are one-sided (the
+        transfer engine's), so the decode side releases a lease after reading and keeps
+        what it read only when the lease held until then.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RenewKVLease(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseKVLease(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -129,6 +169,21 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.UnloadLoRAAdapter,
                     request_deserializer=flagstop_dot_v1_dot_generation__pb2.UnloadLoRAAdapterRequest.FromString,
                     response_serializer=flagstop_dot_v1_dot_generation__pb2.UnloadLoRAAdapterResponse.SerializeToString,
+            ),
+            'KVHandshake': grpc.unary_unary_rpc_method_handler(
+                    servicer.KVHandshake,
+                    request_deserializer=flagstop_dot_v1_dot_executor__pb2.KVHandshakeRequest.FromString,
+                    response_serializer=flagstop_dot_v1_dot_executor__pb2.KVHandshakeResponse.SerializeToString,
+            ),
+            'RenewKVLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewKVLease,
+                    request_deserializer=flagstop_dot_v1_dot_executor__pb2.RenewKVLeaseRequest.FromString,
+                    response_serializer=flagstop_dot_v1_dot_executor__pb2.RenewKVLeaseResponse.SerializeToString,
+            ),
+            'ReleaseKVLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseKVLease,
+                    request_deserializer=flagstop_dot_v1_dot_executor__pb2.ReleaseKVLeaseRequest.FromString,
+                    response_serializer=flagstop_dot_v1_dot_executor__pb2.ReleaseKVLeaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -266,6 +321,87 @@ class Executor:
             '/flagstop.v1.Executor/UnloadLoRAAdapter',
             flagstop_dot_v1_dot_generation__pb2.UnloadLoRAAdapterRequest.SerializeToString,
             flagstop_dot_v1_dot_generation__pb2.UnloadLoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KVHandshake(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagstop.v1.Executor/KVHandshake',
+            flagstop_dot_v1_dot_executor__pb2.KVHandshakeRequest.SerializeToString,
+            flagstop_dot_v1_dot_executor__pb2.KVHandshakeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewKVLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagstop.v1.Executor/RenewKVLease',
+            flagstop_dot_v1_dot_executor__pb2.RenewKVLeaseRequest.SerializeToString,
+            flagstop_dot_v1_dot_executor__pb2.RenewKVLeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseKVLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagstop.v1.Executor/ReleaseKVLease',
+            flagstop_dot_v1_dot_executor__pb2.ReleaseKVLeaseRequest.SerializeToString,
+            flagstop_dot_v1_dot_executor__pb2.ReleaseKVLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -26,7 +26,7 @@ from flagstop.v1 import executor_pb2 as flagstop_dot_v1_dot_executor__pb2
 from flagstop.v1 import generation_pb2 as flagstop_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x66lagstop/v1/scheduler.proto\x12\x0b\x66lagstop.v1\x1a\x1a\x66lagstop/v1/executor.proto\x1a\x1c\x66lagstop/v1/generation.proto\"\x1a\n\x18\x44\x65scribeSchedulerRequest\"B\n\x19\x44\x65scribeSchedulerResponse\x12%\n\x05model\x18\x01 \x01(\x0b\x32\x16.flagstop.v1.ModelInfo\"\xc5\x03\n\nAddRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.flagstop.v1.SamplingParams\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x05 \x01(\x05\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12\x14\n\x0c\x61rrival_time\x18\t \x01(\x01\x12\x13\n\x0btraceparent\x18\n \x01(\t\x12\x33\n\x06labels\x18\x0b \x03(\x0b\x32#.flagstop.v1.AddRequest.LabelsEntry\x12#\n\x16num_speculative_tokens\x18\x0c \x01(\x05H\x01\x88\x01\x01\x12\x11\n\tlora_name\x18\r \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x19\n\x17_num_speculative_tokens\"m\n\rRouterMessage\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12%\n\x04\x61\x64\x64s\x18\x02 \x03(\x0b\x32\x17.flagstop.v1.AddRequest\x12\x0e\n\x06\x61\x62orts\x18\x03 \x03(\t\x12\x12\n\nnum_queued\x18\x04 \x01(\x05\"A\n\x0cRequestError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"\xf7\x02\n\x10SchedulerMessage\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.flagstop.v1.TokenLogprob\x12\x14\n\x0c\x66inished_ids\x18\x05 \x03(\t\x12\x32\n\x0e\x66inish_reasons\x18\x06 \x03(\x0e\x32\x1a.flagstop.v1.RequestFinish\x12)\n\x06\x65rrors\x18\x07 \x03(\x0b\x32\x19.flagstop.v1.RequestError\x12\x0f\n\x07\x63redits\x18\x08 \x01(\x05\x12&\n\x04load\x18\t \x01(\x0b\x32\x18.flagstop.v1.ReplicaLoad\x12\x34\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x1b.flagstop.v1.PromptLogprobs\x12\x19\n\x11num_cached_tokens\x18\x0b \x03(\x05\"\xe0\x01\n\x0bReplicaLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\x12\x15\n\rrunning_loras\x18\x04 \x03(\t\x12\x15\n\rwaiting_loras\x18\x05 \x03(\t\x12\x1d\n\x15lora_adapters_version\x18\x06 \x01(\r\x12\x1e\n\x16num_host_cached_blocks\x18\x07 \x01(\x05\x12\"\n\x1a\x65xternal_prefix_cache_hits\x18\x08 \x01(\x03\"\x11\n\x0fGetStatsRequest\"\xf2\x03\n\x10GetStatsResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x05 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x06 \x01(\x02\x12\x1c\n\x14prefix_cache_queries\x18\x07 \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\x08 \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x03\x12\x1a\n\x12\x65xecutor_connected\x18\n \x01(\x08\x12\x1c\n\x14remote_policy_active\x18\x0b \x01(\x08\x12\x1e\n\x16remote_policy_failures\x18\x0c \x01(\x03\x12\x13\n\x0bnum_routers\x18\r \x01(\x05\x12\x13\n\x0bnum_loading\x18\x0e \x01(\x05\x12%\n\x1d\x65xternal_prefix_cache_queries\x18\x0f \x01(\x03\x12\"\n\x1a\x65xternal_prefix_cache_hits\x18\x10 \x01(\x03\x12\x17\n\x0fnum_host_blocks\x18\x11 \x01(\x05\x12\x1e\n\x16num_host_cached_blocks\x18\x12 \x01(\x05*\x97\x01\n\rRequestFinish\x12\x1e\n\x1aREQUEST_FINISH_UNSPECIFIED\x10\x00\x12\x17\n\x13REQUEST_FINISH_STOP\x10\x01\x12\x19\n\x15REQUEST_FINISH_LENGTH\x10\x02\x12\x18\n\x14REQUEST_FINISH_ABORT\x10\x03\x12\x18\n\x14REQUEST_FINISH_ERROR\x10\x04\x32\xbb\x03\n\tScheduler\x12H\n\x07\x43onnect\x12\x1a.flagstop.v1.RouterMessage\x1a\x1d.flagstop.v1.SchedulerMessage(\x01\x30\x01\x12Y\n\x08\x44\x65scribe\x12%.flagstop.v1.DescribeSchedulerRequest\x1a&.flagstop.v1.DescribeSchedulerResponse\x12G\n\x08GetStats\x12\x1c.flagstop.v1.GetStatsRequest\x1a\x1d.flagstop.v1.GetStatsResponse\x12\\\n\x0fLoadLoRAAdapter\x12#.flagstop.v1.LoadLoRAAdapterRequest\x1a$.flagstop.v1.LoadLoRAAdapterResponse\x12\x62\n\x11UnloadLoRAAdapter\x12%.flagstop.v1.UnloadLoRAAdapterRequest\x1a&.flagstop.v1.UnloadLoRAAdapterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x66lagstop/v1/scheduler.proto\x12\x0b\x66lagstop.v1\x1a\x1a\x66lagstop/v1/executor.proto\x1a\x1c\x66lagstop/v1/generation.proto\"\x1a\n\x18\x44\x65scribeSchedulerRequest\"B\n\x19\x44\x65scribeSchedulerResponse\x12%\n\x05model\x18\x01 \x01(\x0b\x32\x16.flagstop.v1.ModelInfo\"\xf9\x03\n\nAddRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.flagstop.v1.SamplingParams\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x05 \x01(\x05\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12\x14\n\x0c\x61rrival_time\x18\t \x01(\x01\x12\x13\n\x0btraceparent\x18\n \x01(\t\x12\x33\n\x06labels\x18\x0b \x03(\x0b\x32#.flagstop.v1.AddRequest.LabelsEntry\x12#\n\x16num_speculative_tokens\x18\x0c \x01(\x05H\x01\x88\x01\x01\x12\x11\n\tlora_name\x18\r \x01(\t\x12\x32\n\x0bkv_transfer\x18\x0e \x01(\x0b\x32\x1d.flagstop.v1.KVTransferParams\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x19\n\x17_num_speculative_tokens\"\xa9\x01\n\x10KVTransferParams\x12\x18\n\x10\x64o_remote_decode\x18\x01 \x01(\x08\x12\x17\n\x0fremote_endpoint\x18\x02 \x01(\t\x12\x18\n\x10remote_engine_id\x18\x03 \x01(\t\x12\x13\n\x0btransfer_id\x18\x04 \x01(\t\x12\x18\n\x10remote_block_ids\x18\x05 \x03(\x05\x12\x19\n\x11num_remote_tokens\x18\x06 \x01(\x05\"m\n\rRouterMessage\x12\x11\n\trouter_id\x18\x01 \x01(\t\x12%\n\x04\x61\x64\x64s\x18\x02 \x03(\x0b\x32\x17.flagstop.v1.AddRequest\x12\x0e\n\x06\x61\x62orts\x18\x03 \x03(\t\x12\x12\n\nnum_queued\x18\x04 \x01(\x05\"A\n\x0cRequestError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x90\x04\n\x10SchedulerMessage\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.flagstop.v1.TokenLogprob\x12\x14\n\x0c\x66inished_ids\x18\x05 \x03(\t\x12\x32\n\x0e\x66inish_reasons\x18\x06 \x03(\x0e\x32\x1a.flagstop.v1.RequestFinish\x12)\n\x06\x65rrors\x18\x07 \x03(\x0b\x32\x19.flagstop.v1.RequestError\x12\x0f\n\x07\x63redits\x18\x08 \x01(\x05\x12&\n\x04load\x18\t \x01(\x0b\x32\x18.flagstop.v1.ReplicaLoad\x12\x34\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x1b.flagstop.v1.PromptLogprobs\x12\x19\n\x11num_cached_tokens\x18\x0b \x03(\x05\x12\x44\n\x0ckv_transfers\x18\x0c \x03(\x0b\x32..flagstop.v1.SchedulerMessage.KvTransfersEntry\x1aQ\n\x10KvTransfersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12,\n\x05value\x18\x02 \x01(\x0b\x32\x1d.flagstop.v1.KVTransferParams:\x02\x38\x01\"\xe0\x01\n\x0bReplicaLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\x12\x15\n\rrunning_loras\x18\x04 \x03(\t\x12\x15\n\rwaiting_loras\x18\x05 \x03(\t\x12\x1d\n\x15lora_adapters_version\x18\x06 \x01(\r\x12\x1e\n\x16num_host_cached_blocks\x18\x07 \x01(\x05\x12\"\n\x1a\x65xternal_prefix_cache_hits\x18\x08 \x01(\x03\"\x11\n\x0fGetStatsRequest\"\x89\x04\n\x10GetStatsResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x05 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x06 \x01(\x02\x12\x1c\n\x14prefix_cache_queries\x18\x07 \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\x08 \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x03\x12\x1a\n\x12\x65xecutor_connected\x18\n \x01(\x08\x12\x1c\n\x14remote_policy_active\x18\x0b \x01(\x08\x12\x1e\n\x16remote_policy_failures\x18\x0c \x01(\x03\x12\x13\n\x0bnum_routers\x18\r \x01(\x05\x12\x13\n\x0bnum_loading\x18\x0e \x01(\x05\x12%\n\x1d\x65xternal_prefix_cache_queries\x18\x0f \x01(\x03\x12\"\n\x1a\x65xternal_prefix_cache_hits\x18\x10 \x01(\x03\x12\x17\n\x0fnum_host_blocks\x18\x11 \x01(\x05\x12\x1e\n\x16num_host_cached_blocks\x18\x12 \x01(\x05\x12\x15\n\rnum_kv_leases\x18\x13 \x01(\x05*\xb4\x01\n\rRequestFinish\x12\x1e\n\x1aREQUEST_FINISH_UNSPECIFIED\x10\x00\x12\x17\n\x13REQUEST_FINISH_STOP\x10\x01\x12\x19\n\x15REQUEST_FINISH_LENGTH\x10\x02\x12\x18\n\x14REQUEST_FINISH_ABORT\x10\x03\x12\x18\n\x14REQUEST_FINISH_ERROR\x10\x04\x12\x1b\n\x17REQUEST_FINISH_TRANSFER\x10\x05\x32\xbb\x03\n\tScheduler\x12H\n\x07\x43onnect\x12\x1a.flagstop.v1.RouterMessage\x1a\x1d.flagstop.v1.SchedulerMessage(\x01\x30\x01\x12Y\n\x08\x44\x65scribe\x12%.flagstop.v1.DescribeSchedulerRequest\x1a&.flagstop.v1.DescribeSchedulerResponse\x12G\n\x08GetStats\x12\x1c.flagstop.v1.GetStatsRequest\x1a\x1d.flagstop.v1.GetStatsResponse\x12\\\n\x0fLoadLoRAAdapter\x12#.flagstop.v1.LoadLoRAAdapterRequest\x1a$.flagstop.v1.LoadLoRAAdapterResponse\x12\x62\n\x11UnloadLoRAAdapter\x12%.flagstop.v1.UnloadLoRAAdapterRequest\x1a&.flagstop.v1.UnloadLoRAAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,28 +35,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ADDREQUEST_LABELSENTRY']._loaded_options = None
   _globals['_ADDREQUEST_LABELSENTRY']._serialized_options = b'8\001'
-  _globals['_REQUESTFINISH']._serialized_start=1958
-  _globals['_REQUESTFINISH']._serialized_end=2109
+  _globals['_SCHEDULERMESSAGE_KVTRANSFERSENTRY']._loaded_options = None
+  _globals['_SCHEDULERMESSAGE_KVTRANSFERSENTRY']._serialized_options = b'8\001'
+  _globals['_REQUESTFINISH']._serialized_start=2358
+  _globals['_REQUESTFINISH']._serialized_end=2538
   _globals['_DESCRIBESCHEDULERREQUEST']._serialized_start=102
   _globals['_DESCRIBESCHEDULERREQUEST']._serialized_end=128
   _globals['_DESCRIBESCHEDULERRESPONSE']._serialized_start=130
   _globals['_DESCRIBESCHEDULERRESPONSE']._serialized_end=196
   _globals['_ADDREQUEST']._serialized_start=199
-  _globals['_ADDREQUEST']._serialized_end=652
-  _globals['_ADDREQUEST_LABELSENTRY']._serialized_start=565
-  _globals['_ADDREQUEST_LABELSENTRY']._serialized_end=610
-  _globals['_ROUTERMESSAGE']._serialized_start=654
-  _globals['_ROUTERMESSAGE']._serialized_end=763
-  _globals['_REQUESTERROR']._serialized_start=765
-  _globals['_REQUESTERROR']._serialized_end=830
-  _globals['_SCHEDULERMESSAGE']._serialized_start=833
-  _globals['_SCHEDULERMESSAGE']._serialized_end=1208
-  _globals['_REPLICALOAD']._serialized_start=1211
-  _globals['_REPLICALOAD']._serialized_end=1435
-  _globals['_GETSTATSREQUEST']._serialized_start=1437
-  _globals['_GETSTATSREQUEST']._serialized_end=1454
-  _globals['_GETSTATSRESPONSE']._serialized_start=1457
-  _globals['_GETSTATSRESPONSE']._serialized_end=1955
-  _globals['_SCHEDULER']._serialized_start=2112
-  _globals['_SCHEDULER']._serialized_end=2555
+  _globals['_ADDREQUEST']._serialized_end=704
+  _globals['_ADDREQUEST_LABELSENTRY']._serialized_start=617
+  _globals['_ADDREQUEST_LABELSENTRY']._serialized_end=662
+  _globals['_KVTRANSFERPARAMS']._serialized_start=707
+  _globals['_KVTRANSFERPARAMS']._serialized_end=876
+  _globals['_ROUTERMESSAGE']._serialized_start=878
+  _globals['_ROUTERMESSAGE']._serialized_end=987
+  _globals['_REQUESTERROR']._serialized_start=989
+  _globals['_REQUESTERROR']._serialized_end=1054
+  _globals['_SCHEDULERMESSAGE']._serialized_start=1057
+  _globals['_SCHEDULERMESSAGE']._serialized_end=1585
+  _globals['_SCHEDULERMESSAGE_KVTRANSFERSENTRY']._serialized_start=1504
+  _globals['_SCHEDULERMESSAGE_KVTRANSFERSENTRY']._serialized_end=1585
+  _globals['_REPLICALOAD']._serialized_start=1588
+  _globals['_REPLICALOAD']._serialized_end=1812
+  _globals['_GETSTATSREQUEST']._serialized_start=1814
+  _globals['_GETSTATSREQUEST']._serialized_end=1831
+  _globals['_GETSTATSRESPONSE']._serialized_start=1834
+  _globals['_GETSTATSRESPONSE']._serialized_end=2355
+  _globals['_SCHEDULER']._serialized_start=2541
+  _globals['_SCHEDULER']._serialized_end=2984
 # @@protoc_insertion_point(module_scope)

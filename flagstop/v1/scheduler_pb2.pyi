@@ -16,11 +16,13 @@ class RequestFinish(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REQUEST_FINISH_LENGTH: _ClassVar[RequestFinish]
     REQUEST_FINISH_ABORT: _ClassVar[RequestFinish]
     REQUEST_FINISH_ERROR: _ClassVar[RequestFinish]
+    REQUEST_FINISH_TRANSFER: _ClassVar[RequestFinish]
 REQUEST_FINISH_UNSPECIFIED: RequestFinish
 REQUEST_FINISH_STOP: RequestFinish
 REQUEST_FINISH_LENGTH: RequestFinish
 REQUEST_FINISH_ABORT: RequestFinish
 REQUEST_FINISH_ERROR: RequestFinish
+REQUEST_FINISH_TRANSFER: RequestFinish
 
 class DescribeSchedulerRequest(_message.Message):
     __slots__ = ()
@@ -33,7 +35,7 @@ class DescribeSchedulerResponse(_message.Message):
     def __init__(self, model: _Optional[_Union[_generation_pb2.ModelInfo, _Mapping]] = ...) -> None: ...
 
 class AddRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "max_tokens", "min_tokens", "ignore_eos", "stop_token_ids", "priority", "arrival_time", "traceparent", "labels", "num_speculative_tokens", "lora_name")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "max_tokens", "min_tokens", "ignore_eos", "stop_token_ids", "priority", "arrival_time", "traceparent", "labels", "num_speculative_tokens", "lora_name", "kv_transfer")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +56,7 @@ class AddRequest(_message.Message):
     LABELS_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _executor_pb2.SamplingParams
@@ -67,7 +70,24 @@ class AddRequest(_message.Message):
     labels: _containers.ScalarMap[str, str]
     num_speculative_tokens: int
     lora_name: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_executor_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., arrival_time: _Optional[float] = ..., traceparent: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., num_speculative_tokens: _Optional[int] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    kv_transfer: KVTransferParams
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_executor_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., arrival_time: _Optional[float] = ..., traceparent: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., num_speculative_tokens: _Optional[int] = ..., lora_name: _Optional[str] = ..., kv_transfer: _Optional[_Union[KVTransferParams, _Mapping]] = ...) -> None: ...
+
+class KVTransferParams(_message.Message):
+    __slots__ = ("do_remote_decode", "remote_endpoint", "remote_engine_id", "transfer_id", "remote_block_ids", "num_remote_tokens")
+    DO_REMOTE_DECODE_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REMOTE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    do_remote_decode: bool
+    remote_endpoint: str
+    remote_engine_id: str
+    transfer_id: str
+    remote_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_remote_tokens: int
+    def __init__(self, do_remote_decode: _Optional[bool] = ..., remote_endpoint: _Optional[str] = ..., remote_engine_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., remote_block_ids: _Optional[_Iterable[int]] = ..., num_remote_tokens: _Optional[int] = ...) -> None: ...
 
 class RouterMessage(_message.Message):
     __slots__ = ("router_id", "adds", "aborts", "num_queued")
@@ -92,7 +112,14 @@ class RequestError(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class SchedulerMessage(_message.Message):
-    __slots__ = ("step_id", "request_ids", "token_ids", "logprobs", "finished_ids", "finish_reasons", "errors", "credits", "load", "prompt_logprobs", "num_cached_tokens")
+    __slots__ = ("step_id", "request_ids", "token_ids", "logprobs", "finished_ids", "finish_reasons", "errors", "credits", "load", "prompt_logprobs", "num_cached_tokens", "kv_transfers")
+    class KvTransfersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: KVTransferParams
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[KVTransferParams, _Mapping]] = ...) -> None: ...
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +131,7 @@ class SchedulerMessage(_message.Message):
     LOAD_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -115,7 +143,8 @@ class SchedulerMessage(_message.Message):
     load: ReplicaLoad
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_executor_pb2.PromptLogprobs]
     num_cached_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., finished_ids: _Optional[_Iterable[str]] = ..., finish_reasons: _Optional[_Iterable[_Union[RequestFinish, str]]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., credits: _Optional[int] = ..., load: _Optional[_Union[ReplicaLoad, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_executor_pb2.PromptLogprobs, _Mapping]]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    kv_transfers: _containers.MessageMap[str, KVTransferParams]
+    def __init__(self, step_id: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., finished_ids: _Optional[_Iterable[str]] = ..., finish_reasons: _Optional[_Iterable[_Union[RequestFinish, str]]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., credits: _Optional[int] = ..., load: _Optional[_Union[ReplicaLoad, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_executor_pb2.PromptLogprobs, _Mapping]]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ..., kv_transfers: _Optional[_Mapping[str, KVTransferParams]] = ...) -> None: ...
 
 class ReplicaLoad(_message.Message):
     __slots__ = ("num_running", "num_waiting", "kv_cache_usage", "running_loras", "waiting_loras", "lora_adapters_version", "num_host_cached_blocks", "external_prefix_cache_hits")
@@ -142,7 +171,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("step_id", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "executor_connected", "remote_policy_active", "remote_policy_failures", "num_routers", "num_loading", "external_prefix_cache_queries", "external_prefix_cache_hits", "num_host_blocks", "num_host_cached_blocks")
+    __slots__ = ("step_id", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "executor_connected", "remote_policy_active", "remote_policy_failures", "num_routers", "num_loading", "external_prefix_cache_queries", "external_prefix_cache_hits", "num_host_blocks", "num_host_cached_blocks", "num_kv_leases")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +190,7 @@ class GetStatsResponse(_message.Message):
     EXTERNAL_PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     NUM_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_HOST_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_LEASES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     num_running: int
     num_waiting: int
@@ -179,4 +209,5 @@ class GetStatsResponse(_message.Message):
     external_prefix_cache_hits: int
     num_host_blocks: int
     num_host_cached_blocks: int
-    def __init__(self, step_id: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., executor_connected: _Optional[bool] = ..., remote_policy_active: _Optional[bool] = ..., remote_policy_failures: _Optional[int] = ..., num_routers: _Optional[int] = ..., num_loading: _Optional[int] = ..., external_prefix_cache_queries: _Optional[int] = ..., external_prefix_cache_hits: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., num_host_cached_blocks: _Optional[int] = ...) -> None: ...
+    num_kv_leases: int
+    def __init__(self, step_id: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., executor_connected: _Optional[bool] = ..., remote_policy_active: _Optional[bool] = ..., remote_policy_failures: _Optional[int] = ..., num_routers: _Optional[int] = ..., num_loading: _Optional[int] = ..., external_prefix_cache_queries: _Optional[int] = ..., external_prefix_cache_hits: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., num_host_cached_blocks: _Optional[int] = ..., num_kv_leases: _Optional[int] = ...) -> None: ...

@@ -28,6 +28,8 @@ from flagstop.scheduler_svc.core.request import Request
 
 
 class HostTierConnector:
+    hands_off = False
+
     def __init__(self, num_slots: int, block_size: int) -> None:
         self.block_size = block_size
         self.reset(num_slots)
@@ -59,6 +61,8 @@ class HostTierConnector:
     def update_state_after_alloc(
         self, request: Request, block_ids: list[int], num_external_tokens: int
     ) -> None:
+        if not num_external_tokens:
+            return
         first = request.num_computed_tokens // self.block_size
         hashes = request.block_hashes[first : first + num_external_tokens // self.block_size]
         slots = [self.slots[h] for h in hashes]
@@ -111,5 +115,5 @@ class HostTierConnector:
     def _unpin(self, slots) -> None:
         self.pinned.subtract(slots)
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
-        return False  # saves run in the step that computes a block: nothing reads it later
+    def request_finished(self, request: Request, block_ids: list[int]) -> None:
+        return None  # saves run in the step that computes a block: nothing reads it later

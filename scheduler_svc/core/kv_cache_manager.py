@@ -159,12 +159,19 @@ class KVCacheManager:
         del state.blocks[num_kept:]
         return num_kept
 
-    def free(self, request: Request, num_valid_tokens: int | None = None) -> None:
-        """num_valid_tokens: a preemption victim's tokens whose KV is (or will be, by a
-        step in flight) computed. Its blocks cached past them were cached by this very
-        step for tokens the step no longer computes: they are uncached, else a later
-        hit would read KV that was never written."""
-        state = self.req_blocks.pop(request.request_id, None)
+    def hold(self, request_id: str, key: str) -> None:
+        """Keep an ended request's blocks under key (a transfer still uses them), so
+        that its id may come back for a new request meanwhile."""
+        if (state := self.req_blocks.pop(request_id, None)) is not None:
+            self.req_blocks[key] = state
+
+    def free(self, request_id: str, num_valid_tokens: int | None = None) -> None:
+        """The blocks of a request (or held under that key). num_valid_tokens: a
+        preemption victim's tokens whose KV is (or will be, by a step in flight)
+        computed. Its blocks cached past them were cached by this very step for tokens
+        the step no longer computes: they are uncached, else a later hit would read KV
+        that was never written."""
+        state = self.req_blocks.pop(request_id, None)
         if state is None:
             return
         if num_valid_tokens is not None:

@@ -1,7 +1,7 @@
 """The KV connector seam, scheduler side (after vLLM V1's KVConnectorBase_V1): KV that
 lives beyond this pool (a host tier, a prefill replica) is found, loaded into blocks
-the scheduler reserved, and reported back; blocks a transfer still reads are freed
-once the connector says so.
+the scheduler reserved, and reported back; blocks a transfer still reads (a decode
+replica's, of a request handed off) are freed once the connector says so.
 
 The scheduler asks `get_num_new_matched_tokens` for a waiting request after its local
 prefix hits; a positive answer reserves the request's blocks for its whole remaining
@@ -22,27 +22,56 @@ from flagstop.scheduler_svc.core.block_pool import KVCacheBlock
 from flagstop.scheduler_svc.core.request import Request
 
 
+@dataclass(slots=True, frozen=True)
+class KVHandoff:
+    """Blocks a transfer still reads after their request ended, freed once the
+    executor names transfer_id in finished_sending. A prefill replica's hand-off
+    (disaggregation) fills in the rest: where the prompt's KV waits for its decode
+    replica (the prefill executor's address and instance, the blocks, and how many of
+    the prompt's tokens they hold)."""
+
+    transfer_id: str
+    endpoint: str = ""
+    engine_id: str = ""
+    block_ids: tuple[int, ...] = ()
+    num_tokens: int = 0
+
+
 @dataclass(slots=True)
 class KVLoad:
-    """Fill a request's blocks block_ids[i] from the connector's source_ids[i] (a host
-    tier's slots)."""
+    """Fill a request's blocks block_ids[i] from the connector's source_ids[i]: a host
+    tier's slots, or (endpoint set) a prefill executor's blocks, read under its lease
+    transfer_id. A remote load of no blocks only releases that lease."""
 
     req_id: str
     block_ids: list[int]
     source_ids: list[int]
+    endpoint: str = ""
+    engine_id: str = ""
+    transfer_id: str = ""
+
+
+@dataclass(slots=True)
+class KVSend:
+    """Prefill side: hold these blocks under a lease until a decode executor has read
+    them or it expires; reported as transfer_id in finished_sending."""
+
+    transfer_id: str
+    block_ids: list[int]
 
 
 @dataclass(slots=True)
 class KVConnectorMetadata:
-    """One step's transfers for the executor's connector: loads to start before the
-    forward, and blocks this step computes to save after it."""
+    """One step's transfers for the executor's connector: loads to start and leases to
+    hold before the forward, and blocks this step computes to save after it."""
 
     loads: list[KVLoad] = field(default_factory=list)
     save_block_ids: list[int] = field(default_factory=list)
     save_slots: list[int] = field(default_factory=list)
+    sends: list[KVSend] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.save_block_ids)
+        return bool(self.loads or self.save_block_ids or self.sends)
 
 
 @dataclass(slots=True)
@@ -59,6 +88,9 @@ class KVTransferResult:
 
 class KVConnector(Protocol):
     num_slots: int  # blocks it can hold beyond the pool (0: none of its own)
+    # A prefill replica's: a request added with do_remote_decode ends after its
+    # first token (FINISHED_TRANSFERRED) and request_finished hands its KV off.
+    hands_off: bool
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int | None:
         """Tokens past the first num_computed_tokens (the local hits) that can be
@@ -69,7 +101,8 @@ class KVConnector(Protocol):
     def update_state_after_alloc(
         self, request: Request, block_ids: list[int], num_external_tokens: int
     ) -> None:
-        """The blocks reserved for the loadable tokens: the load to start."""
+        """The blocks reserved for the loadable tokens: the load to start. Also called
+        with none when a request is admitted with nothing to load."""
         ...
 
     def blocks_cached(self, blocks: Sequence[KVCacheBlock]) -> None:
@@ -85,9 +118,10 @@ class KVConnector(Protocol):
         """Transfers the executor finished or failed (their sources may be reused)."""
         ...
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
-        """A request ended; True: a transfer still reads its blocks, which the
-        scheduler frees once finished_sending names it."""
+    def request_finished(self, request: Request, block_ids: list[int]) -> KVHandoff | None:
+        """A request ended (its status says how); a hand-off: a transfer still reads
+        its blocks, which the scheduler frees once finished_sending names the
+        hand-off's transfer_id. None: free them now."""
         ...
 
     def reset(self, num_slots: int) -> None:

@@ -6,7 +6,7 @@ owns the requests."""
 from dataclasses import dataclass, field
 from typing import Any
 
-from flagstop.scheduler_svc.core.kv_connector import KVConnectorMetadata
+from flagstop.scheduler_svc.core.kv_connector import KVConnectorMetadata, KVHandoff
 from flagstop.scheduler_svc.core.request import FinishReason, Request
 
 
@@ -80,3 +80,5 @@ class OwnerOutputs:
     new_token_ids: list[int] = field(default_factory=list)
     finished: dict[str, FinishReason] = field(default_factory=dict)
     num_cached_tokens: list[int] = field(default_factory=list)  # per finished entry
+    # Requests handed off (FinishReason.TRANSFER): where their KV waits.
+    kv_transfers: dict[str, KVHandoff] = field(default_factory=dict)

@@ -2,9 +2,12 @@
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flagstop.scheduler_svc.core.speculative import SPEC_PRIOR_ACCEPTANCE
+
+if TYPE_CHECKING:
+    from flagstop.scheduler_svc.core.kv_connector import KVHandoff
 
 
 class RequestStatus(enum.IntEnum):
@@ -18,6 +21,9 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = 5
     FINISHED_ABORTED = 6
     FINISHED_ERROR = 7
+    # Handed off (prefill/decode disaggregation): the prompt is computed here, its
+    # decode goes on at another replica, which reads its blocks.
+    FINISHED_TRANSFERRED = 8
 
     is_finished: bool  # set on each member below
 
@@ -37,6 +43,7 @@ class FinishReason(enum.IntEnum):
     LENGTH = 2  # max_tokens or max_model_len
     ABORT = 3
     ERROR = 4
+    TRANSFER = 5  # handed off to a decode replica (disaggregation)
 
     @property
     def label(self) -> str:
@@ -48,6 +55,7 @@ FINISH_REASON = {
     RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
     RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+    RequestStatus.FINISHED_TRANSFERRED: FinishReason.TRANSFER,
 }
 
 
@@ -84,6 +92,12 @@ class Request:
     # engine's), and its measured acceptance per draft token (speculative.py).
     max_spec_tokens: int | None = None
     spec_acceptance: float = field(default=SPEC_PRIOR_ACCEPTANCE)
+    # Prefill/decode disaggregation. On a prefill replica: end after the first token
+    # and hand the decode off (kv_handoff: where its blocks wait). On a decode
+    # replica: where its prompt's KV waits, until its load is planned.
+    do_remote_decode: bool = False
+    kv_handoff: "KVHandoff | None" = None
+    remote_prefill: "KVHandoff | None" = None
     status: RequestStatus = RequestStatus.WAITING
     all_token_ids: list[int] = field(init=False)
     num_prompt_tokens: int = field(init=False)

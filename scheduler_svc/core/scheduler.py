@@ -28,11 +28,12 @@ from flagstop.scheduler_svc.core.speculative import (
     num_draft_slots,
     updated_acceptance,
 )
+from flagstop.utils import cdiv
 
 RUNNING, PREEMPTED = RequestStatus.RUNNING, RequestStatus.PREEMPTED
 WAITING, LOADING = RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KVS
 STOPPED, LENGTH = RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH
-ERROR = RequestStatus.FINISHED_ERROR
+ERROR, TRANSFERRED = RequestStatus.FINISHED_ERROR, RequestStatus.FINISHED_TRANSFERRED
 
 
 @dataclass(slots=True)
@@ -49,6 +50,7 @@ class SchedulerStats:
     num_loading_reqs: int = 0
     external_prefix_cache_queries: int = 0
     external_prefix_cache_hits: int = 0
+    num_kv_leases: int = 0
 
 
 @dataclass(slots=True)
@@ -103,11 +105,17 @@ class Scheduler:
         self.trimmed_blocks: dict[str, int] = {}
         self.spec_stats = SpecDecodingStats()
         # KV connector: requests whose KV is arriving (WAITING_FOR_REMOTE_KVS), and
-        # requests ended whose blocks a transfer still uses (an abort mid-load, a
-        # delayed free), freed when the executor reports the transfer done.
+        # the blocks of ended requests a transfer still uses (an abort mid-load, a
+        # hand-off a decode replica reads), freed when the executor reports the
+        # transfer done: by the id it reports (the request's for a load, the
+        # hand-off's transfer id), the keys the blocks are held under, oldest first.
+        # Held apart from the request's id, which may come back meanwhile (a
+        # remainder resubmitted).
         self.loading: dict[str, Request] = {}
         self.loaded: deque[Request] = deque()  # arrived, holding blocks: seated first
-        self.freeing: dict[str, Request] = {}
+        self.freeing: dict[str, list[str]] = {}
+        self.num_held = 0  # keys handed out to held blocks
+        self.leased: set[str] = set()  # of those, hand-offs' (a prefill replica's)
         self.external_stats = PrefixCacheStats()  # tokens asked of / loaded by it
 
     def _new_kv(self, num_blocks: int) -> KVCacheManager:
@@ -132,9 +140,22 @@ class Scheduler:
         request.stop_ids = stop_token_ids(
             stop.stop_token_ids, request.eos_token_ids, stop.ignore_eos
         )
+        if request.do_remote_decode:
+            self._cap_for_handoff(request)
         self.kv.update_block_hashes(request)
         self.requests[request.request_id] = request
         self.waiting.add(request)
+
+    def _cap_for_handoff(self, request: Request) -> None:
+        """A prefill replica's request ends with its first token, handed off (unless
+        that token ends it anyway); without a connector that hands off, it runs whole."""
+        first_token_end = request.num_prompt_tokens + 1
+        if self.connector is None or not self.connector.hands_off or (
+            request.max_num_tokens <= first_token_end
+        ):  # fmt: skip
+            request.do_remote_decode = False
+            return
+        request.max_num_tokens = first_token_end
 
     def _check_admissible(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -173,7 +194,7 @@ class Scheduler:
         for request in reversed([*self.loaded, *self.loading.values()]):
             request.status = PREEMPTED if request.num_preemptions else WAITING
             self.waiting.prepend(request)
-        self.loading, self.loaded, self.freeing = {}, deque(), {}
+        self.loading, self.loaded, self.freeing, self.leased = {}, deque(), {}, set()
         if self.connector is not None:
             self.connector.reset(num_tier_slots)
         # Oldest first back at the head of the queue, in the order they ran.
@@ -291,7 +312,7 @@ class Scheduler:
     def _preempt(self, request: Request, step: _Step) -> None:
         # Recompute, not swap: the blocks go back now and the request later
         # recomputes prompt + outputs (cheap while its prefix stays cached).
-        self.kv.free(request, request.num_computed_tokens)
+        self.kv.free(request.request_id, request.num_computed_tokens)
         self.trimmed_blocks.pop(request.request_id, None)
         request.status = PREEMPTED
         request.num_computed_tokens = 0
@@ -324,6 +345,8 @@ class Scheduler:
             if num_new is None or self.kv.allocate_slots(request, num_new, hits) is None:
                 break  # head-of-line blocking keeps FCFS fair
             self.waiting.pop()
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(request, [], 0)  # nothing to load
             self._admit(request, num_cached, num_new, step, adapters)
         for request in reversed(skipped):
             self.waiting.prepend(request)
@@ -399,10 +422,11 @@ class Scheduler:
         request.num_external_tokens = num_external
         request.status = LOADING
         self.loading[request.request_id] = request
-        # A fresh block table: the hits, then the new blocks, the loaded ones first.
-        first, bs = len(hits), self.config.block_size
+        # A fresh block table: the hits, then the new blocks, the loaded ones first (a
+        # prefill replica's last one may be partly filled).
+        first = len(hits)
         self.connector.update_state_after_alloc(
-            request, block_ids[first : first + num_external // bs], num_external
+            request, block_ids[first : first + cdiv(num_external, self.block_size)], num_external
         )
         return True
 
@@ -416,13 +440,30 @@ class Scheduler:
             self.connector.update_connector_output(result)
         failed = set(result.failed_recving)
         for req_id in (*result.finished_recving, *failed):
-            if (request := self.loading.pop(req_id, None)) is not None:
+            # Loads end in the order they started: one of a request that ended while
+            # its KV arrived comes before one of a request its id came back as.
+            if not self._release(req_id) and (request := self.loading.pop(req_id, None)):
                 self._loaded(request, req_id not in failed)
-            elif (ended := self.freeing.pop(req_id, None)) is not None:
-                self.kv.free(ended)  # aborted while its KV arrived
-        for req_id in result.finished_sending:
-            if (ended := self.freeing.pop(req_id, None)) is not None:
-                self.kv.free(ended)
+        for transfer_id in result.finished_sending:
+            self._release(transfer_id)
+            self.leased.discard(transfer_id)
+
+    def _hold(self, reported_id: str, request_id: str) -> None:
+        """Keep an ended request's blocks until the executor reports reported_id."""
+        key = f"held:{self.num_held}"
+        self.num_held += 1
+        self.kv.hold(request_id, key)
+        self.freeing.setdefault(reported_id, []).append(key)
+
+    def _release(self, reported_id: str) -> bool:
+        """Free the oldest blocks held until reported_id, if any."""
+        keys = self.freeing.get(reported_id)
+        if not keys:
+            return False
+        self.kv.free(keys.pop(0))
+        if not keys:
+            del self.freeing[reported_id]
+        return True
 
     def _loaded(self, request: Request, ok: bool) -> None:
         if ok:
@@ -583,6 +624,8 @@ class Scheduler:
             out.num_cached_tokens.append(max(0, request.num_cached_tokens))
             if not self._finish(request, status):
                 queued_ids.add(request.request_id)  # preempted: its late token ended it
+            if status == TRANSFERRED and request.kv_handoff is not None:
+                out.kv_transfers[request.request_id] = request.kv_handoff
         self._drop_finished(queued_ids)
 
     def _append_token(
@@ -602,7 +645,7 @@ class Scheduler:
         ):
             return STOPPED
         if len(tokens) >= request.max_num_tokens:
-            return LENGTH
+            return TRANSFERRED if request.do_remote_decode else LENGTH
         return None
 
     def _settle_drafts(
@@ -627,22 +670,26 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> bool:
         """Free the request; the caller takes it out of the queues. Returns whether it
         was running (else it sits in the waiting queue)."""
+        request_id, was_loading = request.request_id, request.status == LOADING
         was_running = request.status == RUNNING
         if was_running:
             # The executor still holds it; preempted ones were already dropped there.
-            self.finished_req_ids.add(request.request_id)
-        if request.status == LOADING:
-            # A load is writing its blocks: they are freed when it is reported done.
-            del self.loading[request.request_id]
-            self.freeing[request.request_id] = request
-        elif self.connector is not None and self.connector.request_finished(
-            request, self.kv.block_ids(request.request_id)
-        ):
-            self.freeing[request.request_id] = request  # a transfer still reads them
-        else:
-            self.kv.free(request)
+            self.finished_req_ids.add(request_id)
         request.status = status
-        del self.requests[request.request_id]
+        if was_loading:
+            # A load is writing its blocks: they are freed when it is reported done.
+            del self.loading[request_id]
+            self._hold(request_id, request_id)
+        elif self.connector is not None and (handoff := self.connector.request_finished(
+            request, self.kv.block_ids(request_id)
+        )) is not None:  # fmt: skip
+            request.kv_handoff = handoff  # a transfer still reads the blocks
+            self._hold(handoff.transfer_id, request_id)
+            if status == TRANSFERRED:
+                self.leased.add(handoff.transfer_id)
+        else:
+            self.kv.free(request_id)
+        del self.requests[request_id]
         return was_running
 
     def _drop_finished(self, queued_ids: set[str]) -> None:
@@ -701,4 +748,5 @@ class Scheduler:
             num_loading_reqs=len(self.loading),
             external_prefix_cache_queries=self.external_stats.num_queries,
             external_prefix_cache_hits=self.external_stats.num_hits,
+            num_kv_leases=len(self.leased),
         )

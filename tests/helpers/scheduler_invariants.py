@@ -37,14 +37,16 @@ def _check_queues(scheduler: Scheduler) -> None:
     assert all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
                for r in (*waiting, *loaded))  # fmt: skip
     assert all(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in loading)
-    assert all(r.status.is_finished for r in scheduler.freeing.values())
     queued = [r.request_id for r in (*running, *loading, *loaded, *waiting)]
     assert len(set(queued)) == len(queued), "a request is queued twice"
     assert set(queued) == set(scheduler.requests), "requests and queues disagree"
-    assert not set(scheduler.freeing) & set(scheduler.requests), "a freeing request still lives"
+    held = [key for keys in scheduler.freeing.values() for key in keys]
+    assert all(keys for keys in scheduler.freeing.values()), "an empty freeing entry"
+    assert len(set(held)) == len(held), "blocks held twice"
     assert set(scheduler.kv.req_blocks) == (
-        {r.request_id for r in (*running, *loading, *loaded)} | set(scheduler.freeing)
+        {r.request_id for r in (*running, *loading, *loaded)} | set(held)
     ), "blocks held by a request no queue knows"
+    assert scheduler.leased <= set(scheduler.freeing), "a lease without its blocks"
     for request in loading + loaded:
         _check_reserved(scheduler, request)
     for request in scheduler.requests.values():
@@ -69,6 +71,7 @@ def check_idle(scheduler: Scheduler) -> None:
     kv = scheduler.kv
     assert not scheduler.requests and not scheduler.running and not len(scheduler.waiting)
     assert not scheduler.loading and not scheduler.loaded and not scheduler.freeing
+    assert not scheduler.leased
     assert not kv.req_blocks
     assert kv.pool.num_free_blocks == kv.pool.num_blocks
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
