@@ -95,11 +95,12 @@ def transfers_from_proto(m: executor_pb2.KVConnectorMetadata) -> KVConnectorMeta
 
 
 def result_to_proto(step_id: int, output: SampleOutput) -> executor_pb2.StepResult:
+    transfers = output.transfers
     result = executor_pb2.StepResult(
         step_id=step_id, sampled_token_ids=output.token_ids,
         num_sampled_tokens=output.num_sampled_tokens, num_draft_tokens=output.num_draft_tokens,
-        finished_recving=output.finished_recving, failed_recving=output.failed_recving,
-        finished_sending=output.finished_sending,
+        finished_recving=transfers.finished_recving, failed_recving=transfers.failed_recving,
+        finished_sending=transfers.finished_sending,
     )  # fmt: skip
     for token_id, row in zip(output.token_ids, output.logprobs or (), strict=False):
         _fill(result.logprobs.add(token_id=token_id), row)

@@ -30,10 +30,14 @@ from flagstop.executor.models.loader import load_model
 from flagstop.executor.parallel import SINGLE, TensorParallel
 from flagstop.executor.rejection_sampler import verify
 from flagstop.executor.sampling import sample
-from flagstop.executor.sampling_params import PromptLogprobs, SampleOutput, SamplingParams
+from flagstop.executor.sampling_params import (
+    NO_TRANSFERS,
+    PromptLogprobs,
+    SampleOutput,
+    SamplingParams,
+)
 from flagstop.executor.spec.proposer import Proposer, make_proposer
 from flagstop.executor.step_inputs import Drafts, StepInputs, prepare_inputs
-from flagstop.scheduler_svc.core.kv_connector import KVTransferResult
 from flagstop.scheduler_svc.core.output import NewRequestData, SchedulerOutput
 from flagstop.structured import GrammarError, GrammarSpec
 from flagstop.utils import cdiv
@@ -115,7 +119,7 @@ class ModelRunner:
         # The KV connector's side (set once the cache is), and the transfers the last
         # step found ended (on every rank), for its result.
         self.kv_worker: KVWorker | None = None
-        self.transfers = KVTransferResult()
+        self.transfers = NO_TRANSFERS
         # Every rank holds the same block ids: the pool is the smallest rank's (on
         # CUDA a warm-up forward measures it, with everything above in place).
         self.num_blocks = tp.min_over_ranks(self._determine_num_blocks())
@@ -189,7 +193,7 @@ class ModelRunner:
         still copying is waited out)."""
         if self.kv_worker is not None:
             self.kv_worker.reset()
-        self.transfers = KVTransferResult()
+        self.transfers = NO_TRANSFERS
         self.batch = self._new_batch()
         self.last_inputs = None
         if self._grammars is not None:
@@ -482,10 +486,7 @@ class ModelRunner:
                 self._failed_rows.add(row)
 
     def _with_transfers(self, output: SampleOutput) -> SampleOutput:
-        transfers, self.transfers = self.transfers, KVTransferResult()
-        output.finished_recving = list(transfers.finished_recving)
-        output.failed_recving = list(transfers.failed_recving)
-        output.finished_sending = list(transfers.finished_sending)
+        output.transfers, self.transfers = self.transfers, NO_TRANSFERS
         return output
 
     async def step(self, plan: SchedulerOutput) -> SampleOutput:
@@ -494,7 +495,7 @@ class ModelRunner:
         slower on the CPU (measured with bench/peers.py), its threads contending with
         the loop. A step with nothing to compute, while transfers are under way, gives
         them a moment to end first (the loop serves gRPC meanwhile)."""
-        if self.kv_worker is None or plan.num_scheduled_tokens or not plan.poll_kv_transfers:
+        if self.kv_worker is None or not plan.polls_only:
             return self.execute(plan)
         self._apply(plan)
         await self.kv_worker.wait(POLL_WAIT_S)

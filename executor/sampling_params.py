@@ -3,7 +3,10 @@ no torch (the executor simulator and the conversions use them too)."""
 
 from dataclasses import dataclass, field
 
+from flagstop.scheduler_svc.core.kv_connector import KVTransferResult
 from flagstop.structured import GrammarSpec
+
+NO_TRANSFERS = KVTransferResult()  # its fields are tuples: shared, never changed
 
 
 @dataclass(slots=True, frozen=True)
@@ -62,10 +65,6 @@ class SampleOutput:
     # accepted drafts) and the drafts each was proposed.
     num_sampled_tokens: list[int] = field(default_factory=list)
     num_draft_tokens: list[int] = field(default_factory=list)
-    # KV connector: requests whose KV load ended on every rank (a host-tier copy
-    # never fails as a miss: one that raises fails the step), or failed (a prefill
-    # executor's blocks that could not be read, or whose lease ended first), and the
-    # leases of handed-off blocks a decode side no longer reads.
-    finished_recving: list[str] = field(default_factory=list)
-    failed_recving: list[str] = field(default_factory=list)
-    finished_sending: list[str] = field(default_factory=list)
+    # KV connector: the transfers that ended since the step before (loads ended on
+    # every rank or failed, leases of handed-off blocks a decode side no longer reads).
+    transfers: KVTransferResult = NO_TRANSFERS

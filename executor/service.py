@@ -13,7 +13,7 @@ import grpc
 from prometheus_client import Histogram
 
 from flagstop.executor.convert import plan_from_proto, result_to_proto
-from flagstop.executor.kv_worker import LayoutMismatch
+from flagstop.executor.kv_worker import LayoutMismatch, PrefillSide
 from flagstop.executor.tp_messages import LORA_LOAD, LORA_UNLOAD
 from flagstop.structured import GrammarError, spec_from_proto
 from flagstop.telemetry import LATENCY_BUCKETS, Telemetry, extract
@@ -24,8 +24,6 @@ if TYPE_CHECKING:  # the simulator runs this service without torch
     from flagstop.executor.runner import Runner
 
 log = logging.getLogger("flagstop.executor")
-KV_ROLES = {"both": generation_pb2.KV_ROLE_BOTH, "prefill": generation_pb2.KV_ROLE_PREFILL,
-            "decode": generation_pb2.KV_ROLE_DECODE}  # fmt: skip
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
 STEP_SECONDS = Histogram(
     "flagstop:executor_step_seconds", "Input preparation, forward and sampling of one step",
@@ -71,7 +69,8 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
             max_loras=runner.max_loras, num_host_blocks=runner.num_host_blocks,
             lora_adapters=[generation_pb2.LoRAAdapter(name=name, path=path)
                            for name, path in runner.lora_adapters().items()],
-            kv_role=KV_ROLES[runner.config.kv_role], kv_layout=runner.kv_layout,
+            kv_role=generation_pb2.KVRole.Value(f"KV_ROLE_{runner.config.kv_role.upper()}"),
+            kv_layout=runner.kv_layout,
         )  # fmt: skip
         return executor_pb2.DescribeExecutorResponse(
             model=model, max_num_seqs=runner.config.max_num_seqs,
@@ -84,11 +83,11 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
 
     # -- prefill/decode disaggregation: a prefill executor's side ------------------
 
-    def _prefill_side(self, engine_id: str | None = None):
+    def _prefill_side(self, engine_id: str | None = None) -> PrefillSide | None:
         """The prefill side's leases; None on another executor, or for a lease taken at
         another instance of this one (it holds nothing of it)."""
         worker = self.runner.kv_worker
-        if not hasattr(worker, "leases") or engine_id not in (None, worker.engine_id):
+        if not isinstance(worker, PrefillSide) or engine_id not in (None, worker.engine_id):
             return None
         return worker
 

@@ -172,12 +172,9 @@ class SimulatedRunner:
         self.busy_until = start + self.last_step_seconds
         await asyncio.sleep(self.busy_until - time.monotonic())
         if (worker := self.kv_worker) is not None:
-            if plan.poll_kv_transfers and not plan.num_scheduled_tokens:
+            if plan.polls_only:
                 await worker.wait(POLL_WAIT_S)
-            transfers = worker.finished()
-            output.finished_recving = list(transfers.finished_recving)
-            output.failed_recving = list(transfers.failed_recving)
-            output.finished_sending = list(transfers.finished_sending)
+            output.transfers = worker.finished()
         return output
 
     def execute(self, plan: SchedulerOutput) -> SampleOutput:

@@ -33,7 +33,6 @@ SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 # replica goes idle), so that its replica choice does not rest on an old figure.
 LOAD_REPORT_INTERVAL_S = 0.25
 EMPTY_LOGPROB = generation_pb2.TokenLogprob()
-KV_ROLES = {generation_pb2.KV_ROLE_PREFILL: "prefill", generation_pb2.KV_ROLE_DECODE: "decode"}
 
 
 # Credits a router may hold beyond its queued requests while the waiting queue has room.
@@ -98,7 +97,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if info.model.num_host_blocks:
             spec += f", a host tier of {info.model.num_host_blocks} blocks"
         if info.model.kv_role:
-            spec += f", KV role {KV_ROLES[info.model.kv_role]}"
+            role = generation_pb2.KVRole.Name(info.model.kv_role).removeprefix("KV_ROLE_")
+            spec += f", KV role {role.lower()}"
         log.info("executor %s: %s, %d blocks of %d%s", s.executor, info.model.model_name,
                  info.model.num_blocks, info.model.block_size, spec)  # fmt: skip
 

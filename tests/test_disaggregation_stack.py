@@ -229,5 +229,11 @@ def test_a_replica_whose_kv_layout_differs_is_refused_in_one_line(model_dir, tmp
             executor.KVHandshake(executor_pb2.KVHandshakeRequest(kv_layout="x block_size=32"))
         assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "block_size=32" in refused.value.details() and "\n" not in refused.value.details()
+        decode = executor_pb2_grpc.ExecutorStub(stack.channel(stack.addresses["executor-1"]))
+        with pytest.raises(grpc.RpcError) as refused:
+            decode.KVHandshake(executor_pb2.KVHandshakeRequest(kv_layout="x"))
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        lease = executor_pb2.ReleaseKVLeaseRequest(transfer_id="t", engine_id="e")
+        assert not decode.ReleaseKVLease(lease).held
     finally:
         stack.stop(10)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from flagstop.router.routing import BOTH, DECODE, PREFILL
 from flagstop.scheduler_svc.core.request import FinishReason
 from flagstop.v1 import generation_pb2, scheduler_pb2
 
@@ -139,3 +140,9 @@ def test_finish_reasons_have_the_same_values_on_the_wire_and_in_the_core():
     for reason in (FinishReason.STOP, FinishReason.LENGTH):
         assert generation_pb2.FinishReason.Name(reason) == f"FINISH_REASON_{reason.name}"
     assert [r.label for r in FinishReason] == ["stop", "length", "abort", "error", "transfer"]
+
+
+def test_the_routers_kv_roles_are_the_wire_values():
+    assert (BOTH, PREFILL, DECODE) == (
+        generation_pb2.KV_ROLE_BOTH, generation_pb2.KV_ROLE_PREFILL, generation_pb2.KV_ROLE_DECODE,
+    )  # fmt: skip

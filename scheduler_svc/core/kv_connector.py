@@ -74,7 +74,7 @@ class KVConnectorMetadata:
         return bool(self.loads or self.save_block_ids or self.sends)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class KVTransferResult:
     """What the executor's connector reports in a step result."""
 

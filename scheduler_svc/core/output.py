@@ -65,6 +65,11 @@ class SchedulerOutput:
     poll_kv_transfers: bool = False
 
     @property
+    def polls_only(self) -> bool:
+        """Nothing to compute, only transfers under way to ask after."""
+        return self.poll_kv_transfers and not self.num_scheduled_tokens
+
+    @property
     def is_empty(self) -> bool:
         return not (
             self.num_scheduled_tokens or self.finished_req_ids or self.preempted_req_ids
