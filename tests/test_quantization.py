@@ -33,13 +33,14 @@ WEIGHT_ONLY = {"w8a16", "w4a16", "w4a16-asym", "gptq", "awq"}
 # Activations quantized per token or group: a value a hair from a rounding boundary can
 # round the other way in our forward and the reference's (their attention and the TP
 # all-reduce sum in another order), which moves the logits by a step of the 8-bit grid,
-# and a flipped value in the KV cache stays for the request's later steps. Measured
-# here: most comparisons agree within 1e-5 (at least 5 of 8, fp8 static), the others by
-# 0.7-4.3 % of the logits' norm (fp8-block, fp8, fp8-hf, w8a8). So: half within TOL (a
-# near miss in every step, as 127 for 127.5 in the int8 scale gives, fails), all
-# within ACT_REL_TOL.
+# and a flipped value in the KV cache stays for the request's later steps. How many
+# flip is the CPU's float kernels' doing: on one machine most comparisons agreed within
+# 1e-5 (5 of 8 or more), on a Sapphire Rapids one (AVX-512, AMX) 0-2 of 8, the others
+# by 0.6-2.6 % of the logits' norm, every run alike. So the logits are held only within
+# ACT_REL_TOL, and the quantized layers themselves to the reference's on its own inputs
+# (test_quantized_layers_equal_the_references_on_its_inputs: bitwise here): a wrong
+# scale (127 for 127.5) fails that at every layer, whatever the CPU.
 ACT_REL_TOL = 0.10
-ACT_EXACT_SHARE = 0.5
 
 
 @pytest.fixture(scope="module")
@@ -213,10 +214,29 @@ def assert_close(scheme: str, pairs: list[tuple[torch.Tensor, torch.Tensor]]) ->
         for got, expected in pairs:
             torch.testing.assert_close(got, expected, atol=TOL, rtol=0)
         return
-    exact = [(got - expected).abs().max() <= TOL for got, expected in pairs]
     relative = [((got - expected).norm() / expected.norm()).item() for got, expected in pairs]
-    assert sum(exact) >= ACT_EXACT_SHARE * len(pairs), relative
     assert max(relative) < ACT_REL_TOL, relative
+
+
+@pytest.mark.parametrize("scheme", [s for s in quantize_model.SCHEMES if s not in WEIGHT_ONLY])
+def test_quantized_layers_equal_the_references_on_its_inputs(scheme, quantized, source):
+    """Every quantized linear layer (q, k and v packed as one, gate and up too) fed the
+    inputs the reference's layers saw in its forward over a prompt gives their outputs:
+    the activations quantize alike, so only the GEMMs' sum order may differ."""
+    path = quantized(scheme)
+    reference = dequantized_reference(path, scheme, source)
+    ours = quant_layers(runner(path).model)
+    seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for name in (hf for layer in ours.values() for hf in layer.layers):
+        reference.get_submodule(name).register_forward_hook(
+            lambda _m, args, out, name=name: seen.__setitem__(name, (args[0][0], out[0]))
+        )
+    with torch.no_grad():
+        reference(torch.tensor([prompt(1, 11)]))
+        for layer in ours.values():
+            got = layer(seen[layer.layers[0]][0])
+            expected = torch.cat([seen[hf][1] for hf in layer.layers], dim=-1)
+            torch.testing.assert_close(got, expected, atol=TOL, rtol=0)
 
 
 @pytest.mark.processes
