@@ -20,9 +20,11 @@ ROUTERS ?= 1
 # Speculative decoding: `make serve SPEC='{"method":"ngram","num_speculative_tokens":3}'`
 # (docs/speculative.md; `make up SPEC=...` too).
 SPEC ?=
-# LoRA adapters at start-up, name=DIR,... (docs/lora.md); MAX_LORAS: slots (4 with LORA).
+# LoRA adapters at start-up, name=DIR,... (docs/lora.md); MAX_LORAS: slots (4 with LORA);
+# MAX_LORA_RANK: the largest rank accepted (the executor's 16 unset; 64 for rank-64 ones).
 LORA ?=
 MAX_LORAS ?= $(if $(LORA),4)
+MAX_LORA_RANK ?=
 # The prefix cache's host tier, in bytes: `make serve KV_OFFLOAD_BYTES=8589934592`
 # (docs/kv_tiers.md).
 KV_OFFLOAD_BYTES ?=
@@ -101,6 +103,7 @@ $(MODEL_DIR)/config.json: $(STAMP) tools/make_model.py
 EXECUTOR_FLAGS = --model $(MODEL) --tensor-parallel-size $(TP) \
 	$(if $(filter 1,$(EP)),--expert-parallel) $(if $(SPEC),--speculative-config '$(SPEC)') \
 	$(if $(MAX_LORAS),--max-loras $(MAX_LORAS)) $(if $(LORA),--lora-modules '$(LORA)') \
+	$(if $(MAX_LORA_RANK),--max-lora-rank $(MAX_LORA_RANK)) \
 	$(if $(KV_OFFLOAD_BYTES),--kv-offload-bytes $(KV_OFFLOAD_BYTES))
 serve: $(STAMP) $(if $(filter $(MODEL_DIR),$(MODEL)),$(MODEL_DIR)/config.json)
 	@echo "router 127.0.0.1:50051 (OpenAI HTTP :8000), scheduler :50052, executor :50053" \

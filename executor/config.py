@@ -2,6 +2,7 @@
 limits. The executor's settings (executor/settings.py) are this plus what every
 service takes, so each field and its validation is written once."""
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import (
@@ -16,6 +17,7 @@ from pydantic import (
     model_validator,
 )
 
+from flagstop.adapters import name_refusal
 from flagstop.executor.spec.config import SpeculativeConfig
 
 
@@ -129,16 +131,23 @@ class ExecutorConfig(BaseModel):
     @field_validator("lora_modules")
     @classmethod
     def _name_equals_dir(cls, value: list[str]) -> list[str]:
+        names = set()
         for spec in value:
             name, sep, path = spec.partition("=")
             if not (name and sep and path):
                 raise ValueError(f"{spec!r}: each adapter is name=DIR")
+            if name in names:
+                raise ValueError(f"{name!r} is named twice: one adapter a name")
+            names.add(name)
         return value
 
     @model_validator(mode="after")
     def _loras_need_slots(self) -> "ExecutorConfig":
         if self.lora_modules and not self.max_loras:
             raise ValueError("--lora-modules needs --max-loras (the adapters' slots)")
+        for name, _ in self.lora_module_paths:
+            if refusal := name_refusal(name, Path(self.model).name):
+                raise ValueError(f"--lora-modules: {refusal}")
         if self.kv_offload_path and not self.kv_offload_bytes:
             raise ValueError("--kv-offload-path needs --kv-offload-bytes (the file's size)")
         if self.kv_role != "both" and self.kv_offload_bytes:

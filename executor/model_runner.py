@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from flagstop.adapters import LoadedAdapter
 from flagstop.executor.attention import attention_backend
 from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.input_batch import InputBatch
@@ -340,14 +341,13 @@ class ModelRunner:
                 self._failed_rows.add(row)
         lora.set_step(rows, inputs.token_rows)
 
-    def lora_adapters(self) -> dict[str, str]:
-        return {} if self.lora is None else self.lora.paths()
+    def lora_adapters(self) -> dict[str, LoadedAdapter]:
+        return {} if self.lora is None else self.lora.summaries()
 
-    def load_lora(self, name: str, path: str) -> tuple[int, list[str]]:
+    def load_lora(self, name: str, path: str) -> LoadedAdapter:
         if self.lora is None:
             raise AdapterError("LoRA is off: start the executor with --max-loras")
-        adapter = self.lora.register(name, path)
-        return adapter.rank, adapter.modules
+        return self.lora.register(name, path).summary()
 
     def unload_lora(self, name: str) -> bool:
         return self.lora is not None and self.lora.unregister(name)

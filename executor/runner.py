@@ -4,6 +4,7 @@ simulator (executor/simulator.py, a load-test tool) both implement it."""
 
 from typing import TYPE_CHECKING, Protocol
 
+from flagstop.adapters import LoadedAdapter
 from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.models.config import ModelConfig
 from flagstop.executor.sampling_params import SampleOutput
@@ -53,13 +54,14 @@ class Runner(Protocol):
 
     max_loras: int  # LoRA slots (0: no LoRA)
 
-    def lora_adapters(self) -> dict[str, str]:
-        """The adapters registered: name -> directory."""
+    def lora_adapters(self) -> dict[str, LoadedAdapter]:
+        """The adapters registered, by name."""
         ...
 
-    def load_lora(self, name: str, path: str) -> tuple[int, list[str]]:
-        """Read and register an adapter (called on a thread): its rank and modules.
-        Raises ValueError naming what is refused."""
+    def load_lora(self, name: str, path: str) -> LoadedAdapter:
+        """Read and register an adapter (called on a thread), replacing one of that
+        name (the service refuses that unless asked). Raises ValueError naming what
+        is refused."""
         ...
 
     def unload_lora(self, name: str) -> bool:

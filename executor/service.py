@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import grpc
 from prometheus_client import Histogram
 
+from flagstop.adapters import LoadedAdapter, already_loaded, name_refusal
 from flagstop.executor.convert import plan_from_proto, result_to_proto
 from flagstop.executor.kv_worker import LayoutMismatch, PrefillSide
 from flagstop.executor.tp_messages import LORA_LOAD, LORA_UNLOAD
@@ -67,8 +68,8 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
             max_model_len=runner.max_model_len, eos_token_ids=list(mc.eos_token_ids),
             block_size=runner.block_size, num_blocks=runner.num_blocks,
             max_loras=runner.max_loras, num_host_blocks=runner.num_host_blocks,
-            lora_adapters=[generation_pb2.LoRAAdapter(name=name, path=path)
-                           for name, path in runner.lora_adapters().items()],
+            lora_adapters=[generation_pb2.LoRAAdapter(name=name, path=a.path, id=a.id)
+                           for name, a in runner.lora_adapters().items()],
             kv_role=generation_pb2.KVRole.Value(f"KV_ROLE_{runner.config.kv_role.upper()}"),
             kv_layout=runner.kv_layout,
         )  # fmt: skip
@@ -123,23 +124,37 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         return executor_pb2.PrepareGrammarResponse(compile_seconds=seconds)
 
     async def LoadLoRAAdapter(self, request, context) -> generation_pb2.LoadLoRAAdapterResponse:
+        name = request.lora_name
         if not self.runner.max_loras:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "LoRA is off: start the executor with --max-loras")  # fmt: skip
-        if not request.lora_name or not request.lora_path:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "lora_name and lora_path are both required")  # fmt: skip
+        if refusal := name_refusal(name, self.model_name) or (
+            None if request.lora_path else f"LoRA adapter {name!r}: lora_path is required"
+        ):  # fmt: skip
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal)
         try:  # read on a thread: the step loop goes on meanwhile
-            rank, modules = await asyncio.get_running_loop().run_in_executor(
-                self.lora_pool, self.runner.load_lora, request.lora_name, request.lora_path
+            loaded = await asyncio.get_running_loop().run_in_executor(
+                self.lora_pool, self._load_lora, request
             )
         except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"LoRA adapter {name!r}: {e}")
+        if loaded is None:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, already_loaded(name))
         if self.group is not None:  # back on the loop's thread, between two steps
             self.group.broadcast(LORA_LOAD, request.SerializeToString())
-        log.info("LoRA adapter %s loaded from %s (rank %d: %s)", request.lora_name,
-                 request.lora_path, rank, ", ".join(modules))  # fmt: skip
-        return generation_pb2.LoadLoRAAdapterResponse(rank=rank, modules=modules)
+        log.info("LoRA adapter %s %s from %s (rank %d: %s; %s)", name,
+                 "replaced" if request.load_inplace else "loaded", request.lora_path,
+                 loaded.rank, ", ".join(loaded.modules), loaded.id[:12])  # fmt: skip
+        return generation_pb2.LoadLoRAAdapterResponse(
+            rank=loaded.rank, modules=loaded.modules, id=loaded.id
+        )
+
+    def _load_lora(self, request) -> LoadedAdapter | None:
+        """On the one LoRA thread, so that two loads of a name cannot both pass the
+        check: None when the name is taken and the request does not replace it."""
+        if request.lora_name in self.runner.lora_adapters() and not request.load_inplace:
+            return None
+        return self.runner.load_lora(request.lora_name, request.lora_path)
 
     async def UnloadLoRAAdapter(self, request, context) -> generation_pb2.UnloadLoRAAdapterResponse:
         if not self.runner.unload_lora(request.lora_name):

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from flagstop.adapters import LoadedAdapter, adapter_digest
 from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.input_batch import InputBatch
 from flagstop.executor.kv_pull import DecodeSide, SimulatedTransport
@@ -107,7 +108,7 @@ class SimulatedRunner:
         self.busy_until = self.last_step_seconds = 0.0
         self.batch = self._new_batch()
         self.max_loras = config.max_loras
-        self.adapters: dict[str, str] = {}
+        self.adapters: dict[str, LoadedAdapter] = {}
         for name, path in config.lora_module_paths:
             self.load_lora(name, path)
         self.kv_engine_id = uuid.uuid4().hex[:12]
@@ -129,19 +130,22 @@ class SimulatedRunner:
                               lambda values: values)  # fmt: skip
         return None
 
-    def lora_adapters(self) -> dict[str, str]:
+    def lora_adapters(self) -> dict[str, LoadedAdapter]:
         return dict(self.adapters)
 
-    def load_lora(self, name: str, path: str) -> tuple[int, list[str]]:
-        """Registered by its adapter_config.json alone (see the module's docstring)."""
+    def load_lora(self, name: str, path: str) -> LoadedAdapter:
+        """Registered by its adapter_config.json alone (see the module's docstring),
+        its identity the digest of its files, as the executor's."""
         if not self.max_loras:
             raise ValueError("LoRA is off: start the executor with --max-loras")
         try:
             settings = json.loads((Path(path) / "adapter_config.json").read_text())
         except (OSError, ValueError) as e:
             raise ValueError(f"{path}: not a PEFT adapter directory ({e})") from None
-        self.adapters[name] = path
-        return int(settings.get("r", 8)), list(settings.get("target_modules") or [])
+        modules = tuple(settings.get("target_modules") or ())
+        loaded = LoadedAdapter(path, adapter_digest(path), int(settings.get("r", 8)), modules)
+        self.adapters[name] = loaded
+        return loaded
 
     def unload_lora(self, name: str) -> bool:
         return self.adapters.pop(name, None) is not None

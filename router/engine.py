@@ -9,12 +9,14 @@ releases the request however it ends; a request that cannot be served raises
 RequestFailed with a gRPC status code, which the HTTP front maps to its own."""
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 
 import grpc
 
+from flagstop.adapters import already_loaded, name_refusal
 from flagstop.health import Health
 from flagstop.router.admission import AdmissionBudget
 from flagstop.router.detokenizer import StopStringMatcher, new_detokenizer
@@ -26,6 +28,8 @@ from flagstop.router.validation import ModelLimits, prompt_ids, validate
 from flagstop.scheduler_svc.core.limits import RequestRejected
 from flagstop.telemetry import Telemetry
 from flagstop.v1 import generation_pb2, scheduler_pb2
+
+log = logging.getLogger("flagstop.router")
 
 REQUEST_FINISH_TRANSFER = scheduler_pb2.REQUEST_FINISH_TRANSFER
 
@@ -92,8 +96,8 @@ class RouterEngine:
         the call's headers (a W3C traceparent makes the request part of the client's
         trace). Raises RequestFailed."""
         limits = self.check_serving()
-        lora_name = request.lora_name
-        if lora_name and lora_name not in self.replicas.adapters():
+        lora_name, lora_id = request.lora_name, ""
+        if lora_name and (lora_id := self.replicas.adapter_id(lora_name)) is None:
             message = f"LoRA adapter {lora_name!r} is not loaded (/v1/models lists them)"
             raise RequestFailed(grpc.StatusCode.NOT_FOUND, message, "model")
         try:
@@ -113,7 +117,7 @@ class RouterEngine:
             min_tokens=request.min_tokens, ignore_eos=request.ignore_eos,
             stop_token_ids=request.stop_token_ids, priority=request.priority,
             arrival_time=time.time(), traceparent=trace.traceparent(), labels=request.labels,
-            lora_name=lora_name,
+            lora_name=lora_name, lora_id=lora_id,
         )  # fmt: skip
         if request.HasField("max_tokens"):
             add.max_tokens = request.max_tokens
@@ -220,38 +224,58 @@ class RouterEngine:
 
     # -- LoRA adapters -----------------------------------------------------------
 
-    async def load_lora(self, name: str, path: str) -> generation_pb2.LoadLoRAAdapterResponse:
+    async def load_lora(
+        self, name: str, path: str, load_inplace: bool = False
+    ) -> generation_pb2.LoadLoRAAdapterResponse:
         """On every connected replica (each reads its own copy of the directory); the
-        first refusal is raised as RequestFailed, the replicas that took it keep it."""
-        request = generation_pb2.LoadLoRAAdapterRequest(lora_name=name, lora_path=path)
-        replies = await self._on_replicas("LoadLoRAAdapter", request)
-        for replica in self.replicas:
-            if replica.connected:
-                replica.adapters[name] = path
+        first refusal is raised as RequestFailed, the replicas that took it keep it.
+        A name that is the base model's, or loaded already (unless load_inplace, which
+        replaces it), is refused before any replica is asked."""
+        if refusal := name_refusal(name, self.model_info.model_name):
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, refusal, "lora_name")
+        if name in self.replicas.adapters() and not load_inplace:
+            raise RequestFailed(grpc.StatusCode.ALREADY_EXISTS, already_loaded(name), "lora_name")
+        request = generation_pb2.LoadLoRAAdapterRequest(
+            lora_name=name, lora_path=path, load_inplace=load_inplace
+        )
+        replicas = [r for r in self.replicas if r.connected]
+        replies = await self._on_replicas("LoadLoRAAdapter", request, replicas)
+        for replica, reply in zip(replicas, replies, strict=True):
+            if isinstance(reply, generation_pb2.LoadLoRAAdapterResponse):
+                replica.adapters[name] = generation_pb2.LoRAAdapter(name=name, path=path,
+                                                                    id=reply.id)  # fmt: skip
+        self._raise_first_refusal(replicas, replies)
         return replies[0]
 
     async def unload_lora(self, name: str) -> None:
         """From every replica that holds it: NOT_FOUND when none does."""
         holders = [r for r in self.replicas if r.connected and name in r.adapters]
         if not holders:
-            raise RequestFailed(grpc.StatusCode.NOT_FOUND, f"no LoRA adapter {name!r} is loaded")
+            message = f"no LoRA adapter {name!r} is loaded (/v1/models lists them)"
+            raise RequestFailed(grpc.StatusCode.NOT_FOUND, message, "lora_name")
         request = generation_pb2.UnloadLoRAAdapterRequest(lora_name=name)
-        await self._on_replicas("UnloadLoRAAdapter", request, holders)
+        replies = await self._on_replicas("UnloadLoRAAdapter", request, holders)
         for replica in holders:
             replica.adapters.pop(name, None)
+        self._raise_first_refusal(holders, replies)
 
-    async def _on_replicas(self, method: str, request, replicas=None) -> list:
-        replicas = replicas or [r for r in self.replicas if r.connected]
+    async def _on_replicas(self, method: str, request, replicas: list) -> list:
+        """Each replica's reply, or the exception it raised."""
         if not replicas:
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "no replica is connected; retry")
         calls = [getattr(r.stub, method)(request, timeout=60) for r in replicas]
-        results = await asyncio.gather(*calls, return_exceptions=True)
-        for replica, result in zip(replicas, results, strict=True):
-            if isinstance(result, grpc.aio.AioRpcError):
-                raise RequestFailed(result.code(), f"{replica.address}: {result.details()}")
-            if isinstance(result, BaseException):
-                raise result
-        return results
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    @staticmethod
+    def _raise_first_refusal(replicas: list, replies: list) -> None:
+        """The scheduler's (or executor's) own message reaches the client; which replica
+        said it goes to the log, not to the client (an internal address)."""
+        for replica, reply in zip(replicas, replies, strict=True):
+            if isinstance(reply, grpc.aio.AioRpcError):
+                log.warning("replica %s: %s", replica.address, reply.details())
+                raise RequestFailed(reply.code(), reply.details())
+            if isinstance(reply, BaseException):
+                raise reply
 
     # -- shutdown --------------------------------------------------------------
 

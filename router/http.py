@@ -73,8 +73,8 @@ def create_app(engine: RouterEngine, settings: RouterSettings, chat: ChatTemplat
                 "root": info.model_name, "parent": None,
                 "max_model_len": info.max_model_len}  # fmt: skip
         cards = {info.model_name: base}
-        for name, path in sorted(engine.replicas.adapters().items()):
-            cards[name] = {**base, "id": name, "root": path, "parent": info.model_name}
+        for name, adapter in sorted(engine.replicas.adapters().items()):
+            cards[name] = {**base, "id": name, "root": adapter.path, "parent": info.model_name}
         return cards
 
     @app.get("/v1/models", dependencies=v1)
@@ -91,7 +91,7 @@ def create_app(engine: RouterEngine, settings: RouterSettings, chat: ChatTemplat
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
         """vLLM's runtime load: on every replica; 200 with its message, or the error."""
         try:
-            await engine.load_lora(body.lora_name, body.lora_path)
+            await engine.load_lora(body.lora_name, body.lora_path, body.load_inplace)
         except RequestFailed as e:
             raise from_failure(e) from None
         return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.",

@@ -490,6 +490,9 @@ class LoadLoRAAdapterRequest(EncodableText):
     model_config = ConfigDict(extra="forbid")
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)
+    # vLLM's: replace the adapter loaded under lora_name (its requests end); without
+    # it a name loaded already is refused (400).
+    load_inplace: bool = False
 
 
 class UnloadLoRAAdapterRequest(EncodableText):

@@ -22,6 +22,8 @@ from flagstop.router.output import Pending, RequestFailed
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.FAILED_PRECONDITION: 400,  # e.g. a LoRA load on an engine without slots
+    grpc.StatusCode.ALREADY_EXISTS: 400,  # a LoRA name loaded already (vLLM's 400)
+    grpc.StatusCode.ABORTED: 409,  # a request whose LoRA adapter was replaced under it
     grpc.StatusCode.UNAUTHENTICATED: 401,
     grpc.StatusCode.NOT_FOUND: 404,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,

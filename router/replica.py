@@ -13,7 +13,7 @@ from flagstop.reconnect import Reconnect
 from flagstop.router.admission import AdmissionQueue
 from flagstop.router.settings import RouterSettings
 from flagstop.server import TLSConfig, channel
-from flagstop.v1 import scheduler_pb2, scheduler_pb2_grpc
+from flagstop.v1 import generation_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 if TYPE_CHECKING:
     from flagstop.router.replicas import ReplicaSet
@@ -44,9 +44,9 @@ class Replica:
         self.channel = channel(address, tls)
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
         self.task: asyncio.Task | None = None
-        # Its LoRA adapters (name -> directory), from its description; described again
-        # when its load reports another adapters version.
-        self.adapters: dict[str, str] = {}
+        # Its LoRA adapters by name (directory and identity), from its description;
+        # described again when its load reports another adapters version.
+        self.adapters: dict[str, generation_pb2.LoRAAdapter] = {}
         self.max_loras = 0
         self.lora_version = -1
         self.kv_role = 0  # ModelInfo.kv_role: prefill, decode or both (0)
@@ -138,8 +138,15 @@ class Replica:
             call.cancel()
 
     def take_adapters(self, model) -> None:
-        self.adapters = {a.name: a.path for a in model.lora_adapters}
+        self.adapters = {a.name: a for a in model.lora_adapters}
         self.max_loras = model.max_loras
+
+    def holds(self, lora_name: str, lora_id: str) -> bool:
+        """Whether it can run a request of this adapter (identity "": any of the name)."""
+        if not lora_name:
+            return True
+        adapter = self.adapters.get(lora_name)
+        return adapter is not None and lora_id in ("", adapter.id)
 
     async def describe_adapters(self) -> None:
         """Its adapters changed (loaded or unloaded there, or by another router)."""

@@ -16,6 +16,7 @@ that KV. Either half lost goes on as any lost request does."""
 import asyncio
 import contextlib
 import logging
+from collections import Counter
 from collections.abc import Callable
 
 import grpc
@@ -168,9 +169,17 @@ class ReplicaSet:
         replicas = self.by_address.values()
         return [r for r in replicas if r.connected] or [r for r in replicas if r.may_come_back]
 
-    def adapters(self) -> dict[str, str]:
-        """Every adapter some replica holds: name -> its directory there."""
-        return {name: path for r in self.by_address.values() for name, path in r.adapters.items()}
+    def adapters(self) -> dict[str, generation_pb2.LoRAAdapter]:
+        """Every adapter some replica holds, by name (one replica's, when they differ)."""
+        return {name: a for r in self.by_address.values() for name, a in r.adapters.items()}
+
+    def adapter_id(self, lora_name: str) -> str | None:
+        """The identity a new request of this adapter runs under: the one most replicas
+        hold under the name (they differ only while it is loaded again across them);
+        None when none holds it."""
+        ids = Counter(r.adapters[lora_name].id for r in self.by_address.values()
+                      if lora_name in r.adapters)  # fmt: skip
+        return max(ids, key=lambda i: (ids[i], i)) if ids else None
 
     def place(
         self, pending: Pending, add: scheduler_pb2.AddRequest, replicas: list[Replica],
@@ -180,13 +189,13 @@ class ReplicaSet:
         be queued, and what to queue: itself, or its prefill, marked to be handed off,
         when the routing splits it."""
         lora_name = add.lora_name
-        if lora_name:  # only a replica holding the adapter can run it
-            replicas = [r for r in replicas if lora_name in r.adapters] or replicas
+        if lora_name:  # only a replica holding the adapter (these very files) can run it
+            replicas = [r for r in replicas if r.holds(lora_name, add.lora_id)] or replicas
         by_name = {r.address: r for r in replicas}
         token_ids, hashes = add.prompt_token_ids, []
         if self.settings.routing == "prefix":
             hashes = chain_hashes(list(token_ids), self.model_info.block_size,
-                                  parent_hash=lora_root(lora_name))  # fmt: skip
+                                  parent_hash=lora_root(add.lora_id))  # fmt: skip
         views = self._views(replicas)
         # Prompt logprobs come out of a prefill's logits, and a remainder bound for a
         # decode replica has had its prefill: neither is split (again).
@@ -221,7 +230,8 @@ class ReplicaSet:
         if params is not None:
             add.kv_transfer.CopyFrom(params)
         target = pending.decode_replica
-        live = [r for r in self.by_address.values() if r.connected and r.kv_role != PREFILL]
+        live = [r for r in self.by_address.values() if r.connected and r.kv_role != PREFILL
+                and r.holds(add.lora_name, add.lora_id)]  # fmt: skip
         if target is None or not target.connected:
             target = self._best_of(add, live) or pending.replica  # no decode replica: whole
         pending.replica, pending.decode_replica = target, None

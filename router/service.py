@@ -84,14 +84,15 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         model = generation_pb2.ModelInfo()
         model.CopyFrom(self.engine.model_info)
         del model.lora_adapters[:]
-        model.lora_adapters.extend(generation_pb2.LoRAAdapter(name=n, path=p)
-                                   for n, p in self.engine.replicas.adapters().items())  # fmt: skip
+        model.lora_adapters.extend(self.engine.replicas.adapters().values())
         return generation_pb2.GetModelInfoResponse(model=model)
 
     async def LoadLoRAAdapter(self, request, context) -> generation_pb2.LoadLoRAAdapterResponse:
         await _refuse_undecodable(request, context)
         try:
-            return await self.engine.load_lora(request.lora_name, request.lora_path)
+            return await self.engine.load_lora(
+                request.lora_name, request.lora_path, request.load_inplace
+            )
         except RequestFailed as e:
             await context.abort(e.code, e.message)
 

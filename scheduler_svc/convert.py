@@ -13,8 +13,9 @@ from flagstop.v1 import executor_pb2, scheduler_pb2
 
 
 def request_from_proto(
-    add: scheduler_pb2.AddRequest, owner: str, eos_token_ids: frozenset[int]
+    add: scheduler_pb2.AddRequest, owner: str, eos_token_ids: frozenset[int], lora_id: str = ""
 ) -> Request:
+    """lora_id: the identity of the adapter the replica holds under add.lora_name."""
     return Request(
         request_id=add.request_id,
         owner=owner,
@@ -34,6 +35,7 @@ def request_from_proto(
         max_spec_tokens=add.num_speculative_tokens
         if add.HasField("num_speculative_tokens") else None,
         lora_name=add.lora_name,
+        lora_id=lora_id,
         do_remote_decode=add.kv_transfer.do_remote_decode,
         remote_prefill=handoff_from_proto(add.kv_transfer)
         if add.kv_transfer.remote_endpoint else None,

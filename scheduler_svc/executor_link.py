@@ -52,7 +52,14 @@ class ExecutorLink:
         self.connected = False
         self.reconnect = Reconnect(give_up_after_s=settings.executor_timeout)
         self.wakeup = asyncio.Event()  # new work, or a request that may run now
-        self.lora_version = 0  # bumped by each load and unload (ReplicaLoad's)
+        # The LoRA adapters requests may name, by name (mirrored in info.model's list,
+        # which Describe reports), and a count bumped by each change (ReplicaLoad's).
+        self.adapters: dict[str, generation_pb2.LoRAAdapter] = {}
+        self.lora_version = 0
+        # The steps sent and not yet answered, oldest first, and an event set as each
+        # is answered (or all are lost with the executor).
+        self.in_flight: deque[SchedulerOutput] = deque()
+        self.step_returned = asyncio.Event()
 
     @property
     def model(self) -> generation_pb2.ModelInfo:
@@ -66,6 +73,7 @@ class ExecutorLink:
         info = await self._describe()
         self._check(info)
         self.info = info
+        self.adapters = {a.name: a for a in info.model.lora_adapters}
         return info
 
     def _check(self, info: executor_pb2.DescribeExecutorResponse) -> None:
@@ -125,49 +133,75 @@ class ExecutorLink:
                 await self.reconnect.wait()
                 continue
             await self._restore_adapters(info)
+            self.service.adapters_changed()
             self.info.model.num_host_blocks = info.model.num_host_blocks
             self.service.executor_replaced(info)
             return info
 
     # -- LoRA adapters ---------------------------------------------------------
-    # The adapters live in self.info.model.lora_adapters: the first executor's, then
-    # those loaded and unloaded through us, restored on each executor that comes back.
-
-    def adapters(self) -> dict[str, str]:
-        return {a.name: a.path for a in self.info.model.lora_adapters}
+    # self.adapters: the first executor's, then those loaded, replaced and unloaded
+    # through us, restored on each executor that comes back. A change reaches the
+    # executor only once the steps in flight are answered: the service has ended the
+    # requests it concerns, but a step sent before may still run them, and must run
+    # them on the weights they began with (else its blocks, cached under the old
+    # identity, would hold KV of the new weights: wrong for a later load of the old
+    # files, which has the old identity again).
 
     async def load_lora(self, request) -> generation_pb2.LoadLoRAAdapterResponse:
+        await self.after_steps_in_flight()
         reply = await self.stub.LoadLoRAAdapter(request, timeout=self.settings.executor_timeout)
-        self._set_adapters({**self.adapters(), request.lora_name: request.lora_path})
+        self.set_adapter(request.lora_name, request.lora_path, reply.id)
         return reply
 
     async def unload_lora(self, request) -> generation_pb2.UnloadLoRAAdapterResponse:
-        adapters = self.adapters()
-        adapters.pop(request.lora_name, None)
-        self._set_adapters(adapters)  # gone here even if the executor is away
+        """The executor's side of an unload (the service dropped it here first)."""
+        await self.after_steps_in_flight()
         return await self.stub.UnloadLoRAAdapter(request, timeout=self.settings.executor_timeout)
 
-    def _set_adapters(self, adapters: dict[str, str]) -> None:
+    def set_adapter(self, name: str, path: str | None, adapter_id: str = "") -> None:
+        """Register (or with path None drop) an adapter, and tell the routers."""
+        if path is None:
+            self.adapters.pop(name, None)
+        else:
+            self.adapters[name] = generation_pb2.LoRAAdapter(name=name, path=path, id=adapter_id)
         del self.info.model.lora_adapters[:]
-        self.info.model.lora_adapters.extend(
-            generation_pb2.LoRAAdapter(name=n, path=p) for n, p in adapters.items()
-        )
+        self.info.model.lora_adapters.extend(self.adapters.values())
         self.lora_version += 1
 
     async def _restore_adapters(self, info: executor_pb2.DescribeExecutorResponse) -> None:
-        """A new executor gets the adapters loaded at runtime (its own --lora-modules
-        it read itself); one it refuses now is dropped, said once."""
-        theirs = {a.name for a in info.model.lora_adapters}
-        for name, path in self.adapters().items():
-            if name in theirs:
+        """A new executor gets our adapters: one it read itself (--lora-modules) from
+        the same files is kept; any other is loaded (replacing its own of that name).
+        One whose files changed meanwhile takes its new identity; one it refuses now
+        is dropped, said once. (The service then ends the requests these concern.)"""
+        theirs = {a.name: a.id for a in info.model.lora_adapters}
+        for name, ours in list(self.adapters.items()):
+            if theirs.get(name) == ours.id:
                 continue
-            request = generation_pb2.LoadLoRAAdapterRequest(lora_name=name, lora_path=path)
+            request = generation_pb2.LoadLoRAAdapterRequest(
+                lora_name=name, lora_path=ours.path, load_inplace=True
+            )
             try:
-                await self.stub.LoadLoRAAdapter(request, timeout=self.settings.executor_timeout)
+                reply = await self.stub.LoadLoRAAdapter(
+                    request, timeout=self.settings.executor_timeout
+                )
             except grpc.aio.AioRpcError as e:
                 log.error("LoRA adapter %s not restored on the new executor: %s", name,
                           e.details())  # fmt: skip
-                self._set_adapters({n: p for n, p in self.adapters().items() if n != name})
+                self.set_adapter(name, None)
+                continue
+            if reply.id != ours.id:
+                log.warning("LoRA adapter %s changed on disk (%s) while the executor was "
+                            "away: its requests end", name, ours.path)  # fmt: skip
+                self.set_adapter(name, ours.path, reply.id)
+
+    async def after_steps_in_flight(self) -> None:
+        """Until every step sent so far is answered, or lost with the executor."""
+        if not self.in_flight:
+            return
+        last = self.in_flight[-1].step_id
+        while self.in_flight and self.in_flight[0].step_id <= last:
+            self.step_returned.clear()
+            await self.step_returned.wait()
 
     async def prepare_grammar(self, add: scheduler_pb2.AddRequest) -> None:
         """Compile a request's constraint on the executor (raises AioRpcError)."""
@@ -199,6 +233,8 @@ class ExecutorLink:
                 self.service.fail_all(grpc.StatusCode.INTERNAL, "the scheduler failed; retry")
             finally:
                 call.cancel()
+                self.in_flight.clear()  # lost with the executor
+                self.step_returned.set()
             self.connected = False
             self.reconnect.lost()
             self.service.executor_changed()  # still live: the queue waits for the executor
@@ -212,7 +248,7 @@ class ExecutorLink:
         never waits for the scheduler; read a result when two are out, or when there
         is nothing more to plan."""
         service, telemetry = self.service, self.telemetry
-        in_flight: deque[SchedulerOutput] = deque()
+        in_flight = self.in_flight
         while True:
             if not scheduler.has_unfinished_requests() and not in_flight:
                 await self._idle(call)
@@ -230,6 +266,7 @@ class ExecutorLink:
             ):
                 result = await self._read(call)
                 done = in_flight.popleft()
+                self.step_returned.set()
                 outputs = scheduler.update_from_output(
                     done, result.sampled_token_ids, result.num_sampled_tokens,
                     result.num_draft_tokens,

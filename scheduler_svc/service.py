@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from flagstop.adapters import already_loaded
 from flagstop.health import Health
 from flagstop.scheduler_svc.convert import handoff_to_proto, request_from_proto
 from flagstop.scheduler_svc.core.disaggregation import DecodeConnector, PrefillConnector
@@ -66,6 +67,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         # Constrained requests waiting for the executor to compile their grammar
         # (vLLM's WAITING_FOR_FSM): by id, (owner, task). The step loop never waits.
         self.compiling: dict[str, tuple[str, asyncio.Task]] = {}
+        # LoRA loads, replacements and unloads, one at a time; the names being
+        # replaced, whose requests are refused meanwhile.
+        self.adapter_changes = asyncio.Lock()
+        self.replacing: set[str] = set()
 
     # -- the executor --------------------------------------------------------
 
@@ -344,13 +349,17 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         return self._admit(conn, add)
 
     def _admit(self, conn: RouterConnection, add: scheduler_pb2.AddRequest):
-        if add.lora_name and add.lora_name not in self.link.adapters():
-            return scheduler_pb2.RequestError(
-                request_id=add.request_id, code=grpc.StatusCode.NOT_FOUND.value[0],
-                message=f"LoRA adapter {add.lora_name!r} is not loaded on this replica",
-            )  # fmt: skip
+        lora_id = ""
+        if add.lora_name:
+            if refusal := self._adapter_refusal(add.lora_name, add.lora_id):
+                code, message = refusal
+                return scheduler_pb2.RequestError(
+                    request_id=add.request_id, code=code.value[0], message=message
+                )
+            lora_id = self.link.adapters[add.lora_name].id
         try:
-            self.scheduler.add_request(request_from_proto(add, conn.router_id, self.eos_token_ids))
+            request = request_from_proto(add, conn.router_id, self.eos_token_ids, lora_id)
+            self.scheduler.add_request(request)
             self.telemetry.on_add(add.request_id, len(add.prompt_token_ids), add.traceparent)
         except RequestRejected as e:
             return scheduler_pb2.RequestError(
@@ -448,38 +457,82 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             num_kv_leases=s.num_kv_leases,
         )  # fmt: skip
 
+    # -- LoRA adapters -----------------------------------------------------------
+    # A request runs under the adapter its name had when it began (its identity,
+    # AddRequest.lora_id): one whose adapter is unloaded, replaced, or found changed
+    # on an executor that came back, ends, for its tokens would go on from other
+    # weights. The executor's side changes only after the steps in flight (link).
+
     async def LoadLoRAAdapter(self, request, context) -> generation_pb2.LoadLoRAAdapterResponse:
-        try:
-            return await self.link.load_lora(request)
-        except grpc.aio.AioRpcError as e:
-            await context.abort(e.code(), e.details())
+        """ALREADY_EXISTS for a name loaded here, unless load_inplace: then its
+        requests end (UNAVAILABLE, retry) and new ones are refused until the executor
+        holds the new files, which bring a new identity."""
+        name = request.lora_name
+        async with self.adapter_changes:
+            replacing = name in self.link.adapters
+            if replacing and not request.load_inplace:
+                await context.abort(grpc.StatusCode.ALREADY_EXISTS, already_loaded(name))
+            if replacing:
+                self.replacing.add(name)
+                self.adapters_changed()
+            try:
+                return await self.link.load_lora(request)
+            except grpc.aio.AioRpcError as e:
+                await context.abort(e.code(), e.details())
+            finally:
+                self.replacing.discard(name)
 
     async def UnloadLoRAAdapter(self, request, context) -> generation_pb2.UnloadLoRAAdapterResponse:
         """Its requests end first (NOT_FOUND: the adapter is gone), then the executor
         drops it."""
         name = request.lora_name
-        if name not in self.link.adapters():
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no LoRA adapter {name!r} is loaded")
-        if self.scheduler is not None:
-            self._fail_adapter_requests(name)
-        try:
-            return await self.link.unload_lora(request)
-        except grpc.aio.AioRpcError as e:
-            await context.abort(e.code(), e.details())
+        async with self.adapter_changes:
+            if name not in self.link.adapters:
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"no LoRA adapter {name!r} is "
+                                    "loaded (/v1/models lists them)")  # fmt: skip
+            self.link.set_adapter(name, None)  # gone here at once, even if the executor is away
+            self.adapters_changed()
+            try:
+                return await self.link.unload_lora(request)
+            except grpc.aio.AioRpcError as e:
+                await context.abort(e.code(), e.details())
 
-    def _fail_adapter_requests(self, name: str) -> None:
-        ids_by_owner: dict[str, list[str]] = {}
+    def _adapter_refusal(self, name: str, lora_id: str) -> tuple[grpc.StatusCode, str] | None:
+        """Why a request of adapter `name` (admitted under lora_id; "": any) cannot run
+        here now, or None."""
+        adapter = self.link.adapters.get(name)
+        if adapter is None:
+            return grpc.StatusCode.NOT_FOUND, (
+                f"LoRA adapter {name!r} is not loaded (unloaded, or never loaded on this "
+                "replica): /v1/models lists the adapters"
+            )
+        if name in self.replacing:
+            return grpc.StatusCode.UNAVAILABLE, (
+                f"LoRA adapter {name!r} is being replaced (load_inplace): retry the request"
+            )
+        if lora_id and lora_id != adapter.id:
+            return grpc.StatusCode.ABORTED, (
+                f"LoRA adapter {name!r} was loaded again from other files since this "
+                "request began, and its tokens would go on under other weights: retry it"
+            )
+        return None
+
+    def adapters_changed(self) -> None:
+        """End every request whose adapter is no longer the one it began under."""
+        if self.scheduler is None:
+            return
+        ended: dict[tuple[str, grpc.StatusCode, str], list[str]] = {}
         for request in self.scheduler.requests.values():
-            if request.lora_name == name:
-                ids_by_owner.setdefault(request.owner, []).append(request.request_id)
-        message = f"LoRA adapter {name!r} was unloaded"
-        for owner, ids in ids_by_owner.items():
+            if request.lora_name and (
+                refusal := self._adapter_refusal(request.lora_name, request.lora_id)
+            ):  # fmt: skip
+                ended.setdefault((request.owner, *refusal), []).append(request.request_id)
+        for (owner, code, message), ids in ended.items():
             self.scheduler.abort(ids, RequestStatus.FINISHED_ERROR)
             for request_id in ids:
                 self.telemetry.on_finish(request_id, FinishReason.ERROR)
-            errors = [scheduler_pb2.RequestError(
-                request_id=r, code=grpc.StatusCode.NOT_FOUND.value[0], message=message,
-            ) for r in ids]  # fmt: skip
+            errors = [scheduler_pb2.RequestError(request_id=r, code=code.value[0],
+                                                 message=message) for r in ids]  # fmt: skip
             if (conn := self.routers.get(owner)) is not None:
                 conn.outbox.put_nowait(scheduler_pb2.SchedulerMessage(errors=errors))
 

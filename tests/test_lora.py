@@ -12,15 +12,9 @@ import torch
 from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.lora.adapter import AdapterError
 from flagstop.executor.model_runner import ModelRunner
+from tests.helpers.adapters import http, make_adapter, merged_reference
 from tests.helpers.checkpoints import TOL, load_reference, prompt, reference_logits
 from tests.helpers.executor_harness import Harness
-
-TARGETS = {
-    "attention": ["q_proj", "k_proj", "v_proj", "o_proj"],
-    "mlp": ["gate_proj", "up_proj", "down_proj"],
-    "q-v": ["q_proj", "v_proj"],
-    "all": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-}
 
 
 @pytest.fixture(scope="module")
@@ -28,31 +22,6 @@ def base(tmp_path_factory):
     from tests.helpers.checkpoints import write_checkpoint
 
     return write_checkpoint("llama", tmp_path_factory.mktemp("base"))
-
-
-def make_adapter(base, out, targets: str, rank: int, seed: int, **config):
-    """peft's LoRA on `base` for TARGETS[targets], its weights seeded random (B too,
-    at a size that moves the logits by some tenths), saved as peft saves it."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(base)
-    settings = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS[targets], **config)
-    peft_model = get_peft_model(model, settings)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=g) * 0.05)
-    peft_model.save_pretrained(out)
-    return out
-
-
-def merged_reference(base, adapter):
-    """transformers with peft's adapter merged into the weights (merge_and_unload)."""
-    from peft import PeftModel
-
-    return PeftModel.from_pretrained(load_reference(base), adapter).merge_and_unload().eval()
 
 
 def runner(base, adapters: dict, max_loras: int = 4, max_lora_rank: int = 32, **kw):
@@ -167,6 +136,14 @@ def test_a_rank_above_the_limit_and_another_models_adapter_are_refused(base, tmp
         runner(base, {"big": big}, max_loras=0)
 
 
+def test_start_up_refuses_an_adapter_named_twice_or_like_the_base_model(base, tmp_path):
+    adapter = str(make_adapter(base, tmp_path / "a", "q-v", 8, seed=3))
+    for modules, message in (([f"{base.name}={adapter}"], "is the base model's"),
+                             ([f"a={adapter}", f"a={adapter}"], "'a' is named twice")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            ExecutorConfig(model=str(base), max_loras=2, lora_modules=modules)
+
+
 @pytest.mark.processes
 def test_two_ranks_give_the_logits_of_one(base, tmp_path):
     """An adapter on every module over two ranks (B's rows of each rank's outputs, A's
@@ -201,16 +178,6 @@ def references(base, adapters):
     out = {name: merged_reference(base, path) for name, path in adapters.items()}
     out[""] = load_reference(base)
     return out
-
-
-def http(stack, method: str, path: str, body: dict | None = None) -> tuple[int, object]:
-    import httpx
-
-    response = httpx.request(method, f"http://{stack.http}{path}", json=body, timeout=60)
-    try:
-        return response.status_code, response.json()
-    except ValueError:
-        return response.status_code, response.text
 
 
 @pytest.mark.processes

@@ -426,6 +426,22 @@ def test_the_same_prompt_under_two_adapters_never_shares_kv():
     assert (stats.num_queries, stats.num_hits) == (80, 16), stats
 
 
+def test_the_prefix_cache_keys_an_adapter_by_its_files_not_its_name():
+    """a loaded again from other files (another identity) hits nothing of what the
+    old files computed; the old files again, or the same files under another name,
+    hit it all."""
+    scheduler = make_scheduler(max_loras=4)
+    prompt = list(range(10, 30))
+    for rid, name, files in (("old", "a", "v1"), ("new", "a", "v2"), ("back", "a", "v1"),
+                             ("alias", "b", "v1")):  # fmt: skip
+        request = make_request(rid, prompt=prompt, max_tokens=1, lora_name=name, lora_id=files)
+        scheduler.add_request(request)
+        run_to_idle(scheduler)
+        assert request.num_cached_tokens == (16 if rid in ("back", "alias") else 0), rid
+    with pytest.raises(RequestRejected, match="no identity"):
+        scheduler.add_request(make_request("x", lora_name="a", lora_id=""))
+
+
 def test_max_loras_holds_a_third_adapter_back_without_blocking_the_rest():
     """Two slots: requests of a third adapter wait, in order, while the base model's
     and the running adapters' requests behind them join; they join once a slot frees."""

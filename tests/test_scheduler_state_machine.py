@@ -181,7 +181,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         rid = f"r{next(self.ids)}"
         adapter = adapter if self.config.max_loras else ""
         request = Request(rid, f"router-{priority % 2}", prompt, stop, EOS, priority,
-                          float(len(self.arrival_order)), lora_name=adapter)  # fmt: skip
+                          float(len(self.arrival_order)), lora_name=adapter,
+                          lora_id=adapter and f"files-of-{adapter}")  # fmt: skip
         expected = reference_tokens(prompt, stop, EOS, VOCAB, MAX_MODEL_LEN)
         if disaggregated and self.kv_role == "prefill":
             request.do_remote_decode = True  # it ends with its first token

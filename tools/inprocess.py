@@ -43,6 +43,7 @@ def run_engine(
     batch (as on a new scheduler stream)."""
     runner.reset()
     scheduler = Scheduler(config, num_blocks or runner.num_blocks)
+    adapters = runner.lora_adapters()
     for i, job in enumerate(jobs):
         request = Request(
             f"r{i}", "engine", list(job.prompt),
@@ -50,6 +51,7 @@ def run_engine(
                        stop_token_ids=job.stop_token_ids),
             eos_token_ids=eos_token_ids, sampling_params=job.sampling_params,
             max_spec_tokens=job.max_spec_tokens, lora_name=job.lora_name,
+            lora_id=adapters[job.lora_name].id if job.lora_name else "",
         )  # fmt: skip
         scheduler.add_request(request)
     run = EngineRun([[] for _ in jobs], scheduler=scheduler)

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from flagstop.adapters import LoadedAdapter, adapter_digest
 from flagstop.executor.models.config import ModelConfig
 from flagstop.executor.models.quantization import ConfigError
 
@@ -44,12 +45,16 @@ class LoRAAdapter:
 
     name: str
     path: str
+    digest: str  # its identity (flagstop.adapters.adapter_digest)
     rank: int  # the largest of its modules' ranks
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
     @property
     def modules(self) -> list[str]:
         return sorted({module for _, module in self.weights}, key=MODULES.index)
+
+    def summary(self) -> LoadedAdapter:
+        return LoadedAdapter(self.path, self.digest, self.rank, tuple(self.modules))
 
     @property
     def nbytes(self) -> int:
@@ -61,6 +66,7 @@ def read_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
     one of MODULES' A or B with the base layer's shape, its rank at most max_rank."""
     path = Path(path)
     settings = _read_config(path)
+    digest = adapter_digest(path)
     weights_file = path / "adapter_model.safetensors"
     if not weights_file.is_file():
         raise AdapterError(f"{path}: no adapter_model.safetensors (peft's save_pretrained "
@@ -79,7 +85,8 @@ def read_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
         if rank > max_rank:
             raise AdapterError(f"{weights_file}: layer {layer} {module} has rank {rank}, "
                                f"above --max-lora-rank {max_rank}")  # fmt: skip
-    return LoRAAdapter(name, str(path), max(a.shape[0] for a, _ in weights.values()), weights)
+    rank = max(a.shape[0] for a, _ in weights.values())
+    return LoRAAdapter(name, str(path), digest, rank, weights)
 
 
 def _read_config(path: Path) -> dict:

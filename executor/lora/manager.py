@@ -11,6 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
+from flagstop.adapters import LoadedAdapter
 from flagstop.executor.lora.adapter import AdapterError, LoRAAdapter, read_adapter
 from flagstop.executor.lora.layers import attach, shard_adapter
 from flagstop.executor.lora.mapping import LoRAMapping
@@ -52,8 +53,8 @@ class LoRAManager:
     def __contains__(self, name: str) -> bool:
         return name in self.adapters or name in self.pending
 
-    def paths(self) -> dict[str, str]:
-        return {name: adapter.path for name, adapter in self.adapters.items()}
+    def summaries(self) -> dict[str, LoadedAdapter]:
+        return {name: adapter.summary() for name, adapter in self.adapters.items()}
 
     def register_in_background(self, name: str, path: str) -> None:
         """A rank other than 0: rank 0 read the adapter already, so this rank reads its

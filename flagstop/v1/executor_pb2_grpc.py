@@ -104,8 +104,9 @@ class ExecutorServicer:
 
     def LoadLoRAAdapter(self, request, context):
         """Reads and checks a LoRA adapter into host memory (every rank its share), off the
-        step loop; a name loaded again is replaced. INVALID_ARGUMENT with what was
-        refused; FAILED_PRECONDITION without --max-loras.
+        step loop. INVALID_ARGUMENT with what was refused; ALREADY_EXISTS for a name
+        loaded already unless load_inplace (then it is replaced); FAILED_PRECONDITION
+        without --max-loras.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -26,28 +26,34 @@ KV_ROLE_PREFILL: KVRole
 KV_ROLE_DECODE: KVRole
 
 class LoRAAdapter(_message.Message):
-    __slots__ = ("name", "path")
+    __slots__ = ("name", "path", "id")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+    id: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., id: _Optional[str] = ...) -> None: ...
 
 class LoadLoRAAdapterRequest(_message.Message):
-    __slots__ = ("lora_name", "lora_path")
+    __slots__ = ("lora_name", "lora_path", "load_inplace")
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    LOAD_INPLACE_FIELD_NUMBER: _ClassVar[int]
     lora_name: str
     lora_path: str
-    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+    load_inplace: bool
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., load_inplace: _Optional[bool] = ...) -> None: ...
 
 class LoadLoRAAdapterResponse(_message.Message):
-    __slots__ = ("rank", "modules")
+    __slots__ = ("rank", "modules", "id")
     RANK_FIELD_NUMBER: _ClassVar[int]
     MODULES_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
     rank: int
     modules: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, rank: _Optional[int] = ..., modules: _Optional[_Iterable[str]] = ...) -> None: ...
+    id: str
+    def __init__(self, rank: _Optional[int] = ..., modules: _Optional[_Iterable[str]] = ..., id: _Optional[str] = ...) -> None: ...
 
 class UnloadLoRAAdapterRequest(_message.Message):
     __slots__ = ("lora_name",)

@@ -75,9 +75,10 @@ class GenerationServicer:
 
     def LoadLoRAAdapter(self, request, context):
         """LoRA adapters at runtime, on every replica (vLLM's /v1/load_lora_adapter and
-        /v1/unload_lora_adapter): INVALID_ARGUMENT naming what the executor refused,
-        NOT_FOUND for an unload of a name not loaded, FAILED_PRECONDITION without
-        --max-loras.
+        /v1/unload_lora_adapter): INVALID_ARGUMENT naming what the executor refused (or
+        a name that is the base model's), ALREADY_EXISTS for a name loaded already
+        (unless load_inplace), NOT_FOUND for an unload of a name not loaded,
+        FAILED_PRECONDITION without --max-loras.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -14,10 +14,12 @@ def hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:
     return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
 
 
-def lora_root(lora_name: str) -> bytes:
-    """The parent of a request's first block hash: its adapter's, so that the same
-    tokens under two adapters (or under one and the base model) never share KV."""
-    return hashlib.sha256(b"lora:" + lora_name.encode()).digest() if lora_name else b""
+def lora_root(lora_id: str) -> bytes:
+    """The parent of a request's first block hash: its adapter's identity (the digest
+    of its files, never its name), so that the same tokens under two adapters, under
+    one and the base model, or under a name before and after it was loaded again from
+    other files, never share KV."""
+    return hashlib.sha256(b"lora:" + lora_id.encode()).digest() if lora_id else b""
 
 
 def chain_hashes(
@@ -71,7 +73,7 @@ class KVCacheManager:
             return
         hashes = request.block_hashes
         hashes += chain_hashes(request.all_token_ids, self.block_size, len(hashes),
-                               hashes[-1] if hashes else lora_root(request.lora_name))  # fmt: skip
+                               hashes[-1] if hashes else lora_root(request.lora_id))  # fmt: skip
 
     def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:
         """The longest cached prefix of full blocks, never covering the last token:

@@ -85,9 +85,12 @@ class Request:
     # computes: such a request recomputes its whole prompt (its blocks still fill the
     # cache for others).
     skip_prefix_cache: bool = False
-    # The LoRA adapter it runs ("": the base model): part of its blocks' hashes, and of
-    # the --max-loras rule.
+    # The LoRA adapter it runs ("": the base model): by name for the --max-loras rule
+    # and the executor's slots, by identity (the digest of its files) for the prefix
+    # cache, whose hashes start from it: a name loaded again from other files never
+    # hits the KV the old ones computed.
     lora_name: str = ""
+    lora_id: str = ""
     # Speculative decoding: the request's own cap on draft tokens a step (None: the
     # engine's), and its measured acceptance per draft token (speculative.py).
     max_spec_tokens: int | None = None

@@ -167,6 +167,11 @@ class Scheduler:
         if request.lora_name and not self.config.max_loras:
             raise RequestRejected(f"LoRA adapter {request.lora_name!r}: this engine serves "
                                   "none (start the executor with --max-loras)")  # fmt: skip
+        if request.lora_name and not request.lora_id:
+            # Keyed by name alone, its blocks would be hit after the name is loaded
+            # again from other files: the service always resolves the identity.
+            raise RequestRejected(f"LoRA adapter {request.lora_name!r}: no identity "
+                                  "(lora_id) given")  # fmt: skip
 
     def abort(
         self, request_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED

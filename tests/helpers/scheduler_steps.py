@@ -16,6 +16,8 @@ def make_request(rid: str, num_prompt: int = 4, max_tokens: int = 8, **kw) -> Re
     # crc32, not hash(): str hashes change from run to run, and prompts that collide
     # by chance would share cached prefixes the tests do not expect.
     prompt = kw.pop("prompt", [10 + (zlib.crc32(rid.encode()) + i) % 50 for i in range(num_prompt)])
+    if kw.get("lora_name"):  # the service gives each adapter its identity: here one a name
+        kw.setdefault("lora_id", f"files-of-{kw['lora_name']}")
     return Request(
         rid,
         kw.pop("owner", "router-0"),
