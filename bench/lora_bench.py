@@ -98,7 +98,7 @@ def spec_acceptance(base: Path, adapters: list[Path]) -> dict[str, float]:
     for name in ("", "a0"):
         jobs = [Job([0, *range(3 + 9 * i, 20 + 9 * i)], 48, SamplingParams(temperature=0),
                     lora_name=name) for i in range(8)]  # fmt: skip
-        stats = run_engine(engine, jobs, config).scheduler.spec_stats
+        stats = run_engine(engine, jobs, config).scheduler.drafts.stats
         out[name or "base"] = stats.num_accepted_tokens / max(1, stats.num_draft_tokens)
     return out
 

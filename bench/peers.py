@@ -105,7 +105,7 @@ def run_in_process(
         step_start = time.perf_counter()
         plan = scheduler.schedule()
         output = runner.execute(plan)
-        for out in scheduler.update_from_output(plan, output.token_ids).values():
+        for out in scheduler.update_from_output(plan, output).values():
             generated += len(out.new_token_ids)
         if steps is not None:
             steps.append((list(plan.num_scheduled_tokens), time.perf_counter() - step_start))

@@ -22,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flagstop.scheduler_svc.core.config import SchedulerConfig
+from flagstop.scheduler_svc.core.output import StepOutcome
 from flagstop.scheduler_svc.core.request import Request, StopParams
 from flagstop.scheduler_svc.core.scheduler import Scheduler
 
@@ -63,7 +64,7 @@ class Load:
         plan = self.scheduler.schedule()
         elapsed = time.perf_counter() - t0
         sampled = [self.rng.randrange(VOCAB) for _ in plan.sampling_requests]
-        self.in_flight.append((plan, sampled))
+        self.in_flight.append((plan, StepOutcome(sampled)))
         if len(self.in_flight) == 2:
             t0 = time.perf_counter()
             outputs = self.scheduler.update_from_output(*self.in_flight.popleft())

@@ -105,7 +105,7 @@ def measure(runner: ModelRunner, streams: int, args, disable_batch_size: int = N
     )  # fmt: skip
     run_engine(runner, workload[:1], config)  # warm-up: oneDNN primitives of these shapes
     run = run_engine(runner, workload, config, timestamps=True)
-    stats = run.scheduler.spec_stats
+    stats = run.scheduler.drafts.stats
     tokens = sum(map(len, run.outputs))
     itls = [(ts[-1] - ts[0]) / (len(ts) - 1) for ts in run.token_times if len(ts) > 1]
     return {

@@ -31,14 +31,10 @@ from flagstop.executor.models.loader import load_model
 from flagstop.executor.parallel import SINGLE, TensorParallel
 from flagstop.executor.rejection_sampler import verify
 from flagstop.executor.sampling import sample
-from flagstop.executor.sampling_params import (
-    NO_TRANSFERS,
-    PromptLogprobs,
-    SampleOutput,
-    SamplingParams,
-)
+from flagstop.executor.sampling_params import PromptLogprobs, SampleOutput, SamplingParams
 from flagstop.executor.spec.proposer import Proposer, make_proposer
 from flagstop.executor.step_inputs import Drafts, StepInputs, prepare_inputs
+from flagstop.scheduler_svc.core.kv_connector import NO_TRANSFERS
 from flagstop.scheduler_svc.core.output import NewRequestData, SchedulerOutput
 from flagstop.structured import GrammarError, GrammarSpec
 from flagstop.utils import cdiv

@@ -94,7 +94,7 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SampleOutput:
     token_list = tokens.tolist()
     if meta.num_logprobs is None:
         return SampleOutput(token_list)
-    return SampleOutput(token_list, logprobs(raw, tokens, meta.num_logprobs))
+    return SampleOutput(token_list, logprobs=logprobs(raw, tokens, meta.num_logprobs))
 
 
 def probabilities(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -1,12 +1,10 @@
 """What a request asks of sampling, and what a step's sampling gives back: plain data,
 no torch (the executor simulator and the conversions use them too)."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from flagstop.scheduler_svc.core.kv_connector import KVTransferResult
+from flagstop.scheduler_svc.core.output import StepOutcome
 from flagstop.structured import GrammarSpec
-
-NO_TRANSFERS = KVTransferResult()  # its fields are tuples: shared, never changed
 
 
 @dataclass(slots=True, frozen=True)
@@ -55,16 +53,11 @@ class PromptLogprobs:
 
 
 @dataclass(slots=True)
-class SampleOutput:
-    # One per sampling request; with drafts, num_sampled_tokens[i] of them each.
-    token_ids: list[int]
-    # Per token, when logprobs were asked for.
+class SampleOutput(StepOutcome):
+    """A step's outcome (the core's StepOutcome: tokens, with drafts their counts, and
+    the transfers that ended since the step before: loads ended on every rank or
+    failed, leases of handed-off blocks a decode side no longer reads), and what only
+    the router reads: logprobs per token when asked for, and prompt logprobs."""
+
     logprobs: list[TokenLogprobs | None] | None = None
     prompt_logprobs: list[PromptLogprobs] | None = None
-    # Speculative decoding (empty without drafts): tokens per sampling request (1 +
-    # accepted drafts) and the drafts each was proposed.
-    num_sampled_tokens: list[int] = field(default_factory=list)
-    num_draft_tokens: list[int] = field(default_factory=list)
-    # KV connector: the transfers that ended since the step before (loads ended on
-    # every rank or failed, leases of handed-off blocks a decode side no longer reads).
-    transfers: KVTransferResult = NO_TRANSFERS

@@ -3,11 +3,12 @@
 import itertools
 
 from flagstop.scheduler_svc.core.kv_connector import (
+    NO_TRANSFERS,
     KVConnectorMetadata,
     KVHandoff,
     KVTransferResult,
 )
-from flagstop.scheduler_svc.core.output import SchedulerOutput
+from flagstop.scheduler_svc.core.output import SchedulerOutput, StepOutcome
 from flagstop.scheduler_svc.core.request import Request, StopParams
 from flagstop.v1 import executor_pb2, scheduler_pb2
 
@@ -32,7 +33,7 @@ def request_from_proto(
         sampling_params=add.sampling,
         labels=dict(add.labels),
         skip_prefix_cache=add.sampling.HasField("prompt_logprobs"),
-        max_spec_tokens=add.num_speculative_tokens
+        num_speculative_tokens=add.num_speculative_tokens
         if add.HasField("num_speculative_tokens") else None,
         lora_name=add.lora_name,
         lora_id=lora_id,
@@ -103,5 +104,10 @@ def transfers_to_proto(meta: KVConnectorMetadata, out: executor_pb2.KVConnectorM
         out.sends.add(transfer_id=send.transfer_id, block_ids=send.block_ids)
 
 
-def transfers_from_result(result: executor_pb2.StepResult) -> KVTransferResult:
-    return KVTransferResult(result.finished_recving, result.failed_recving, result.finished_sending)
+def outcome_from_result(result: executor_pb2.StepResult) -> StepOutcome:
+    transfers = NO_TRANSFERS
+    if result.finished_recving or result.failed_recving or result.finished_sending:
+        transfers = KVTransferResult(result.finished_recving, result.failed_recving,
+                                     result.finished_sending)  # fmt: skip
+    return StepOutcome(result.sampled_token_ids, result.num_sampled_tokens,
+                       result.num_draft_tokens, transfers)  # fmt: skip

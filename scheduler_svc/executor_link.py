@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from flagstop.reconnect import Reconnect
-from flagstop.scheduler_svc.convert import step_to_proto, transfers_from_result
+from flagstop.scheduler_svc.convert import outcome_from_result, step_to_proto
 from flagstop.scheduler_svc.core.output import SchedulerOutput
 from flagstop.scheduler_svc.core.scheduler import Scheduler
 from flagstop.scheduler_svc.settings import SchedulerSettings
@@ -267,12 +267,7 @@ class ExecutorLink:
                 result = await self._read(call)
                 done = in_flight.popleft()
                 self.step_returned.set()
-                outputs = scheduler.update_from_output(
-                    done, result.sampled_token_ids, result.num_sampled_tokens,
-                    result.num_draft_tokens,
-                )  # fmt: skip
-                if result.finished_recving or result.failed_recving or result.finished_sending:
-                    scheduler.update_kv_transfers(transfers_from_result(result))
+                outputs = scheduler.update_from_output(done, outcome_from_result(result))
                 telemetry.on_update(
                     done, outputs, scheduler, service.num_queued_at_routers(), result
                 )

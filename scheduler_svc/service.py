@@ -17,6 +17,7 @@ from flagstop.health import Health
 from flagstop.scheduler_svc.convert import handoff_to_proto, request_from_proto
 from flagstop.scheduler_svc.core.disaggregation import DecodeConnector, PrefillConnector
 from flagstop.scheduler_svc.core.host_tier import HostTierConnector
+from flagstop.scheduler_svc.core.kv_connector import KVConnector
 from flagstop.scheduler_svc.core.output import OwnerOutputs, SchedulerOutput
 from flagstop.scheduler_svc.core.policy import RankedPolicy
 from flagstop.scheduler_svc.core.request import FinishReason, RequestStatus
@@ -59,6 +60,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.health = health
         self.telemetry = telemetry
         self.scheduler: Scheduler | None = None
+        self.kv_connector: KVConnector | None = None  # the core's, built from Describe
         self.eos_token_ids: frozenset[int] = frozenset()
         self.routers: dict[str, RouterConnection] = {}
         self.link = ExecutorLink(settings, self.tls, telemetry, self)
@@ -88,8 +90,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             raise StartupError(str(e)) from None
         self.telemetry.model_name = info.model.model_name
         self.eos_token_ids = frozenset(info.model.eos_token_ids)
-        connector = self._connector(info, config)
-        self.scheduler = Scheduler(config, info.model.num_blocks, connector=connector)
+        self.kv_connector = self.telemetry.kv_connector = self._connector(info, config)
+        self.scheduler = Scheduler(config, info.model.num_blocks, connector=self.kv_connector)
         if isinstance(self.scheduler.policy, RankedPolicy):
             self.policy_client = RemotePolicyClient(
                 s.policy_addr, self.scheduler.policy, s.policy_deadline_ms / 1000,
@@ -124,10 +126,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         return None
 
     def executor_replaced(self, info: executor_pb2.DescribeExecutorResponse) -> None:
-        """A new executor instance: hand-offs name it from now on."""
-        connector = self.scheduler.connector if self.scheduler is not None else None
-        if isinstance(connector, PrefillConnector):
-            connector.endpoint, connector.engine_id = info.kv_endpoint, info.kv_engine_id
+        """A new executor instance: its KV is read from there now (hand-offs name it)."""
+        if self.kv_connector is not None:
+            self.kv_connector.executor_replaced(info.kv_endpoint, info.kv_engine_id)
 
     async def run(self) -> None:
         await self.connect_executor()
@@ -219,11 +220,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             kv_cache_usage=scheduler.kv_cache_usage,
             lora_adapters_version=self.link.lora_version,
         )  # fmt: skip
-        if scheduler.connector is not None:
-            load.num_host_cached_blocks = scheduler.connector.num_cached_blocks
-            load.external_prefix_cache_hits = scheduler.external_stats.num_hits
+        if self.kv_connector is not None:
+            load.num_host_cached_blocks = scheduler.transfers.num_host_cached_blocks
+            load.external_prefix_cache_hits = scheduler.transfers.external_stats.num_hits
         if scheduler.config.max_loras:
-            running, waiting = scheduler.adapters_in_use()
+            running, waiting = scheduler.loras_in_use()
             load.running_loras.extend(running)
             load.waiting_loras.extend(waiting)
             self.telemetry.lora_requests(running, waiting, scheduler.config.max_loras)
@@ -439,22 +440,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def GetStats(self, request, context) -> scheduler_pb2.GetStatsResponse:
         if self.scheduler is None:
             return scheduler_pb2.GetStatsResponse()
-        s = self.scheduler.make_stats()
+        policy = self.policy_client
         return scheduler_pb2.GetStatsResponse(
-            step_id=s.step_id, num_running=s.num_running_reqs, num_waiting=s.num_waiting_reqs,
-            num_free_blocks=s.num_free_blocks, num_total_blocks=s.num_total_blocks,
-            kv_cache_usage=s.kv_cache_usage, prefix_cache_queries=s.prefix_cache_queries,
-            prefix_cache_hits=s.prefix_cache_hits, num_preemptions=s.num_preemptions,
-            executor_connected=self.link.connected,
-            remote_policy_active=self.policy_client is not None and self.policy_client.active,
-            remote_policy_failures=self.policy_client.num_failures if self.policy_client else 0,
-            num_routers=len(self.routers), num_loading=s.num_loading_reqs,
-            external_prefix_cache_queries=s.external_prefix_cache_queries,
-            external_prefix_cache_hits=s.external_prefix_cache_hits,
-            num_host_blocks=self.link.model.num_host_blocks,
-            num_host_cached_blocks=self.scheduler.connector.num_cached_blocks
-            if self.scheduler.connector is not None else 0,
-            num_kv_leases=s.num_kv_leases,
+            **self.scheduler.stats().as_fields(), executor_connected=self.link.connected,
+            remote_policy_active=policy is not None and policy.active,
+            remote_policy_failures=policy.num_failures if policy is not None else 0,
+            num_routers=len(self.routers), num_host_blocks=self.link.model.num_host_blocks,
         )  # fmt: skip
 
     # -- LoRA adapters -----------------------------------------------------------

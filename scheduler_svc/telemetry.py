@@ -8,6 +8,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, Status, StatusCode
 from prometheus_client import Counter, Gauge, Histogram
 
+from flagstop.scheduler_svc.core.kv_connector import KVConnector
 from flagstop.scheduler_svc.core.output import OwnerOutputs, SchedulerOutput
 from flagstop.scheduler_svc.core.request import FinishReason
 from flagstop.scheduler_svc.core.scheduler import Scheduler
@@ -76,9 +77,9 @@ STEP_SECONDS = Histogram(
 
 
 class SchedulerTelemetry:
-    __slots__ = ("_model_name", "arrivals", "enabled", "last_external", "last_hits",
-                 "last_lora", "last_preemptions", "last_queries", "last_spec", "metrics",
-                 "request_spans", "steps", "tracer")  # fmt: skip
+    __slots__ = ("_model_name", "arrivals", "enabled", "kv_connector", "last_external",
+                 "last_hits", "last_lora", "last_preemptions", "last_queries", "last_spec",
+                 "metrics", "request_spans", "steps", "tracer")  # fmt: skip
 
     def __init__(self, telemetry: Telemetry) -> None:
         self.enabled, self.tracer = telemetry.enabled, telemetry.tracer
@@ -93,6 +94,8 @@ class SchedulerTelemetry:
         self.last_spec: tuple[int, int, int, list[int]] = (0, 0, 0, [])
         self.metrics: tuple = ()  # this model's labelled metrics, looked up once
         self.last_lora: tuple[str, str, str] | None = None
+        # The core's KV connector, whose metrics exist only where there is one.
+        self.kv_connector: KVConnector | None = None
 
     def lora_requests(self, running: list[str], waiting: list[str], max_loras: int) -> None:
         """vllm:lora_requests_info: a new series when the adapters change (the old one
@@ -223,37 +226,37 @@ class SchedulerTelemetry:
             span.end()
 
     def _export_gauges(self, scheduler: Scheduler, num_queued_at_routers: int) -> None:
-        stats = scheduler.make_stats()
+        stats = scheduler.stats()
         _, running, waiting, kv_usage, preemptions, queries, hits = self.metrics
-        running.set(stats.num_running_reqs)
+        running.set(stats.num_running)
         # What still waits at the routers is this replica's backlog too: a gateway
         # weighing replicas by this gauge must see it.
-        waiting.set(stats.num_waiting_reqs + num_queued_at_routers)
+        waiting.set(stats.num_waiting + num_queued_at_routers)
         kv_usage.set(stats.kv_cache_usage)
         preemptions.inc(stats.num_preemptions - self.last_preemptions)
         queries.inc(stats.prefix_cache_queries - self.last_queries)
         hits.inc(stats.prefix_cache_hits - self.last_hits)
         self.last_preemptions = stats.num_preemptions
         self.last_queries, self.last_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
-        if scheduler.spec_stats.num_drafts != self.last_spec[0]:
+        if scheduler.drafts.stats.num_drafts != self.last_spec[0]:
             self._export_spec(scheduler)
-        if scheduler.connector is not None:
-            self._export_connector(scheduler, stats)
+        if self.kv_connector is not None:
+            self._export_connector(self.kv_connector, stats)
 
-    def _export_connector(self, scheduler: Scheduler, stats) -> None:
-        name, connector = self._model_name, scheduler.connector
+    def _export_connector(self, connector: KVConnector, stats) -> None:
+        name = self._model_name
         queries, hits = stats.external_prefix_cache_queries, stats.external_prefix_cache_hits
         EXTERNAL_QUERIES.labels(name).inc(queries - self.last_external[0])
         EXTERNAL_HITS.labels(name).inc(hits - self.last_external[1])
         self.last_external = (queries, hits)
-        LOADING.labels(name).set(stats.num_loading_reqs)
+        LOADING.labels(name).set(stats.num_loading)
         if connector.hands_off:
             KV_LEASES.labels(name).set(stats.num_kv_leases)
-        if connector.num_slots:
-            HOST_USAGE.labels(name).set(connector.num_cached_blocks / connector.num_slots)
+        if connector.num_host_blocks:
+            HOST_USAGE.labels(name).set(stats.num_host_cached_blocks / connector.num_host_blocks)
 
     def _export_spec(self, scheduler: Scheduler) -> None:
-        spec, name = scheduler.spec_stats, self._model_name
+        spec, name = scheduler.drafts.stats, self._model_name
         drafts, draft_tokens, accepted, per_pos = self.last_spec
         SPEC_DRAFTS.labels(name).inc(spec.num_drafts - drafts)
         SPEC_DRAFT_TOKENS.labels(name).inc(spec.num_draft_tokens - draft_tokens)

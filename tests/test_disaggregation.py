@@ -53,7 +53,7 @@ def prefill() -> Scheduler:
 
 
 def report(scheduler: Scheduler, recving=(), failed=(), sending=()) -> None:
-    scheduler.update_kv_transfers(KVTransferResult(recving, failed, sending))
+    scheduler.transfers.update(scheduler.kv, KVTransferResult(recving, failed, sending))
     check_invariants(scheduler)
 
 
@@ -73,7 +73,7 @@ def test_a_prefill_replica_hands_off_after_the_first_token_and_holds_the_blocks(
     assert (handoff.endpoint, handoff.engine_id, handoff.num_tokens) == (
         "10.0.0.1:50053", "engine-a", 9,
     )  # fmt: skip
-    assert len(blocks) == 3 and scheduler.make_stats().num_kv_leases == 1
+    assert len(blocks) == 3 and scheduler.stats().num_kv_leases == 1
     # Held until the executor says the decode side is done with them, and told to
     # hold them under a lease with the next step.
     assert scheduler.has_unfinished_requests() and scheduler.num_free_blocks == 16 - 3
@@ -126,7 +126,7 @@ def test_a_lost_prefill_executor_takes_its_leases_with_it():
     step(scheduler)
     scheduler.reset_executor()
     check_idle(scheduler)
-    assert not scheduler.connector.build_connector_meta().sends
+    assert not scheduler.transfers.connector.build_connector_meta().sends
 
 
 # -- the decode replica: loads ------------------------------------------------------
@@ -154,10 +154,10 @@ def test_a_decode_replica_loads_the_prompt_and_computes_only_the_first_token():
     assert load == KVLoad("a", scheduler.kv.block_ids("a")[:2], [40, 41], "10.0.0.1:50053",
                           "engine-a", "kv-p-1")  # fmt: skip
     assert list(plan.num_scheduled_tokens) == ["other"]
-    assert scheduler.loading["a"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert scheduler.transfers.loading["a"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
     report(scheduler, recving=["a"])
     run_to_idle(scheduler)
-    assert scheduler.external_stats.num_hits == 8
+    assert scheduler.transfers.external_stats.num_hits == 8
 
 
 def test_the_loaded_request_runs_its_first_token_only():
@@ -188,7 +188,7 @@ def test_a_prefix_cached_here_is_not_read_again(num_cached):
         assert load.block_ids == [] and load.source_ids == [], "nothing left to read"
         assert plan.num_scheduled_tokens == {"a": 1}
     else:
-        assert load.source_ids == [41] and "a" in scheduler.loading
+        assert load.source_ids == [41] and "a" in scheduler.transfers.loading
         report(scheduler, recving=["a"])
     run_to_idle(scheduler)
 
@@ -210,7 +210,7 @@ def test_a_request_ended_before_its_load_releases_the_lease():
     step(scheduler)
     scheduler.add_request(decode_request())  # waits: 3 blocks needed, 2 free
     plan, _ = step(scheduler)
-    assert "a" not in scheduler.loading and not plan.kv_connector.loads
+    assert "a" not in scheduler.transfers.loading and not plan.kv_connector.loads
     scheduler.abort(["a", "big"])
     plan, _ = step(scheduler)
     [load] = plan.kv_connector.loads

@@ -39,11 +39,11 @@ def start_loading_again(scheduler: Scheduler, max_tokens: int) -> None:
     flush_pool(scheduler)
     scheduler.add_request(make_request("again", prompt=PROMPT, max_tokens=max_tokens))
     step(scheduler)
-    assert "again" in scheduler.loading
+    assert "again" in scheduler.transfers.loading
 
 
 def finish_loads(scheduler: Scheduler, *req_ids: str, failed=()) -> None:
-    scheduler.update_kv_transfers(KVTransferResult(req_ids, failed))
+    scheduler.transfers.update(scheduler.kv, KVTransferResult(req_ids, failed))
     check_invariants(scheduler)
 
 
@@ -70,7 +70,7 @@ def test_a_prefix_the_pool_evicted_loads_back_from_the_tier_without_a_seat_or_bu
     scheduler.add_request(make_request("other", num_prompt=5, max_tokens=2))
     plan, _ = step(scheduler)
     [load] = plan.kv_connector.loads
-    again = scheduler.loading["again"]
+    again = scheduler.transfers.loading["again"]
     assert (load.req_id, load.block_ids) == ("again", scheduler.kv.block_ids("again")[:2])
     assert again.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     # No tokens, no seat of --max-num-seqs=1 (the next request runs), the whole prefill
@@ -82,8 +82,8 @@ def test_a_prefix_the_pool_evicted_loads_back_from_the_tier_without_a_seat_or_bu
     assert not scheduler.kv.get_computed_blocks(twin), "a half-loaded block was a prefix hit"
     finish_loads(scheduler, "again")
     run_to_idle(scheduler)
-    assert scheduler.external_stats.num_hits == 8
-    assert scheduler.make_stats().external_prefix_cache_hits == 8
+    assert scheduler.transfers.external_stats.num_hits == 8
+    assert scheduler.stats().external_prefix_cache_hits == 8
 
 
 def test_a_loaded_request_computes_only_its_last_token():
@@ -102,7 +102,12 @@ def test_a_failed_load_recomputes_and_drops_what_it_read():
     finish_loads(scheduler, failed=["again"])
     plan, _ = step(scheduler)
     assert plan.num_scheduled_tokens == {"again": 9}
-    assert scheduler.connector.get_num_new_matched_tokens(make_request("p", prompt=PROMPT), 0) == 0
+    assert (
+        scheduler.transfers.connector.get_num_new_matched_tokens(
+            make_request("p", prompt=PROMPT), 0
+        )
+        == 0
+    )
     run_to_idle(scheduler)
 
 
@@ -112,14 +117,14 @@ def test_an_abort_mid_load_frees_the_blocks_only_when_the_load_ends():
     held = scheduler.kv.block_ids("again")
     scheduler.abort(["again"])
     check_invariants(scheduler)
-    assert scheduler.has_unfinished_requests() and "again" in scheduler.freeing
-    [key] = scheduler.freeing["again"]
+    assert scheduler.has_unfinished_requests() and "again" in scheduler.transfers.freeing
+    [key] = scheduler.transfers.freeing["again"]
     assert scheduler.kv.block_ids(key) == held  # the copy still writes them
     plan, _ = step(scheduler)
     assert plan.poll_kv_transfers and not plan.is_empty
     finish_loads(scheduler, "again")
     check_idle(scheduler)
-    assert not +scheduler.connector.pinned, "a slot stays pinned after its load ended"
+    assert not +scheduler.transfers.connector.pinned, "a slot stays pinned after its load ended"
 
 
 def _blocks(*names: str) -> list[KVCacheBlock]:
@@ -166,10 +171,12 @@ def test_the_lookup_never_offers_the_last_token():
 def test_a_lost_executor_returns_loading_requests_to_the_queue_and_empties_the_tier():
     scheduler = make()
     start_loading_again(scheduler, max_tokens=1)
-    scheduler.reset_executor(num_tier_slots=16)
+    scheduler.reset_executor(num_host_blocks=16)
     check_invariants(scheduler)
-    assert scheduler.connector.num_cached_blocks == 0 and not scheduler.loading
+    assert scheduler.transfers.connector.num_cached_blocks == 0 and not scheduler.transfers.loading
     plan, _ = step(scheduler)
     assert plan.num_scheduled_tokens == {"again": 9}
-    scheduler.update_kv_transfers(KVTransferResult(["again"]))  # the old executor's: ignored
+    scheduler.transfers.update(
+        scheduler.kv, KVTransferResult(["again"])
+    )  # the old executor's: ignored
     run_to_idle(scheduler)

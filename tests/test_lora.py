@@ -336,7 +336,7 @@ def test_drafts_and_preemption_under_adapters_keep_each_ones_greedy_outputs(base
                              block_size=4, num_speculative_tokens=3, max_loras=2)  # fmt: skip
     run = run_engine(engine, jobs, config, num_blocks=40)
     assert run.scheduler.num_preemptions > 0
-    stats = run.scheduler.spec_stats
+    stats = run.scheduler.drafts.stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     references = {name: merged_reference(base, path) for name, path in adapters.items()}
     references[""] = load_reference(base)

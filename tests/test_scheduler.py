@@ -3,11 +3,15 @@
 import pytest
 
 from flagstop.scheduler_svc.core.config import SchedulerConfig
-from flagstop.scheduler_svc.core.output import SchedulerOutput
+from flagstop.scheduler_svc.core.output import SchedulerOutput, StepOutcome
 from flagstop.scheduler_svc.core.request import FinishReason, RequestStatus
 from flagstop.scheduler_svc.core.scheduler import RequestRejected, Scheduler
 from tests.helpers.scheduler_invariants import check_idle, check_invariants
 from tests.helpers.scheduler_steps import EOS, make_request, run_to_idle, step
+
+
+def outputs(request) -> list[int]:
+    return request.all_token_ids[request.num_prompt_tokens :]
 
 
 def make_scheduler(num_blocks: int = 64, policy: str = "fcfs", **overrides) -> Scheduler:
@@ -101,7 +105,7 @@ def test_chunked_prefill_runs_beside_decodes():
     step(scheduler)
     scheduler.add_request(make_request("long", num_prompt=20, max_tokens=3, ignore_eos=True))
     chunks = []
-    while scheduler.requests["long"].num_output_tokens == 0:
+    while outputs(scheduler.requests["long"]) == []:
         plan, _ = step(scheduler)
         assert plan.num_scheduled_tokens["d1"] == plan.num_scheduled_tokens["d2"] == 1
         assert plan.total_num_scheduled_tokens <= 8
@@ -206,7 +210,7 @@ def test_fcfs_preempts_the_newest_and_resumes_it():
     new = scheduler.requests["new"]
     assert new.status == RequestStatus.PREEMPTED and new.num_computed_tokens == 0
     assert new.num_preemptions == 1 and scheduler.waiting.peek() is new
-    num_outputs = new.num_output_tokens
+    num_outputs = len(outputs(new))
     plans = run_to_idle(scheduler)
     [resumed] = next(p for p in plans if p.scheduled_resumed_reqs).scheduled_resumed_reqs
     assert resumed.req_id == "new" and len(resumed.token_ids) == 6 + num_outputs
@@ -295,7 +299,7 @@ def test_abort_while_the_step_is_in_flight_drops_late_tokens():
     plan = scheduler.schedule()
     scheduler.abort(["a"])
     free_after_abort = scheduler.kv.pool.num_free_blocks
-    outputs = scheduler.update_from_output(plan, [5, 6])
+    outputs = scheduler.update_from_output(plan, StepOutcome([5, 6]))
     assert outputs["router-0"].req_ids == ["b"]
     assert scheduler.kv.pool.num_free_blocks == free_after_abort
     scheduler.abort(["b"])
@@ -308,8 +312,8 @@ def test_a_late_token_never_reaches_a_new_request_with_the_same_id():
     plan = scheduler.schedule()
     scheduler.abort(["a"])
     scheduler.add_request(make_request("a", ignore_eos=True))  # e.g. a router's resubmission
-    assert scheduler.update_from_output(plan, [5]) == {}
-    assert scheduler.requests["a"].output_token_ids == []
+    assert scheduler.update_from_output(plan, StepOutcome([5])) == {}
+    assert outputs(scheduler.requests["a"]) == []
 
 
 def test_a_request_the_executor_failed_ends_alone_with_an_error():
@@ -317,7 +321,7 @@ def test_a_request_the_executor_failed_ends_alone_with_an_error():
     scheduler.add_request(make_request("a", ignore_eos=True))
     scheduler.add_request(make_request("b", ignore_eos=True))
     plan = scheduler.schedule()
-    outputs = scheduler.update_from_output(plan, [-1, 6])
+    outputs = scheduler.update_from_output(plan, StepOutcome([-1, 6]))
     assert outputs["router-0"].req_ids == ["b"] and outputs["router-0"].new_token_ids == [6]
     assert outputs["router-0"].finished == {"a": FinishReason.ERROR}
     assert set(scheduler.requests) == {"b"}
@@ -329,7 +333,7 @@ def test_a_wrong_number_of_tokens_is_refused():
     scheduler.add_request(make_request("a"))
     plan = scheduler.schedule()
     with pytest.raises(ValueError, match="0 sampled tokens for 1 sampling requests"):
-        scheduler.update_from_output(plan, [])
+        scheduler.update_from_output(plan, StepOutcome([]))
 
 
 # -- pipelining ------------------------------------------------------------------
@@ -344,7 +348,8 @@ def test_next_steps_are_planned_before_the_tokens_of_earlier_ones():
     # The three tokens in flight reach max_tokens: computing a fourth would be waste.
     assert scheduler.schedule().num_scheduled_tokens == {}
     outputs = [
-        scheduler.update_from_output(p, [t]) for p, t in zip(plans, (11, 12, 13), strict=True)
+        scheduler.update_from_output(p, StepOutcome([t]))
+        for p, t in zip(plans, (11, 12, 13), strict=True)
     ]
     assert [o["router-0"].new_token_ids for o in outputs] == [[11], [12], [13]]
     assert outputs[-1]["router-0"].finished == {"a": FinishReason.LENGTH}
@@ -356,8 +361,8 @@ def test_stats():
     scheduler.add_request(make_request("a", num_prompt=8))
     scheduler.add_request(make_request("b", num_prompt=8))
     step(scheduler)
-    stats = scheduler.make_stats()
-    assert (stats.num_running_reqs, stats.num_waiting_reqs, stats.num_free_blocks) == (2, 0, 6)
+    stats = scheduler.stats()
+    assert (stats.num_running, stats.num_waiting, stats.num_free_blocks) == (2, 0, 6)
     assert stats.kv_cache_usage == pytest.approx(0.4)
 
 
@@ -395,7 +400,7 @@ def test_a_lost_executor_restarts_every_request_by_recompute_on_a_new_pool():
     for _ in range(3):
         step(scheduler)
     in_flight = scheduler.schedule()  # its tokens never come back
-    outputs_so_far = {r.request_id: list(r.output_token_ids) for r in scheduler.running}
+    outputs_so_far = {r.request_id: outputs(r) for r in scheduler.running}
     scheduler.reset_executor(num_blocks=32)
     check_invariants(scheduler)
     assert not scheduler.running and [r.request_id for r in scheduler.waiting] == ["a", "b", "c"]
@@ -408,7 +413,7 @@ def test_a_lost_executor_restarts_every_request_by_recompute_on_a_new_pool():
     assert set(resumed) == {"a", "b", "c"} and not plan.finished_req_ids
     for rid, data in resumed.items():
         assert list(data.token_ids)[6:] == outputs_so_far[rid] and data.num_computed_tokens == 0
-    scheduler.update_from_output(plan, [7] * len(plan.sampling_requests))
+    scheduler.update_from_output(plan, StepOutcome([7] * len(plan.sampling_requests)))
     run_to_idle(scheduler)
 
 

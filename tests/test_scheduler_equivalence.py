@@ -110,7 +110,7 @@ def test_outputs_do_not_depend_on_the_schedule(name, depth, seed):
     if name in ("roomy", "chunked", "preempting", "spec", "spec-preempting"):
         assert scheduler.kv.prefix_stats.num_hits > 0, "the shared prefixes were meant to hit"
     if name.startswith("spec"):
-        stats = scheduler.spec_stats
+        stats = scheduler.drafts.stats
         assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, "drafts meant to be mixed"
         assert max(stats.accepted_per_pos, default=0) > 0
         assert num_trims > 0, "rejected drafts were meant to give blocks back"

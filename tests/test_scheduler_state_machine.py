@@ -32,16 +32,19 @@ class RecordingScheduler(Scheduler):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.admission_order: list[str] = []
+        start_load = self.transfers.start_load
+
+        def recorded_start_load(kv, request, *args) -> bool:
+            started = start_load(kv, request, *args)
+            if started:
+                self.admission_order.append(request.request_id)
+            return started
+
+        self.transfers.start_load = recorded_start_load
 
     def _admit(self, request, *args) -> None:
         self.admission_order.append(request.request_id)
         super()._admit(request, *args)
-
-    def _start_load(self, request, *args) -> bool:
-        started = super()._start_load(request, *args)
-        if started:
-            self.admission_order.append(request.request_id)
-        return started
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -122,13 +125,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.driver.tier_worker = worker
 
     # Now and then, and whenever KV is arriving (the interesting moment to lose it).
-    @precondition(lambda self: self.scheduler.loading or self.scheduler.loaded
+    @precondition(lambda self: self.scheduler.transfers.loading or self.scheduler.transfers.loaded
                   or self.driver.num_steps % 13 == 5)  # fmt: skip
     @rule()
     def lose_executor(self):
         # Its KV, its tier and its steps in flight are gone; every request recomputes.
         self.driver.in_flight.clear()
-        self.scheduler.reset_executor(num_tier_slots=self.tier_slots)
+        self.scheduler.reset_executor(num_host_blocks=self.tier_slots)
         self._new_executor()
 
     def check_plan(self, plan) -> None:

@@ -167,5 +167,5 @@ def test_the_simulators_drafts_give_the_same_tokens_in_fewer_steps(model_dir):
         runs[spec is None] = run_engine(runner, jobs, config)
     assert runs[False].outputs == runs[True].outputs
     assert runs[False].num_steps < 0.8 * runs[True].num_steps
-    stats = runs[False].scheduler.spec_stats
+    stats = runs[False].scheduler.drafts.stats
     assert 0.4 < stats.num_accepted_tokens / stats.num_draft_tokens < 0.95

@@ -18,7 +18,7 @@ class Job:
     max_tokens: int
     sampling_params: object = None  # the executor's SamplingParams
     stop_token_ids: frozenset[int] = frozenset()
-    max_spec_tokens: int | None = None
+    num_speculative_tokens: int | None = None
     lora_name: str = ""  # the adapter it runs ("": the base model)
 
 
@@ -50,7 +50,7 @@ def run_engine(
             StopParams(job.max_tokens, ignore_eos=not eos_token_ids,
                        stop_token_ids=job.stop_token_ids),
             eos_token_ids=eos_token_ids, sampling_params=job.sampling_params,
-            max_spec_tokens=job.max_spec_tokens, lora_name=job.lora_name,
+            num_speculative_tokens=job.num_speculative_tokens, lora_name=job.lora_name,
             lora_id=adapters[job.lora_name].id if job.lora_name else "",
         )  # fmt: skip
         scheduler.add_request(request)
@@ -66,9 +66,7 @@ def run_engine(
             run.num_steps += 1
         if in_flight and (len(in_flight) >= steps_in_flight or not plan.num_scheduled_tokens):
             done, output = in_flight.popleft()
-            outputs = scheduler.update_from_output(
-                done, output.token_ids, output.num_sampled_tokens, output.num_draft_tokens
-            )
+            outputs = scheduler.update_from_output(done, output)
             run.tokens_per_request_step += output.num_sampled_tokens or [1] * len(
                 done.sampling_requests)  # fmt: skip
             now = time.perf_counter()

@@ -30,7 +30,7 @@ from flagstop.scheduler_svc.core.request import Request, RequestStatus
 class _NoTier:
     """What both connectors lack: blocks of their own, saves, state to reset."""
 
-    num_slots = 0
+    num_host_blocks = 0
     num_cached_blocks = 0
 
     def __init__(self) -> None:
@@ -46,10 +46,13 @@ class _NoTier:
     def update_connector_output(self, result: KVTransferResult) -> None:
         return None
 
-    def reset(self, num_slots: int) -> None:
+    def reset(self, num_host_blocks: int) -> None:
         # What was decided for a lost executor is void: its leases died with it, and a
         # request whose load was not sent yet recomputes (the prefill side's lease ends).
         self.meta = KVConnectorMetadata()
+
+    def executor_replaced(self, endpoint: str, engine_id: str) -> None:
+        return None
 
 
 class PrefillConnector(_NoTier):
@@ -62,6 +65,10 @@ class PrefillConnector(_NoTier):
         super().__init__()
         self.endpoint, self.engine_id = endpoint, engine_id
         self.transfer_ids = (f"kv-{instance}-{n}" for n in count())
+
+    def executor_replaced(self, endpoint: str, engine_id: str) -> None:
+        """Hand-offs name the new executor from now on."""
+        self.endpoint, self.engine_id = endpoint, engine_id
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         return 0  # nothing to load here: prefills compute

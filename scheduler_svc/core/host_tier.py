@@ -30,14 +30,15 @@ from flagstop.scheduler_svc.core.request import Request
 class HostTierConnector:
     hands_off = False
 
-    def __init__(self, num_slots: int, block_size: int) -> None:
+    def __init__(self, num_host_blocks: int, block_size: int) -> None:
         self.block_size = block_size
-        self.reset(num_slots)
+        self.reset(num_host_blocks)
 
-    def reset(self, num_slots: int) -> None:
-        self.num_slots = num_slots
+    def reset(self, num_host_blocks: int) -> None:
+        """A new executor's tier, empty: num_host_blocks slots (its blocks' places)."""
+        self.num_host_blocks = num_host_blocks
         self.slots: OrderedDict[bytes, int] = OrderedDict()  # hash -> slot, oldest first
-        self.free_slots = list(range(num_slots - 1, -1, -1))
+        self.free_slots = list(range(num_host_blocks - 1, -1, -1))
         self.pinned: Counter[int] = Counter()  # slots loads read
         self.loads_of: dict[str, list[int]] = {}  # request id -> slots its load reads
         self.meta = KVConnectorMetadata()
@@ -117,3 +118,6 @@ class HostTierConnector:
 
     def request_finished(self, request: Request, block_ids: list[int]) -> None:
         return None  # saves run in the step that computes a block: nothing reads it later
+
+    def executor_replaced(self, endpoint: str, engine_id: str) -> None:
+        return None  # its tier is reset with it

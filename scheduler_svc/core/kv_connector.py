@@ -10,7 +10,7 @@ queue as WAITING_FOR_REMOTE_KVS (no token budget, no seat of --max-num-seqs, nev
 blocking the requests behind it) and tells the connector which blocks to fill
 (`update_state_after_alloc`). Each step's plan carries `build_connector_meta()` to the
 executor, whose worker side moves the bytes and reports finished and failed loads;
-`Scheduler.update_kv_transfers` applies them. Loads here are always asynchronous: the
+the core's KVTransfers (kv_transfers.py) applies them. Loads here are always asynchronous: the
 request runs only once its KV is whole, so no layer of a forward waits on a transfer.
 """
 
@@ -86,8 +86,11 @@ class KVTransferResult:
         return bool(self.finished_recving or self.failed_recving or self.finished_sending)
 
 
+NO_TRANSFERS = KVTransferResult()  # its fields are tuples: shared, never changed
+
+
 class KVConnector(Protocol):
-    num_slots: int  # blocks it can hold beyond the pool (0: none of its own)
+    num_host_blocks: int  # blocks it can hold beyond the pool (0: none of its own)
     # A prefill replica's: a request added with do_remote_decode ends after its
     # first token (FINISHED_TRANSFERRED) and request_finished hands its KV off.
     hands_off: bool
@@ -124,8 +127,14 @@ class KVConnector(Protocol):
         hand-off's transfer_id. None: free them now."""
         ...
 
-    def reset(self, num_slots: int) -> None:
-        """The executor was replaced: whatever it held beyond the pool is gone."""
+    def reset(self, num_host_blocks: int) -> None:
+        """The executor was replaced: whatever it held beyond the pool is gone (the new
+        one holds num_host_blocks)."""
+        ...
+
+    def executor_replaced(self, endpoint: str, engine_id: str) -> None:
+        """A new executor instance took over: where its KV is read from now on (a
+        prefill side's hand-offs name it)."""
         ...
 
     @property

@@ -3,6 +3,10 @@ them before queueing (INVALID_ARGUMENT), the scheduler again on admission (its o
 limits may be tighter, and a resubmitted remainder is checked anew)."""
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # request.py imports this module
+    from flagstop.scheduler_svc.core.request import Request
 
 
 class RequestRejected(ValueError):
@@ -44,3 +48,19 @@ def stop_token_ids(
 ) -> frozenset[int]:
     """The tokens that end a request: its own stop tokens, and EOS unless ignore_eos."""
     return frozenset(stop_token_ids) | (frozenset() if ignore_eos else frozenset(eos_token_ids))
+
+
+def check_admissible(request: "Request", max_model_len: int, kv_capacity_tokens: int,
+                     max_loras: int) -> None:  # fmt: skip
+    """What the scheduler checks again on admission: the length against its own
+    limits, and that a LoRA request can run here under a known identity."""
+    check_request_length(request.num_prompt_tokens, request.stop.max_tokens, max_model_len,
+                         kv_capacity_tokens)  # fmt: skip
+    name = request.lora_name
+    if name and not max_loras:
+        raise RequestRejected(f"LoRA adapter {name!r}: this engine serves none (start the "
+                              "executor with --max-loras)")  # fmt: skip
+    if name and not request.lora_id:
+        # Keyed by name alone, its blocks would be hit after the name is loaded again
+        # from other files: the service always resolves the identity.
+        raise RequestRejected(f"LoRA adapter {name!r}: no identity (lora_id) given")

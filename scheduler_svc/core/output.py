@@ -3,10 +3,16 @@ executor's persistent batch (the executor runs this same type, converted from it
 protobuf twin on the wire), and each step's new tokens, grouped by the router that
 owns the requests."""
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from flagstop.scheduler_svc.core.kv_connector import KVConnectorMetadata, KVHandoff
+from flagstop.scheduler_svc.core.kv_connector import (
+    NO_TRANSFERS,
+    KVConnectorMetadata,
+    KVHandoff,
+    KVTransferResult,
+)
 from flagstop.scheduler_svc.core.request import FinishReason, Request
 
 
@@ -24,6 +30,14 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int = 0  # prefix-cache hits: already in the KV cache
     lora_name: str = ""  # the LoRA adapter it runs ("": the base model alone)
+
+    @classmethod
+    def from_request(
+        cls, request: Request, token_ids: list[int], block_ids: list[int]
+    ) -> "NewRequestData":
+        return cls(request.request_id, token_ids, request.num_prompt_tokens,
+                   request.sampling_params, block_ids, request.num_computed_tokens,
+                   request.lora_name)  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -75,6 +89,19 @@ class SchedulerOutput:
             self.num_scheduled_tokens or self.finished_req_ids or self.preempted_req_ids
             or self.trimmed_blocks or self.kv_connector or self.poll_kv_transfers
         )  # fmt: skip
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    """What came back of one step: a token per sampling request of the plan, in plan
+    order; with drafts, num_sampled_tokens[i] of them (1 + its accepted drafts) for
+    request i, which was proposed num_draft_tokens[i]; and the transfers the executor's
+    connector finished or failed since. (The executor's SampleOutput is one.)"""
+
+    token_ids: Sequence[int]
+    num_sampled_tokens: Sequence[int] = ()
+    num_draft_tokens: Sequence[int] = ()
+    transfers: KVTransferResult = NO_TRANSFERS
 
 
 @dataclass(slots=True)

@@ -4,7 +4,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from flagstop.scheduler_svc.core.speculative import SPEC_PRIOR_ACCEPTANCE
+from flagstop.scheduler_svc.core.limits import stop_token_ids
 
 if TYPE_CHECKING:
     from flagstop.scheduler_svc.core.kv_connector import KVHandoff
@@ -33,6 +33,14 @@ class RequestStatus(enum.IntEnum):
 for _status in RequestStatus:
     _status.is_finished = _status >= RequestStatus.FINISHED_STOPPED
 
+# The members by their own names, for the core's loops (a module global, not an
+# attribute lookup a request).
+WAITING, WAITING_FOR_REMOTE_KVS = RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KVS
+RUNNING, PREEMPTED = RequestStatus.RUNNING, RequestStatus.PREEMPTED
+FINISHED_STOPPED, FINISHED_LENGTH = RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH
+FINISHED_ERROR = RequestStatus.FINISHED_ERROR
+FINISHED_TRANSFERRED = RequestStatus.FINISHED_TRANSFERRED
+
 
 class FinishReason(enum.IntEnum):
     """Why a request ended: the one vocabulary of every layer. The values are those of
@@ -57,6 +65,11 @@ FINISH_REASON = {
     RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
     RequestStatus.FINISHED_TRANSFERRED: FinishReason.TRANSFER,
 }
+
+
+# A new request's acceptance estimate per draft token, before any of its drafts was
+# verified (speculative.py keeps it up to date).
+SPEC_PRIOR_ACCEPTANCE = 0.8
 
 
 @dataclass(slots=True, frozen=True)
@@ -93,7 +106,7 @@ class Request:
     lora_id: str = ""
     # Speculative decoding: the request's own cap on draft tokens a step (None: the
     # engine's), and its measured acceptance per draft token (speculative.py).
-    max_spec_tokens: int | None = None
+    num_speculative_tokens: int | None = None
     spec_acceptance: float = field(default=SPEC_PRIOR_ACCEPTANCE)
     # Prefill/decode disaggregation. On a prefill replica: end after the first token
     # and hand the decode off (kv_handoff: where its blocks wait). On a decode
@@ -131,12 +144,25 @@ class Request:
         return len(self.all_token_ids)
 
     @property
-    def num_output_tokens(self) -> int:
-        return len(self.all_token_ids) - self.num_prompt_tokens
+    def num_tokens_with_spec(self) -> int:
+        """Its known tokens and those steps in flight will sample (vLLM's name: with
+        drafts, the optimistic count the scheduler plans against)."""
+        return len(self.all_token_ids) + self.num_output_placeholders
 
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[self.num_prompt_tokens :]
+    def set_limits(self, max_model_len: int) -> None:
+        """Derived once at admission for the per-token stop check: the length at which
+        it ends (max_tokens or max_model_len) and the ids that stop it."""
+        stop = self.stop
+        self.max_num_tokens = max_model_len
+        if stop.max_tokens is not None:
+            self.max_num_tokens = min(self.num_prompt_tokens + stop.max_tokens, max_model_len)
+        self.stop_ids = stop_token_ids(stop.stop_token_ids, self.eos_token_ids, stop.ignore_eos)
+        if self.num_speculative_tokens is not None:
+            self.num_speculative_tokens = max(0, self.num_speculative_tokens)
+
+    def resume_status(self) -> "RequestStatus":
+        """The waiting status it goes back to: PREEMPTED once it ran, else WAITING."""
+        return PREEMPTED if self.num_preemptions else WAITING
 
     def sort_key(self) -> tuple[int, float, str]:
         return (self.priority, self.arrival_time, self.request_id)

@@ -27,14 +27,14 @@ class FlakyHostTier(HostTierConnector):
     """The real host tier, except that a lookup sometimes asks for time (None) and a
     finished request's blocks are sometimes still read by a transfer."""
 
-    def __init__(self, num_slots: int, block_size: int, rng: random.Random,
+    def __init__(self, num_host_blocks: int, block_size: int, rng: random.Random,
                  defer_rate: float, delayed_free_rate: float) -> None:  # fmt: skip
-        super().__init__(num_slots, block_size)
+        super().__init__(num_host_blocks, block_size)
         self.rng, self.defer_rate, self.delayed_free_rate = rng, defer_rate, delayed_free_rate
         self.deferred_ids: set[str] = set()
 
-    def reset(self, num_slots: int) -> None:
-        super().reset(num_slots)
+    def reset(self, num_host_blocks: int) -> None:
+        super().reset(num_host_blocks)
         self.sending: list[tuple[str, list[int]]] = []  # (request id, blocks it reads)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int):

@@ -18,7 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from flagstop.scheduler_svc.core.output import OwnerOutputs, SchedulerOutput
+from flagstop.scheduler_svc.core.kv_connector import NO_TRANSFERS
+from flagstop.scheduler_svc.core.output import OwnerOutputs, SchedulerOutput, StepOutcome
 from flagstop.scheduler_svc.core.request import StopParams
 from flagstop.scheduler_svc.core.scheduler import Scheduler
 
@@ -204,13 +205,11 @@ class Driver:
             counts = [len(tokens) for tokens in sampled]
             flat = [t for tokens in sampled for t in tokens]
             num_drafts = self.executor.num_drafts.pop(plan.step_id)
-            outputs = self.scheduler.update_from_output(plan, flat, counts, num_drafts)
+            outcome = StepOutcome(flat, counts, num_drafts, transfers or NO_TRANSFERS)
         else:
-            outputs = self.scheduler.update_from_output(plan, [t for [t] in sampled])
-        for owner_outputs in outputs.values():
+            outcome = StepOutcome([t for [t] in sampled], transfers=transfers or NO_TRANSFERS)
+        for owner_outputs in self.scheduler.update_from_output(plan, outcome).values():
             self._record(owner_outputs)
-        if transfers:
-            self.scheduler.update_kv_transfers(transfers)
 
     def _record(self, out: OwnerOutputs) -> None:
         for rid, token in zip(out.req_ids, out.new_token_ids, strict=True):

@@ -28,8 +28,9 @@ def check_invariants(scheduler: Scheduler) -> None:
 
 
 def _check_queues(scheduler: Scheduler) -> None:
-    running, loading = scheduler.running, list(scheduler.loading.values())
-    waiting, loaded = list(scheduler.waiting), list(scheduler.loaded)
+    transfers = scheduler.transfers
+    running, loading = scheduler.running, list(transfers.loading.values())
+    waiting, loaded = list(scheduler.waiting), list(transfers.loaded)
     assert len(running) <= scheduler.config.max_num_seqs
     adapters = {r.lora_name for r in running if r.lora_name}
     assert len(adapters) <= scheduler.config.max_loras, f"adapters {adapters} above --max-loras"
@@ -40,13 +41,13 @@ def _check_queues(scheduler: Scheduler) -> None:
     queued = [r.request_id for r in (*running, *loading, *loaded, *waiting)]
     assert len(set(queued)) == len(queued), "a request is queued twice"
     assert set(queued) == set(scheduler.requests), "requests and queues disagree"
-    held = [key for keys in scheduler.freeing.values() for key in keys]
-    assert all(keys for keys in scheduler.freeing.values()), "an empty freeing entry"
+    held = [key for keys in transfers.freeing.values() for key in keys]
+    assert all(keys for keys in transfers.freeing.values()), "an empty freeing entry"
     assert len(set(held)) == len(held), "blocks held twice"
     assert set(scheduler.kv.req_blocks) == (
         {r.request_id for r in (*running, *loading, *loaded)} | set(held)
     ), "blocks held by a request no queue knows"
-    assert scheduler.leased <= set(scheduler.freeing), "a lease without its blocks"
+    assert transfers.leased <= set(transfers.freeing), "a lease without its blocks"
     for request in loading + loaded:
         _check_reserved(scheduler, request)
     for request in scheduler.requests.values():
@@ -68,10 +69,10 @@ def _check_reserved(scheduler: Scheduler, request) -> None:
 def check_idle(scheduler: Scheduler) -> None:
     """Nothing left: every block free with ref count 0 and no request state anywhere."""
     check_invariants(scheduler)
-    kv = scheduler.kv
+    kv, transfers = scheduler.kv, scheduler.transfers
     assert not scheduler.requests and not scheduler.running and not len(scheduler.waiting)
-    assert not scheduler.loading and not scheduler.loaded and not scheduler.freeing
-    assert not scheduler.leased
+    assert not transfers.loading and not transfers.loaded and not transfers.freeing
+    assert not transfers.leased
     assert not kv.req_blocks
     assert kv.pool.num_free_blocks == kv.pool.num_blocks
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)

@@ -3,7 +3,7 @@ prompt, one step with its outputs applied, steps until idle."""
 
 import zlib
 
-from flagstop.scheduler_svc.core.output import SchedulerOutput
+from flagstop.scheduler_svc.core.output import SchedulerOutput, StepOutcome
 from flagstop.scheduler_svc.core.request import Request, StopParams
 from flagstop.scheduler_svc.core.scheduler import Scheduler
 from tests.helpers.scheduler_invariants import check_idle, check_invariants
@@ -33,7 +33,7 @@ def step(scheduler: Scheduler, token: int = 7) -> tuple[SchedulerOutput, dict]:
     tokens samples `token`."""
     plan = scheduler.schedule()
     check_invariants(scheduler)
-    outputs = scheduler.update_from_output(plan, [token] * len(plan.sampling_requests))
+    outputs = scheduler.update_from_output(plan, StepOutcome([token] * len(plan.sampling_requests)))
     check_invariants(scheduler)
     return plan, outputs
 

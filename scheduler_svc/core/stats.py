@@ -1,0 +1,45 @@
+"""What the scheduler reports of itself: one snapshot, its fields named as GetStats
+answers them (the shell copies them by name), for GetStats, the metrics and the load
+each router hears."""
+
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from flagstop.scheduler_svc.core.scheduler import Scheduler
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    step_id: int
+    num_running: int
+    num_waiting: int  # in this scheduler's queues (the routers' queued are the shell's)
+    num_free_blocks: int
+    num_total_blocks: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_loading: int
+    external_prefix_cache_queries: int
+    external_prefix_cache_hits: int
+    num_host_cached_blocks: int
+    num_kv_leases: int
+
+    def as_fields(self) -> dict:
+        return asdict(self)
+
+
+def make_stats(scheduler: "Scheduler") -> SchedulerStats:
+    pool, transfers = scheduler.kv.pool, scheduler.transfers
+    prefix, external = scheduler.kv.prefix_stats, transfers.external_stats
+    return SchedulerStats(
+        step_id=scheduler.step_id, num_running=len(scheduler.running),
+        num_waiting=len(scheduler.waiting) + len(transfers.loaded),
+        num_free_blocks=pool.num_free_blocks, num_total_blocks=pool.num_blocks,
+        kv_cache_usage=pool.usage(), prefix_cache_queries=prefix.num_queries,
+        prefix_cache_hits=prefix.num_hits, num_preemptions=scheduler.num_preemptions,
+        num_loading=len(transfers.loading), external_prefix_cache_queries=external.num_queries,
+        external_prefix_cache_hits=external.num_hits,
+        num_host_cached_blocks=transfers.num_host_cached_blocks, num_kv_leases=len(transfers.leased),
+    )  # fmt: skip

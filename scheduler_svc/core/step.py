@@ -1,0 +1,67 @@
+"""One step's plan while the scheduler builds it: what the core loop and the feature
+components it calls (drafts, KV transfers) all write to. A floor below them all, so
+that none imports the scheduler."""
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from flagstop.scheduler_svc.core.output import CachedRequestData, NewRequestData, SchedulerOutput
+from flagstop.scheduler_svc.core.request import PREEMPTED, Request
+
+
+@dataclass(slots=True)
+class Step:
+    token_budget: int
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    running_reqs: list[Request] = field(default_factory=list)
+    running_new_block_ids: list[Sequence[int]] = field(default_factory=list)
+    # Admitted from the waiting queue, in order: new ones and resumed ones.
+    admitted_reqs: list[Request] = field(default_factory=list)
+    preempted_req_ids: set[str] = field(default_factory=set)
+    num_draft_slots: dict[str, int] = field(default_factory=dict)
+
+    def unschedule(self, request: Request) -> None:
+        """A request scheduled earlier in this step became a preemption victim (only
+        the priority policy picks one that was): give its tokens back."""
+        num_tokens = self.num_scheduled_tokens.pop(request.request_id, None)
+        if num_tokens is None:
+            return
+        index = self.running_reqs.index(request)
+        del self.running_reqs[index], self.running_new_block_ids[index]
+        self.num_draft_slots.pop(request.request_id, None)
+        self.token_budget += num_tokens
+
+    def plan(
+        self, step_id: int, finished_req_ids: set[str], trimmed_blocks: dict[str, int],
+        block_ids: Callable[[str], list[int]],
+    ) -> SchedulerOutput:  # fmt: skip
+        """The plan, a diff for the executor's persistent batch: admitted requests in
+        full (a resumed one with its outputs so far), running ones by id and counters.
+        Its sampling requests are the core's to fill in."""
+        new_reqs, resumed_reqs = [], []
+        for request in self.admitted_reqs:
+            blocks = block_ids(request.request_id)
+            if request.status == PREEMPTED:
+                tokens = list(request.all_token_ids)
+                resumed_reqs.append(NewRequestData.from_request(request, tokens, blocks))
+            else:
+                tokens = request.prompt_token_ids
+                new_reqs.append(NewRequestData.from_request(request, tokens, blocks))
+        running = self.running_reqs
+        return SchedulerOutput(
+            step_id=step_id,
+            scheduled_new_reqs=new_reqs,
+            scheduled_resumed_reqs=resumed_reqs,
+            scheduled_cached_reqs=CachedRequestData(
+                req_ids=[r.request_id for r in running],
+                num_computed_tokens=[r.num_computed_tokens for r in running],
+                new_block_ids=self.running_new_block_ids,
+            ),
+            num_scheduled_tokens=self.num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(self.num_scheduled_tokens.values()),
+            finished_req_ids=finished_req_ids,
+            preempted_req_ids=self.preempted_req_ids,
+            sampling_requests=[],
+            num_draft_slots=self.num_draft_slots,
+            trimmed_blocks=trimmed_blocks,
+        )
