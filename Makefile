@@ -62,24 +62,39 @@ COMPOSE := $(if $(strip $(PROFILES)),COMPOSE_PROFILES=$(subst $() ,$(comma),$(st
 	$(if $(SPEC),SPEC='$(SPEC)') $(if $(filter-out grpcio,$(GRPC_SERVER)),GRPC_SERVER=$(GRPC_SERVER)) \
 	$(DOCKER_COMPOSE) -f compose/compose.yaml $(if $(GPU),-f compose/compose.gpu.yaml)
 
-.PHONY: venv test test-fast lint bench bench-executor bench-kv-tier bench-lora bench-replicas bench-structured model proto serve up down logs ps clean
+.PHONY: venv test test-fast kernels-sm90 lint bench bench-executor bench-kv-tier bench-lora bench-replicas bench-structured model proto serve up down logs ps clean
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,suffix-build]'
+	CMAKE_ARGS=-DPython_EXECUTABLE=$(abspath $(PY)) $(PY) -m pip install --quiet \
+		--disable-pip-version-check --no-build-isolation -e '.[suffix]'
 	touch $@
 
 # Every test, in a random order (pytest-randomly); `make test SEED=N` repeats one.
 ifndef SEED
 SEED := $(shell od -An -N2 -tu2 /dev/urandom | tr -d ' ')
 endif
+# The Triton launches the kernel tests make are recorded, then each is compiled for
+# the H200 (sm_90a) by Triton's own compiler, with its bf16 and FP8-KV variants
+# (tools/compile_sm90.py; docs/kernels.md): a kernel that cannot compile fails the run.
+LAUNCHES := .kernel_launches.json
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	@echo "test order: --randomly-seed=$(SEED) (make test SEED=$(SEED) repeats it)"
-	$(PY) -m pytest -q -p randomly --randomly-seed=$(SEED)
+	FLAGSTOP_KERNEL_LAUNCHES=$(LAUNCHES) $(PY) -m pytest -q -p randomly --randomly-seed=$(SEED)
+	env -u TRITON_INTERPRET $(PY) -m tools.compile_sm90 $(LAUNCHES)
+
+# The same compile report, from a cold Triton cache, into bench/results/kernels_sm90.md
+# (docs/kernels.md quotes it).
+kernels-sm90: $(STAMP)
+	FLAGSTOP_KERNEL_LAUNCHES=$(LAUNCHES) $(PY) -m pytest -q -m "not processes" tests/test_kernels.py \
+		tests/test_lora.py tests/test_moe.py tests/test_quantization.py tests/test_executor_model.py
+	env -u TRITON_INTERPRET TRITON_CACHE_DIR=$$(mktemp -d) \
+		$(PY) -m tools.compile_sm90 $(LAUNCHES) --out bench/results/kernels_sm90.md
 
 # The in-process tests only (no stack, service or rank started): a quick loop.
 test-fast: $(STAMP)

@@ -3,7 +3,7 @@
     python bench/moe_bench.py [--rounds 5] [--repeats 5] [--out bench/results/moe.md]
 
 - grouped (ours): tokens sorted by expert, one GEMM pair per expert that has tokens on
-  oneDNN's prepacked weights, a weighted scatter-add back (torch_ref.grouped_experts,
+  oneDNN's prepacked weights, a weighted scatter-add back (torch_moe.grouped_experts,
   as the executor runs it);
 - per-expert loop (transformers 5's Qwen3MoeExperts.forward, the naive way): a one-hot
   mask of the choices, then for each expert hit a torch.where over the mask, F.linear
@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.output import write_result  # noqa: E402 (needs the path above)
 from flagstop.executor.models import onednn  # noqa: E402
-from flagstop.kernels import torch_ref  # noqa: E402
+from flagstop.kernels import torch_moe  # noqa: E402
 
 LAYERS = {  # name -> (hidden, experts, expert size, top-k)
     "small-qwen3_moe (768, 8 x 768, top-2)": (768, 8, 768, 2),
@@ -56,7 +56,7 @@ def grouped(x, w13, w2, weights, ids):
         gate, up = onednn.matmul(rows, packed[e][0]).chunk(2, dim=-1)
         return onednn.matmul(F.silu(gate) * up, packed[e][1])
 
-    return lambda: torch_ref.grouped_experts(x, weights, ids, 0, len(w13), expert_mlp)
+    return lambda: torch_moe.grouped_experts(x, weights, ids, 0, len(w13), expert_mlp)
 
 
 def per_expert_loop(x, w13, w2, weights, ids):

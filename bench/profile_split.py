@@ -22,11 +22,13 @@ ROUTER_PARTS = [
     ("stop strings", ["StopStringMatcher"]),
     ("telemetry", ["router/telemetry.py", "opentelemetry/", "prometheus_client/",
                    "flagstop/telemetry.py"]),
-    ("chunk (text, ids, logprobs, usage)", ["router/output.py", "router/openai_"]),
+    ("chunk (text, ids, logprobs, usage)", ["router/output.py", "router/openai/bodies.py",
+                                            "router/openai/sse.py"]),
     ("fan-out", ["RouterEngine.fan_out", "RouterEngine._prefill_facts",
                  "RouterEngine._logprobs"]),
     ("scheduler stream (receive, decode)", ["router/replica.py", "Replica."]),
-    ("per-stream wake-up and loop", ["router/engine.py", "router/service.py", "router/http.py"]),
+    ("per-stream wake-up and loop", ["router/engine.py", "router/service.py",
+                                     "router/openai/"]),
     ("requests (admission, validation, release)", ["router/", "flagstop/"]),
 ]  # fmt: skip
 SCHEDULER_PARTS = [
@@ -35,7 +37,8 @@ SCHEDULER_PARTS = [
                    "flagstop/telemetry.py"]),
     ("plan and result conversion", ["scheduler_svc/convert.py"]),
     ("executor stream", ["scheduler_svc/executor_link.py"]),
-    ("router streams", ["scheduler_svc/service.py"]),
+    ("router streams", ["scheduler_svc/service.py", "scheduler_svc/router_links.py",
+                        "scheduler_svc/intake.py"]),
     ("other", ["flagstop/", "scheduler_svc/"]),
 ]  # fmt: skip
 # Every stack's outer frames (the entry point, the loop's run): they name no part.

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.output import write_result
 from bench.serve_bench import cpu_seconds
-from flagstop.executor.structured import GrammarBook
+from flagstop.executor.grammar_book import GrammarBook
 from flagstop.structured import check, spec_from_proto
 from flagstop.v1 import generation_pb2
 from tools.make_model import write_model

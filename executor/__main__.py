@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from flagstop.executor.config import ExecutorConfig
-from flagstop.executor.kv_pull import LeaseClient
+from flagstop.executor.kv_transfers.decode import LeaseClient
 from flagstop.executor.service import SERVICE_NAME, ExecutorService
 from flagstop.executor.settings import ExecutorSettings
 from flagstop.health import Health
@@ -45,7 +45,9 @@ def load_runner(settings: ExecutorConfig, membership):
     group = start_group(settings, membership)
     try:
         runner = ModelRunner(settings, group.tp, lambda: join(group), group.device)
-        return runner, GroupDriver(group)
+        driver = GroupDriver(group)
+        runner.drafter.channel = driver  # rank 0 sends each step's drafts to the others
+        return runner, driver
     except BaseException:
         group.stop_children()
         raise

@@ -2,7 +2,7 @@
 
 The batch is laid out decodes first (one token each), then prefill chunks, so that each
 kind runs as one kernel call. A backend is a kernels module with the functions (and
-signatures) of kernels/torch_ref.py; its kv_cache_shape() says how the model runner
+signatures) of kernels/torch_attention.py; its kv_cache_shape() says how the model runner
 lays out the cache it reads."""
 
 import os
@@ -11,7 +11,7 @@ from types import ModuleType
 
 import torch
 
-from flagstop.kernels import torch_ref
+from flagstop.kernels import torch_attention
 
 
 @dataclass(slots=True)
@@ -33,12 +33,12 @@ class AttentionMetadata:
 
 
 def attention_backend(name: str, device: torch.device) -> ModuleType:
-    """The kernels module for a backend name: `torch` (kernels/torch_ref.py, the CPU
+    """The kernels module for a backend name: `torch` (kernels/torch_attention.py, the CPU
     path) or `triton` (kernels/triton_attention.py, imported only when chosen)."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
-        return torch_ref
+        return torch_attention
     if name != "triton":
         raise ValueError(f"unknown attention backend {name!r}: auto, torch or triton")
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":

@@ -124,6 +124,16 @@ class ExecutorConfig(BaseModel):
         return None if isinstance(value, str) and not value.strip() else value
 
     @property
+    def num_speculative_tokens(self) -> int:
+        """The most draft tokens a request gets a step (0: speculative decoding off)."""
+        speculative = self.speculative_config
+        return speculative.num_speculative_tokens if speculative is not None else 0
+
+    @property
+    def speculative_method(self) -> str:
+        return self.speculative_config.method if self.speculative_config is not None else ""
+
+    @property
     def lora_module_paths(self) -> list[tuple[str, str]]:
         """--lora-modules as (name, directory) pairs."""
         return [(name, path) for name, _, path in (s.partition("=") for s in self.lora_modules)]

@@ -3,6 +3,7 @@ preallocated arrays (one row per request), so that a step's diff from the schedu
 is a few bytes per request and input preparation is vectorised."""
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -13,6 +14,18 @@ from flagstop.utils import cdiv
 
 class BatchDesync(RuntimeError):
     """The scheduler's view and ours disagree: the executor must be reset."""
+
+
+class ScheduledRows(NamedTuple):
+    """A step's requests in plan order, by row: tokens to compute (drafts not counted),
+    sequence lengths after the step, which of them sample (indices into rows), and
+    their draft slots."""
+
+    rows: np.ndarray
+    num_scheduled: np.ndarray
+    seq_lens: np.ndarray
+    samples: np.ndarray
+    slots: np.ndarray
 
 
 class InputBatch:
@@ -49,6 +62,10 @@ class InputBatch:
         self.biased = np.zeros(max_num_reqs, np.bool_)
         self.min_p = np.zeros(max_num_reqs, np.float32)
         self.lora_names: list[str | None] = [None] * max_num_reqs  # None: the base model
+        # Rows whose request failed here (a grammar that did not compile, an adapter
+        # not loaded): they still run (the batch goes on), their tokens are -1, and
+        # the scheduler ends them with an error.
+        self.failed_rows: set[int] = set()
         self.req_rows: dict[str, int] = {}
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
 
@@ -59,6 +76,7 @@ class InputBatch:
             row = self.req_rows.pop(req_id, None)
             if row is not None:
                 self.free_rows.append(row)
+                self.failed_rows.discard(row)
         for req_id, num_blocks in plan.trimmed_blocks.items():
             row = self.req_rows.get(req_id)
             if row is not None:
@@ -124,12 +142,11 @@ class InputBatch:
 
     # -- one step ----------------------------------------------------------------
 
-    def schedule(self, plan: SchedulerOutput) -> tuple[np.ndarray, ...]:
-        """(rows, tokens scheduled, sequence lengths after the step, which of them
-        sample, draft slots), each in plan order, drafts not counted: a request
-        samples when this step reaches the end of its known tokens, and one with
-        draft slots then verifies up to that many drafts after them. Positions are
-        ours: the scheduler's count may include drafts rejected since."""
+    def scheduled_rows(self, plan: SchedulerOutput) -> ScheduledRows:
+        """The plan's requests by row: a request samples when this step reaches the
+        end of its known tokens, and one with draft slots then verifies up to that
+        many drafts after them. Positions are ours: the scheduler's count may include
+        drafts rejected since."""
         rows = np.fromiter((self._row(r) for r in plan.num_scheduled_tokens), np.int64)
         num_scheduled = np.fromiter(plan.num_scheduled_tokens.values(), np.int64, len(rows))
         slots = np.zeros(len(rows), np.int64)
@@ -146,7 +163,12 @@ class InputBatch:
         samples = np.flatnonzero(seq_lens == self.num_tokens[rows])
         if slots.any() and slots[np.setdiff1d(np.arange(len(rows)), samples)].any():
             raise BatchDesync("draft slots for a request that does not sample")
-        return rows, num_scheduled, seq_lens, samples, slots
+        return ScheduledRows(rows, num_scheduled, seq_lens, samples, slots)
+
+    def fail_tokens(self, sampling_rows: np.ndarray, token_ids: list[int]) -> list[int]:
+        """The step's tokens (one per entry of sampling_rows) with the failed rows' -1."""
+        return [-1 if row in self.failed_rows else token
+                for row, token in zip(sampling_rows.tolist(), token_ids, strict=True)]  # fmt: skip
 
     def advance(
         self, rows: np.ndarray, num_scheduled: np.ndarray, sampling_rows: np.ndarray,

@@ -12,7 +12,7 @@ from flagstop.scheduler_svc.core.output import SchedulerOutput
 from flagstop.structured import GrammarSpec
 
 if TYPE_CHECKING:
-    from flagstop.executor.kv_worker import KVWorker
+    from flagstop.executor.kv_transfers.worker import KVWorker
 
 
 class Runner(Protocol):
@@ -27,9 +27,10 @@ class Runner(Protocol):
     # and how they are proposed.
     num_speculative_tokens: int
     speculative_method: str
-    # The KV connector's executor side (executor/kv_worker.py), or None; the KV layout
-    # two executors must share to exchange blocks, and this instance's id.
-    kv_worker: "KVWorker | None"
+    # The KV connector's executor side (executor/kv_transfers/worker.py; NoKVWorker without
+    # one); the KV layout two executors must share to exchange blocks, and this
+    # instance's id.
+    kv_worker: "KVWorker"
     kv_layout: str
     kv_engine_id: str
 
@@ -68,7 +69,7 @@ class Runner(Protocol):
         """Drop an adapter; False when none of that name is registered."""
         ...
 
-    def prepare_grammar(self, spec: GrammarSpec) -> float:
+    def prepare_grammar(self, grammar: GrammarSpec) -> float:
         """Compile a request's output constraint ahead of it (called on a thread);
         the seconds it took. Raises GrammarError."""
         ...

@@ -14,7 +14,7 @@ from prometheus_client import Histogram
 
 from flagstop.adapters import LoadedAdapter, already_loaded, name_refusal
 from flagstop.executor.convert import plan_from_proto, result_to_proto
-from flagstop.executor.kv_worker import LayoutMismatch, PrefillSide
+from flagstop.executor.kv_transfers.worker import LayoutMismatch
 from flagstop.executor.tp_messages import LORA_LOAD, LORA_UNLOAD
 from flagstop.structured import GrammarError, spec_from_proto
 from flagstop.telemetry import LATENCY_BUCKETS, Telemetry, extract
@@ -53,8 +53,6 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         self.tracer = telemetry.tracer
         self.model_name = model_name
         self.group = group
-        if group is not None and hasattr(runner, "draft_channel"):
-            runner.draft_channel = group  # rank 0 sends each step's drafts to the others
         # Bumped by every new Execute stream: the newest scheduler wins, an older
         # stream still open (a scheduler that died) is ended at its next message.
         self.generation = 0
@@ -84,16 +82,8 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
 
     # -- prefill/decode disaggregation: a prefill executor's side ------------------
 
-    def _prefill_side(self, engine_id: str | None = None) -> PrefillSide | None:
-        """The prefill side's leases; None on another executor, or for a lease taken at
-        another instance of this one (it holds nothing of it)."""
-        worker = self.runner.kv_worker
-        if not isinstance(worker, PrefillSide) or engine_id not in (None, worker.engine_id):
-            return None
-        return worker
-
     async def KVHandshake(self, request, context) -> executor_pb2.KVHandshakeResponse:
-        if (side := self._prefill_side()) is None:
+        if (side := self.runner.kv_worker.prefill_side()) is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "not a prefill executor (--kv-role prefill)")  # fmt: skip
         try:
@@ -103,12 +93,12 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
 
     async def RenewKVLease(self, request, context) -> executor_pb2.RenewKVLeaseResponse:
-        side = self._prefill_side(request.engine_id)
+        side = self.runner.kv_worker.prefill_side(request.engine_id)
         held = side is not None and await side.leases.renew(request.transfer_id)
         return executor_pb2.RenewKVLeaseResponse(held=held)
 
     async def ReleaseKVLease(self, request, context) -> executor_pb2.ReleaseKVLeaseResponse:
-        side = self._prefill_side(request.engine_id)
+        side = self.runner.kv_worker.prefill_side(request.engine_id)
         held = side is not None and await side.leases.release(request.transfer_id)
         return executor_pb2.ReleaseKVLeaseResponse(held=held)
 

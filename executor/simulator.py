@@ -43,8 +43,9 @@ import numpy as np
 from flagstop.adapters import LoadedAdapter, adapter_digest
 from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.input_batch import InputBatch
-from flagstop.executor.kv_pull import DecodeSide, SimulatedTransport
-from flagstop.executor.kv_worker import POLL_WAIT_S, KVWorker, PrefillSide, kv_layout
+from flagstop.executor.kv_transfers.decode import DecodeSide, SimulatedTransport
+from flagstop.executor.kv_transfers.prefill import PrefillSide
+from flagstop.executor.kv_transfers.worker import POLL_WAIT_S, KVWorker, NoKVWorker, kv_layout
 from flagstop.executor.models.config import ModelConfig
 from flagstop.executor.sampling_params import SampleOutput, SamplingParams
 from flagstop.scheduler_svc.core.output import SchedulerOutput
@@ -101,9 +102,8 @@ class SimulatedRunner:
         self.cost = CostModel(config.simulate_base_ms, config.simulate_us_per_scheduled_token,
                               config.simulate_us_per_context_token)  # fmt: skip
         self.mean_output_tokens = config.simulate_mean_output_tokens
-        spec = config.speculative_config
-        self.num_speculative_tokens = spec.num_speculative_tokens if spec else 0
-        self.speculative_method = spec.method if spec else ""
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.speculative_method = config.speculative_method
         self.acceptance_rate = config.simulate_acceptance_rate
         self.busy_until = self.last_step_seconds = 0.0
         self.batch = self._new_batch()
@@ -117,7 +117,7 @@ class SimulatedRunner:
         })  # fmt: skip
         self.kv_worker = self._kv_worker()
 
-    def _kv_worker(self) -> KVWorker | None:
+    def _kv_worker(self) -> KVWorker:
         """--kv-role: its side of disaggregation, without bytes."""
         config = self.config
         if config.kv_role == "prefill":
@@ -128,7 +128,7 @@ class SimulatedRunner:
             block_s = config.simulate_kv_transfer_us_per_token * self.block_size / 1e6
             return DecodeSide(0, self.kv_layout, SimulatedTransport(block_s),
                               lambda values: values)  # fmt: skip
-        return None
+        return NoKVWorker()
 
     def lora_adapters(self) -> dict[str, LoadedAdapter]:
         return dict(self.adapters)
@@ -157,13 +157,12 @@ class SimulatedRunner:
 
     def reset(self) -> None:
         self.batch = self._new_batch()
-        if self.kv_worker is not None:
-            self.kv_worker.reset()
+        self.kv_worker.reset()
 
     def take_expert_tokens(self) -> None:
         return None  # the simulator routes nothing
 
-    def prepare_grammar(self, spec: GrammarSpec) -> float:
+    def prepare_grammar(self, grammar: GrammarSpec) -> float:
         """Nothing to compile: the simulator's tokens are not sampled from a model, so
         a constrained request runs unconstrained here (a load-test tool)."""
         return 0.0
@@ -175,22 +174,21 @@ class SimulatedRunner:
         start = max(time.monotonic(), self.busy_until)
         self.busy_until = start + self.last_step_seconds
         await asyncio.sleep(self.busy_until - time.monotonic())
-        if (worker := self.kv_worker) is not None:
-            if plan.polls_only:
-                await worker.wait(POLL_WAIT_S)
-            output.transfers = worker.finished()
+        if plan.polls_only:
+            await self.kv_worker.wait(POLL_WAIT_S)
+        output.transfers = self.kv_worker.finished()
         return output
 
     def execute(self, plan: SchedulerOutput) -> SampleOutput:
         """One step's tokens at once; last_step_seconds is what it would have taken."""
         batch = self.batch
         batch.apply(plan)
-        if self.kv_worker is not None and plan.kv_connector:
+        if plan.kv_connector:
             self.kv_worker.start(plan.kv_connector)
         self.last_step_seconds = 0.0
         if not plan.num_scheduled_tokens:
             return SampleOutput([])
-        rows, num_scheduled, seq_lens, samples, slots = batch.schedule(plan)
+        rows, num_scheduled, seq_lens, samples, slots = batch.scheduled_rows(plan)
         sampling_rows = rows[samples]
         num_computed = int(num_scheduled.sum() + slots.sum())
         self.last_step_seconds = self.cost.seconds(num_computed, int(seq_lens.sum()))

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from flagstop.executor.attention import AttentionMetadata
-from flagstop.executor.input_batch import BatchDesync, InputBatch
+from flagstop.executor.input_batch import BatchDesync, InputBatch, ScheduledRows
 from flagstop.executor.sampling import Penalties, SamplingMetadata
 from flagstop.utils import cdiv
 
@@ -57,10 +57,10 @@ class StepInputs:
 
 
 def prepare_inputs(
-    batch: InputBatch, scheduled: tuple[np.ndarray, ...], device: torch.device,
+    batch: InputBatch, scheduled: ScheduledRows, device: torch.device,
     drafts: Drafts | None = None,
 ) -> StepInputs:  # fmt: skip
-    """The flattened forward's tensors of one step (InputBatch.schedule's rows, with
+    """The flattened forward's tensors of one step (InputBatch.scheduled_rows, with
     the drafts already written after their requests' tokens), on the device."""
     rows, num_scheduled, seq_lens, samples, _ = scheduled
     if drafts is not None:

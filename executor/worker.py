@@ -36,7 +36,7 @@ def follow(config: ExecutorConfig, membership: Membership) -> None:
     except Exception as e:  # this rank's shard: tell rank 0 why
         report_error(group, e)
         raise
-    runner.draft_channel = FollowerDrafts(group)
+    runner.drafter.channel = FollowerDrafts(group)
     log.info("rank %d of %d ready on %s", membership.rank, membership.world_size, group.device)
     while True:
         kind, tokens, counts, payload = group.receive()

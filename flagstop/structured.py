@@ -12,7 +12,7 @@ point, and masking 16 rows costs 0.25 ms a step (the tiny model's steps: 1-8 ms)
 
 The router checks a spec (no tokenizer needed: 0.2-1.7 ms, once per spec) to
 refuse a bad one before admission; the executor compiles it against the model's
-vocabulary (executor/structured.py). The engine is imported on first use."""
+vocabulary (executor/grammar_book.py). The engine is imported on first use."""
 
 import functools
 import json

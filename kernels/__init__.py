@@ -1,1 +1,2 @@
-"""Attention and cache kernels: Triton for CUDA, torch reference twins for the CPU."""
+"""Kernels: Triton for CUDA (triton_*.py), and their torch twins (torch_*.py), the CPU
+path and the Triton kernels' oracle."""

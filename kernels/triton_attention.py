@@ -1,4 +1,4 @@
-"""Triton kernels for the paged KV cache, twins of kernels/torch_ref.py (same
+"""Triton kernels for the paged KV cache, twins of kernels/torch_attention.py (same
 signatures). Layout: kv_cache_shape() = [num_blocks, block_size, num_kv_heads, head_dim],
 token-major (a stored token is one contiguous row); the torch twins read head-major
 blocks, the tests hand them a transposed copy.
@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-# The triton backend's experts', LoRA and quantized kernels (a backend has torch_ref's
+# The triton backend's experts', LoRA and quantized kernels (a backend has torch_attention's
 # functions).
 from flagstop.kernels.triton_lora import lora_add  # noqa: F401
 from flagstop.kernels.triton_moe import fused_moe  # noqa: F401
@@ -325,6 +325,10 @@ def paged_attention_prefill(
     num_seqs = seq_lens.shape[0]
     max_q_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     block_m = 16 if max_q_len <= 16 else 64
+    # 4 warps hold a 64 x 128 tile's accumulator and scores only by spilling registers
+    # (ptxas for sm_90a: ~490 bytes a thread at bf16, block size 32; tools/compile_sm90.py);
+    # 8 warps hold it in 182 registers, no spill.
+    num_warps = 8 if block_m * head_dim >= 64 * 128 else 4
     out = torch.empty_like(query)
     _prefill_kernel[(num_seqs, num_heads, triton.cdiv(max_q_len, block_m))](
         query,
@@ -345,5 +349,6 @@ def paged_attention_prefill(
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
         IEEE=query.dtype == torch.float32,
+        num_warps=num_warps,
     )
     return out

@@ -1,4 +1,4 @@
-"""The fused Mixture-of-Experts kernel for the GPU, twin of torch_ref.fused_moe (same
+"""The fused Mixture-of-Experts kernel for the GPU, twin of torch_moe.fused_moe (same
 signature), after vLLM's fused_moe: the (token, choice) pairs are sorted by expert
 and each expert's run padded to a multiple of BLOCK_M (align_by_expert), so that a
 block of BLOCK_M rows belongs to one expert; then one grouped-GEMM launch computes
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from flagstop.kernels import torch_ref
+from flagstop.kernels import torch_moe
 
 BLOCK_M, BLOCK_N, BLOCK_K = 32, 64, 32
 
@@ -25,7 +25,7 @@ def align_by_expert(topk_ids: torch.Tensor, first_expert: int, num_experts: int,
     with T * k (a row no block writes); block_experts the local expert of each block
     of block_m rows (-1 past the end); num_padded [1] the padded rows in use."""
     num_pairs = topk_ids.numel()
-    local = torch_ref.local_expert_ids(topk_ids, first_expert, num_experts)
+    local = torch_moe.local_expert_ids(topk_ids, first_expert, num_experts)
     counts = torch.bincount(local, minlength=num_experts + 1)[:num_experts]
     padded = (counts + block_m - 1) // block_m * block_m
     padded_start = torch.cumsum(padded, 0) - padded
@@ -105,7 +105,7 @@ def fused_moe(
     topk_ids: torch.Tensor,
     first_expert: int = 0,
 ) -> torch.Tensor:
-    """See torch_ref.fused_moe: [T, H] in x's dtype."""
+    """See torch_moe.fused_moe: [T, H] in x's dtype."""
     num_tokens, top_k = topk_ids.shape
     aligned = align_by_expert(topk_ids, first_expert, w13.shape[0], BLOCK_M)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()

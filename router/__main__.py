@@ -11,7 +11,7 @@ from flagstop.health import Health
 from flagstop.router.auth import ApiKeyCheck, BearerKey
 from flagstop.router.chat import ChatTemplate
 from flagstop.router.engine import RouterEngine
-from flagstop.router.http import HttpServer, create_app
+from flagstop.router.openai.app import HttpServer, create_app
 from flagstop.router.processes import supervise
 from flagstop.router.service import SERVICE_NAME, GenerationService, add_to_server
 from flagstop.router.settings import RouterSettings
@@ -47,7 +47,11 @@ async def serve(settings: RouterSettings) -> None:
     health = Health(server, [SERVICE_NAME])
     engine = RouterEngine(tokenizer, settings, health, Telemetry("flagstop-router"))
     add_to_server(GenerationService(engine), server)
-    http = HttpServer(create_app(engine, settings, chat), settings) if settings.http_port else None
+    http = (
+        HttpServer(create_app(engine, settings, chat, key), settings)
+        if settings.http_port
+        else None
+    )
     start_metrics_server(settings.metrics_port, settings.host)
     await server.start()  # live, not ready until the scheduler has described itself
 

@@ -54,3 +54,24 @@ def pytest_runtest_protocol(item, nextitem):
         return (yield)
     finally:
         subprocess.Popen._execute_child = _EXECUTE_CHILD
+
+
+# The Triton launches the kernel tests make, for tools/compile_sm90.py (`make test`
+# compiles each for the H200 after the run). Interpreted launches only: on a GPU the
+# kernels compile for real as they run.
+_LAUNCHES = os.environ.get("FLAGSTOP_KERNEL_LAUNCHES")
+_RECORDER = None
+
+
+def pytest_sessionstart(session):
+    global _RECORDER
+    if _LAUNCHES and os.environ.get("TRITON_INTERPRET") == "1":
+        from tools.kernel_launches import Recorder
+
+        _RECORDER = Recorder()
+        _RECORDER.install()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _RECORDER is not None:
+        _RECORDER.save(_LAUNCHES)

@@ -9,10 +9,11 @@ import time
 import pytest
 import torch
 
-from flagstop.executor import kv_lease
-from flagstop.executor.kv_lease import Leases
-from flagstop.executor.kv_pull import READ, DecodeSide, TransferFailed
-from flagstop.executor.kv_worker import LayoutMismatch, PrefillSide
+from flagstop.executor.kv_transfers import leases
+from flagstop.executor.kv_transfers.decode import READ, DecodeSide, TransferFailed
+from flagstop.executor.kv_transfers.leases import Leases
+from flagstop.executor.kv_transfers.prefill import PrefillSide
+from flagstop.executor.kv_transfers.worker import LayoutMismatch
 from flagstop.router.routing import (
     BOTH,
     DECODE,
@@ -257,7 +258,7 @@ def test_a_lease_is_renewed_released_once_and_reported():
 
 
 def test_a_lease_asked_for_before_it_is_held_waits_for_it(monkeypatch):
-    monkeypatch.setattr(kv_lease, "REGISTRATION_WAIT_S", 0.2)
+    monkeypatch.setattr(leases, "REGISTRATION_WAIT_S", 0.2)
 
     async def scenario():
         leases = Leases(10.0)
@@ -387,7 +388,7 @@ def test_the_ranks_agree_a_load_failed_when_any_rank_failed():
 def test_mooncake_reads_a_prefill_sides_blocks_in_runs():
     pytest.importorskip("mooncake.engine", reason="Mooncake's transfer engine does not load "
                         "here (Debian: apt-get install libibverbs1; .ci/run does)")  # fmt: skip
-    from flagstop.executor.mooncake_transport import MooncakeTransport, _runs
+    from flagstop.executor.kv_transfers.mooncake import MooncakeTransport, _runs
 
     assert _runs([5, 6, 9, 10], [1, 2, 3, 4]) == [(5, 1, 2), (9, 3, 2)]
     theirs = [torch.arange(8 * 6, dtype=torch.float32).view(8, 2, 3) + 1000 * i for i in (1, 2)]

@@ -125,7 +125,7 @@ def test_greedy_requests_joining_and_leaving_equal_generate(checkpoint):
 @pytest.mark.parametrize("name", ["mixtral", "qwen2-moe"])
 def test_moe_experts_on_onednn_prepacked_weights_match_transformers(name, tmp_path, monkeypatch):
     """The test models' experts are too small to be packed by default (they run
-    torch_ref.fused_moe): here every weight is, as a real model's experts are."""
+    torch_attention.fused_moe): here every weight is, as a real model's experts are."""
     from flagstop.executor.models import onednn
 
     if not onednn.usable(torch.device("cpu"), torch.float32):

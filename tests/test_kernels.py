@@ -6,7 +6,13 @@ import torch
 
 from flagstop.executor.models.quant_formats import pack_int4
 from flagstop.executor.models.quantization import ActScheme
-from flagstop.kernels import torch_quant, torch_ref, triton_attention, triton_moe, triton_quant
+from flagstop.kernels import (
+    torch_attention,
+    torch_quant,
+    triton_attention,
+    triton_moe,
+    triton_quant,
+)
 from flagstop.utils import cdiv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -30,7 +36,8 @@ def make_caches(num_blocks, block_size, num_kv_heads, head_dim, dtype, seed=0):
 
 
 def head_major(*caches: torch.Tensor) -> list[torch.Tensor]:
-    """[blocks, block_size, kv_heads, dim] -> torch_ref's [blocks, kv_heads, block_size, dim]."""
+    """[blocks, block_size, kv_heads, dim] -> the torch backend's [blocks, kv_heads,
+    block_size, dim]."""
     return [cache.transpose(1, 2).contiguous() for cache in caches]
 
 
@@ -65,7 +72,7 @@ def test_store_kv(num_heads, num_kv_heads, head_dim, block_size, dtype):
     key = randn(5, num_kv_heads, head_dim, dtype=dtype)
     value = randn(5, num_kv_heads, head_dim, dtype=dtype, seed=1)
     slots = torch.tensor([0, block_size - 1, -1, block_size, 5 * block_size + 3], device=DEVICE)
-    torch_ref.store_kv(key, value, k_ref, v_ref, slots)
+    torch_attention.store_kv(key, value, k_ref, v_ref, slots)
     triton_attention.store_kv(key, value, k_tri, v_tri, slots)
     assert all(map(torch.equal, head_major(k_tri, v_tri), (k_ref, v_ref)))
 
@@ -84,7 +91,7 @@ def test_paged_attention_decode(num_heads, num_kv_heads, head_dim, block_size, d
     query = randn(len(seq_lens), num_heads, head_dim, dtype=dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     scale = head_dim**-0.5
-    expected = torch_ref.paged_attention_decode(
+    expected = torch_attention.paged_attention_decode(
         query, *head_major(k_cache, v_cache), tables, lens, scale
     )
     got = triton_attention.paged_attention_decode(query, k_cache, v_cache, tables, lens, scale)
@@ -114,7 +121,7 @@ def test_paged_attention_prefill(
     query = randn(int(starts[-1]), num_heads, head_dim, dtype=dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     starts, scale = starts.to(DEVICE), head_dim**-0.5
-    expected = torch_ref.paged_attention_prefill(
+    expected = torch_attention.paged_attention_prefill(
         query, *head_major(k_cache, v_cache), tables, starts, lens, scale
     )
     got = triton_attention.paged_attention_prefill(
@@ -158,11 +165,11 @@ def test_the_torch_decode_in_length_groups_equals_one_sequence_at_a_time():
     tables = block_tables(seq_lens, block_size, num_blocks)
     query = randn(len(seq_lens), num_heads, head_dim, dtype=torch.float32)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    assert len(torch_ref.length_groups(tables, lens)) > 1
-    assert len(torch_ref.length_groups(tables, lens.flip(0))) == 1  # unsorted: one group
-    got = torch_ref.paged_attention_decode(query, k_cache, v_cache, tables, lens, 0.25)
+    assert len(torch_attention.length_groups(tables, lens)) > 1
+    assert len(torch_attention.length_groups(tables, lens.flip(0))) == 1  # unsorted: one group
+    got = torch_attention.paged_attention_decode(query, k_cache, v_cache, tables, lens, 0.25)
     for i in range(len(seq_lens)):
-        one = torch_ref.paged_attention_decode(
+        one = torch_attention.paged_attention_decode(
             query[i : i + 1], k_cache, v_cache, tables[i : i + 1], lens[i : i + 1], 0.25
         )
         torch.testing.assert_close(got[i], one[0], rtol=1e-5, atol=1e-5)
@@ -181,10 +188,10 @@ def test_short_queries_attend_batched_as_one_by_one(monkeypatch):
     query = randn(int(starts[-1]), num_heads, head_dim, dtype=torch.float32)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     args = (query, *head_major(k_cache, v_cache), tables, starts, lens, head_dim**-0.5)
-    batched = torch_ref.paged_attention_prefill(*args)
-    assert torch_ref.short_queries(starts, lens) is not None
-    monkeypatch.setattr(torch_ref, "SHORT_QUERY", 0)
-    one_by_one = torch_ref.paged_attention_prefill(*[a.clone() for a in args[:-1]], args[-1])
+    batched = torch_attention.paged_attention_prefill(*args)
+    assert torch_attention.short_queries(starts, lens) is not None
+    monkeypatch.setattr(torch_attention, "SHORT_QUERY", 0)
+    one_by_one = torch_attention.paged_attention_prefill(*[a.clone() for a in args[:-1]], args[-1])
     torch.testing.assert_close(batched, one_by_one, atol=1e-5, rtol=1e-5)
 
 
@@ -213,7 +220,7 @@ def test_fused_moe(num_tokens, num_experts, top_k, first, skip, dtype):
     w13 = randn(local, 2 * inner, hidden, dtype=dtype, seed=1) / hidden**0.5
     w2 = randn(local, hidden, inner, dtype=dtype, seed=2) / inner**0.5
     weights, ids = routing(num_tokens, num_experts, top_k, skip)
-    expected = torch_ref.fused_moe(x, w13, w2, weights, ids, first)
+    expected = torch_attention.fused_moe(x, w13, w2, weights, ids, first)
     got = triton_moe.fused_moe(x, w13, w2, weights, ids, first)
     assert_close(got, expected, dtype)
     if first:  # the tokens routed only to other ranks' experts add nothing here
@@ -241,7 +248,7 @@ def test_grouped_experts_equals_every_expert_on_every_token_masked():
         gate, up = (x @ w13[e].T).chunk(2, dim=-1)
         chosen = (weights * (ids == e)).sum(-1, keepdim=True)
         dense += chosen * ((torch.nn.functional.silu(gate) * up) @ w2[e].T)
-    torch.testing.assert_close(torch_ref.fused_moe(x, w13, w2, weights, ids), dense)
+    torch.testing.assert_close(torch_attention.fused_moe(x, w13, w2, weights, ids), dense)
 
 
 def quantized_weight(kind: str, rows: int, columns: int, group: int, seed: int = 0):
@@ -312,7 +319,7 @@ def test_attention_on_an_fp8_cache_is_attention_on_its_values(backend, dtype):
     the model's dtype holding the dequantized values: only the storage differs."""
     from flagstop.executor.attention import AttentionMetadata, FP8Scales, paged_attention
 
-    kernels = torch_ref if backend == "torch" else triton_attention
+    kernels = torch_attention if backend == "torch" else triton_attention
     num_heads, num_kv_heads, head_dim, block_size = 4, 2, 64, 16
     lens = [1, 1, 5, 40]  # two decodes, two prefills
     tables = block_tables(lens, block_size, 8)
@@ -375,3 +382,29 @@ def test_lora_sgmv_equals_the_torch_products(dtype, step):
     untouched = torch.from_numpy(token_slots < 0).to(DEVICE)
     assert torch.equal(got[untouched], base[untouched])  # the base model's tokens
     assert not torch.equal(got[~untouched], base[~untouched])
+
+
+# -- the H200 compile check (tools/compile_sm90.py) ----------------------------------
+
+
+def test_the_h200_compile_check_knows_every_kernel_and_adds_the_gpus_dtypes():
+    """Each launched kernel has its roles (which arguments take the model's dtype and
+    the KV cache's); a float32 launch gains the bf16 one a GPU makes (non-IEEE dots),
+    and an attention kernel's the FP8-KV one; other arguments keep their types."""
+    from tools.compile_sm90 import ROLES, variants
+    from tools.kernel_launches import KERNEL_MODULES, Launch, launched_kernels
+
+    for name in KERNEL_MODULES:
+        kernels = {k.fn.__name__ for k in launched_kernels(name)}
+        assert kernels and kernels <= ROLES.keys(), f"{name}: {kernels - ROLES.keys()}"
+    signature = (("query", "*fp32"), ("k_cache", "*fp32"), ("v_cache", "*fp32"),
+                 ("block_tables", "*i32"), ("out", "*fp32"), ("scale", "fp32"),
+                 ("IEEE", "constexpr"))  # fmt: skip
+    launch = Launch("triton_attention", "_prefill_kernel", signature, (("IEEE", True),), ())
+    got = {variant: (dict(v.signature), dict(v.constexprs)) for variant, v in variants(launch)}
+    assert got["as tested"] == (dict(launch.signature), {"IEEE": True})
+    bf16, fp8 = got["bf16"][0], got["bf16, fp8 KV"][0]
+    assert (bf16["query"], bf16["k_cache"], bf16["out"]) == ("*bf16", "*bf16", "*bf16")
+    assert (fp8["query"], fp8["k_cache"], fp8["v_cache"]) == ("*bf16", "*fp8e4nv", "*fp8e4nv")
+    assert bf16["block_tables"] == fp8["block_tables"] == "*i32" and bf16["scale"] == "fp32"
+    assert got["bf16"][1] == {"IEEE": False}

@@ -94,7 +94,7 @@ def test_the_wheel_installs_one_top_level_package(wheel):
     assert {t for t in top if not t.endswith(".dist-info")} == {"flagstop"}
     names = set(wheel.namelist())
     modules = ["router/service.py", "scheduler_svc/core/scheduler.py", "v1/executor_pb2.py",
-               "executor/model_runner.py", "kernels/torch_ref.py"]  # fmt: skip
+               "executor/model_runner.py", "kernels/torch_attention.py"]  # fmt: skip
     for module in modules:
         assert f"flagstop/{module}" in names
     assert not any(n.startswith(("flagstop/tools", "flagstop/tests")) for n in names)

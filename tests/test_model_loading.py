@@ -10,7 +10,7 @@ from flagstop.executor.models import onednn
 from flagstop.executor.models.config import ConfigError, ModelConfig
 from flagstop.executor.models.loader import load_model
 from flagstop.executor.parallel import Shard, TensorParallel
-from flagstop.kernels.torch_ref import gather_kv, store_kv
+from flagstop.kernels.torch_attention import gather_kv, store_kv
 from tests.helpers.checkpoints import write_checkpoint
 from tools.make_model import write_model
 

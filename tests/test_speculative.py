@@ -60,6 +60,19 @@ def test_speculative_config_defaults_and_refusals():
             SpeculativeConfig(**bad)
 
 
+def test_suffix_without_its_extra_is_refused_naming_it(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+
+    def without_arctic(name, *args):
+        return None if name == "arctic_inference" else find_spec(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", without_arctic)
+    with pytest.raises(ValueError, match=r"pip install 'flagstop\[suffix\]'"):
+        SpeculativeConfig(method="suffix")
+
+
 # -- the rejection sampler ------------------------------------------------------------
 
 VOCAB, K = 8, 2

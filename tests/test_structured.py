@@ -19,7 +19,8 @@ from transformers import AutoTokenizer
 from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.model_runner import ModelRunner
 from flagstop.executor.sampling_params import SamplingParams
-from flagstop.router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from flagstop.router.openai.chat_request import ChatCompletionRequest
+from flagstop.router.openai.protocol import CompletionRequest
 from flagstop.structured import GrammarError, GrammarSpec, check, spec_from_proto
 from flagstop.v1 import generation_pb2
 from tests.helpers.executor_harness import Harness

@@ -7,8 +7,8 @@ import json
 import jsonschema
 import pytest
 
-from flagstop.router.openai_protocol import ChatCompletionRequest, ToolSpec
-from flagstop.router.tool_calls import HermesParser, NamedCall, RequiredCalls, required_schema
+from flagstop.router.openai.chat_request import ChatCompletionRequest, ToolSpec
+from flagstop.router.openai.tools import HermesParser, NamedCall, RequiredCalls, required_schema
 
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": CITY}}

@@ -16,7 +16,7 @@ from flagstop.executor.lora.mapping import LoRAMapping
 from flagstop.executor.models.config import ModelConfig
 from flagstop.executor.models.loader import Target, rank_slice
 from flagstop.executor.parallel import Shard
-from flagstop.kernels import torch_ref
+from flagstop.kernels import torch_attention
 
 # Our packed module -> the PEFT modules packed in it, in row order.
 PACKED = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -31,7 +31,7 @@ class LoRAState:
     the kernels that apply it (the attention backend's)."""
 
     mapping: LoRAMapping | None = None
-    kernels: ModuleType = field(default=torch_ref)
+    kernels: ModuleType = field(default=torch_attention)
 
 
 class LoRALayer:

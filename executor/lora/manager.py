@@ -4,6 +4,7 @@ adapters run from, refilled least recently used first. Filling a slot is a copy 
 the adapter's host tensors into every layer's slot (a few MB at most, on the step
 that first runs the adapter, as vLLM's activate_adapter does)."""
 
+import logging
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -15,6 +16,8 @@ from flagstop.adapters import LoadedAdapter
 from flagstop.executor.lora.adapter import AdapterError, LoRAAdapter, read_adapter
 from flagstop.executor.lora.layers import attach, shard_adapter
 from flagstop.executor.lora.mapping import LoRAMapping
+
+log = logging.getLogger("flagstop.executor")
 
 
 class LoRAManager:
@@ -61,6 +64,19 @@ class LoRAManager:
         share on a thread while steps go on; the first step that runs it waits for it."""
         self.pending[name] = self.reader.submit(self.register, name, path)
 
+    def set_rows(self, batch, rows: np.ndarray, token_rows: np.ndarray) -> None:
+        """The step's adapter of each scheduled row (batch.lora_names) and each token's
+        row. A request whose adapter is not registered (unloaded while it ran, or never
+        sent to this executor) runs on the base model and fails (batch.failed_rows)."""
+        names = batch.lora_names
+        by_row = {row: names[row] for row in rows.tolist()}
+        for row, name in by_row.items():
+            if name is not None and name not in self:
+                log.error("adapter %r is not loaded here: its request fails", name)
+                names[row] = by_row[row] = None
+                batch.failed_rows.add(row)
+        self.set_step(by_row, token_rows)
+
     def set_step(self, names: dict[int, str | None], token_rows: np.ndarray) -> None:
         """This step's adapter per batch row (None: the base model alone) and each
         token's row: fills the slots of adapters not resident and gives the layers
@@ -103,3 +119,35 @@ class LoRAManager:
     def _fill(self, slot: int, pieces: dict) -> None:
         for key, layer in self.layers.items():
             layer.load(slot, pieces.get(key, [None] * len(layer.parts)))
+
+
+class NoLoRA:
+    """--max-loras 0: no slot, no adapter; a step runs the base model alone."""
+
+    def set_rows(self, batch, rows: np.ndarray, token_rows: np.ndarray) -> None:
+        pass
+
+    def register(self, name: str, path: str) -> LoRAAdapter:
+        raise AdapterError("LoRA is off: start the executor with --max-loras")
+
+    register_in_background = register
+
+    def unregister(self, name: str) -> bool:
+        return False
+
+    def summaries(self) -> dict[str, LoadedAdapter]:
+        return {}
+
+
+def lora_manager(model, max_loras: int, max_rank: int, modules: list[tuple[str, str]]):
+    """The adapters' manager (NoLoRA without slots), --lora-modules registered:
+    refused naming the one that failed."""
+    if not max_loras:
+        return NoLoRA()
+    manager = LoRAManager(model, max_loras, max_rank)
+    for name, path in modules:
+        try:
+            manager.register(name, path)
+        except AdapterError as e:
+            raise AdapterError(f"--lora-modules {name}: {e}") from None
+    return manager

@@ -13,7 +13,7 @@ from flagstop.executor.models.config import ConfigError, ModelConfig
 from flagstop.executor.models.onednn import Linear
 from flagstop.executor.models.quantization import LinearScheme
 from flagstop.executor.parallel import TensorParallel
-from flagstop.kernels import torch_ref
+from flagstop.kernels import torch_attention
 
 if TYPE_CHECKING:
     from flagstop.executor.lora.layers import LoRALayer
@@ -58,7 +58,7 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
         self.layers = layers  # the checkpoint's layers packed in it (q, k, v; gate, up)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.kernels: ModuleType = torch_ref
+        self.kernels: ModuleType = torch_attention
         self.lora: LoRALayer | None = None  # its adapters' slots, with --max-loras
 
     def layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -97,9 +97,9 @@ class QuantLinear(nn.Module):
     def dequantize(self) -> torch.Tensor:
         """The weight [out, in] in float32, as the format's decompressor gives it."""
         if self.scheme.kind == "int4":
-            return torch_ref.dequantize_int4(self.qweight, self.scales, self.zeros,
+            return torch_attention.dequantize_int4(self.qweight, self.scales, self.zeros,
                                              self.in_features)  # fmt: skip
-        return torch_ref.dequantize_w8(self.weight, self.weight_scale)
+        return torch_attention.dequantize_w8(self.weight, self.weight_scale)
 
     def resident_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.parameters())

@@ -25,7 +25,7 @@ from flagstop.executor.models.moe import Experts, QuantExperts, SparseMoeBlock
 from flagstop.executor.models.onednn import Linear
 from flagstop.executor.models.quantization import ConfigError
 from flagstop.executor.parallel import SINGLE, TensorParallel
-from flagstop.kernels import torch_ref
+from flagstop.kernels import torch_attention
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -66,7 +66,7 @@ class Attention(nn.Module):
         )
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.backend: ModuleType = torch_ref
+        self.backend: ModuleType = torch_attention
         # An FP8 cache's scales (this rank's KV heads'): set by set_kv_cache_dtype;
         # None while the cache is in the model's dtype.
         self.fp8_scales: FP8Scales | None = None

@@ -16,7 +16,7 @@ from flagstop.executor.models.config import ConfigError, ModelConfig
 from flagstop.executor.models.llama import LlamaForCausalLM
 from flagstop.executor.models.moe import QuantExperts
 from flagstop.executor.parallel import SINGLE, Shard, TensorParallel
-from flagstop.kernels import torch_ref
+from flagstop.kernels import torch_attention
 
 # HF name fragment -> (our module, index of the part inside the packed tensor)
 PACKED = {
@@ -289,7 +289,7 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     tp: TensorParallel = SINGLE,
-    backend: ModuleType = torch_ref,
+    backend: ModuleType = torch_attention,
 ) -> LlamaForCausalLM:
     """The model on `backend`'s kernels (attention's, and the experts' with it)."""
     config = ModelConfig.from_pretrained(model_dir)

@@ -4,7 +4,7 @@ expert parallelism: executor/parallel.py) compute their tokens' rows, and one
 all-reduce sums the ranks' parts with the shared expert's.
 
 Two kernels run the experts: on the torch backend, tokens grouped by expert with one
-GEMM pair per expert that has tokens (torch_ref.grouped_experts), on oneDNN's
+GEMM pair per expert that has tokens (torch_moe.grouped_experts), on oneDNN's
 prepacked weights on the CPU; on the triton backend, the fused grouped-GEMM kernel
 (kernels/triton_moe.py)."""
 
@@ -21,9 +21,9 @@ from flagstop.executor.models.linear import QuantLinear, make_linear
 from flagstop.executor.models.onednn import Linear
 from flagstop.executor.models.quantization import LinearScheme
 from flagstop.executor.parallel import TensorParallel
-from flagstop.kernels import torch_ref
+from flagstop.kernels import torch_attention, torch_moe
 
-FusedMoe = Callable[..., torch.Tensor]  # torch_ref.fused_moe's signature
+FusedMoe = Callable[..., torch.Tensor]  # torch_moe.fused_moe's signature
 
 
 class Experts(nn.Module):
@@ -37,14 +37,14 @@ class Experts(nn.Module):
         self.first_expert, self.num_experts = first_expert, num_experts
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inner, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inner))
-        self.fused: FusedMoe = torch_ref.fused_moe
+        self.fused: FusedMoe = torch_moe.fused_moe
         # oneDNN's prepacked copies, one (w13, w2) pair per expert (prepack()).
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def forward(self, x, topk_weights, topk_ids) -> torch.Tensor:
         if self.packed is None:
             return self.fused(x, self.w13, self.w2, topk_weights, topk_ids, self.first_expert)
-        return torch_ref.grouped_experts(x, topk_weights, topk_ids, self.first_expert,
+        return torch_moe.grouped_experts(x, topk_weights, topk_ids, self.first_expert,
                                          self.num_experts, self._packed_mlp)  # fmt: skip
 
     def _packed_mlp(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
@@ -56,7 +56,7 @@ class Experts(nn.Module):
         a Linear is, onednn.py), the stacked copies dropped; not for experts too small
         to pay for it (their smaller matrix under min_elements), nor for another kernel
         than torch's: it reads the stacked ones."""
-        if self.fused is not torch_ref.fused_moe or self.w2[0].numel() < min_elements:
+        if self.fused is not torch_moe.fused_moe or self.w2[0].numel() < min_elements:
             return
         with torch.no_grad():
             self.packed = [(onednn.reorder(self.w13[e]), onednn.reorder(self.w2[e]))
@@ -69,7 +69,7 @@ class QuantExperts(nn.Module):
     """This rank's experts with their weights held quantized (quant_formats.py's layout,
     stacked by expert): w13_* (gate rows, then up rows) and w2_*, e.g. w13_weight
     [E, 2I, H] and w13_weight_scale [E, 2I, G], or w13_qweight [E, 2I, H / 8]. Tokens are
-    grouped by expert (torch_ref.grouped_experts) and each expert's two GEMMs run on the
+    grouped by expert (torch_moe.grouped_experts) and each expert's two GEMMs run on the
     backend's quantized linear kernels. Like QuantLinear, its tensors are made by
     materialize(), after the model's cast."""
 
@@ -80,7 +80,7 @@ class QuantExperts(nn.Module):
         # The checkpoint layers of this rank's experts, and of the other ranks' (never read).
         self.layers, self.foreign = layers, foreign
         self.shapes = {"w13": (2 * inner, hidden), "w2": (hidden, inner)}
-        self.kernels: ModuleType = torch_ref  # set_attention_backend's
+        self.kernels: ModuleType = torch_attention  # set_attention_backend's
 
     def layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         out = {}
@@ -96,7 +96,7 @@ class QuantExperts(nn.Module):
             self.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
 
     def forward(self, x, topk_weights, topk_ids) -> torch.Tensor:
-        return torch_ref.grouped_experts(x, topk_weights, topk_ids, self.first_expert,
+        return torch_moe.grouped_experts(x, topk_weights, topk_ids, self.first_expert,
                                          self.num_experts, self._expert_mlp)  # fmt: skip
 
     def _expert_mlp(self, expert: int, rows: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ holds (and the kernels read), every tensor with output rows first:
 - static activations: `input_scale` float32 [1].
 
 Each reader takes the tensors of one layer by their checkpoint suffix. Dequantization
-(torch_ref.dequantize_*) is bitwise the formats' own: compressed-tensors' decompressor
+(torch_attention.dequantize_*) is bitwise the formats' own: compressed-tensors' decompressor
 and transformers' FP8 dequantizer compute (q - zero) * scale in the scales' dtype, and
 so does flagstop on float32 scales.
 """

@@ -1,6 +1,7 @@
 """--speculative-config: vLLM's JSON, validated once (a bad one stops start-up with
 one line naming the field)."""
 
+import importlib.util
 from typing import Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
@@ -47,4 +48,7 @@ class SpeculativeConfig(BaseModel):
             object.__setattr__(self, "prompt_lookup_max", hi)
         if (self.method == "draft_model") != (self.model is not None):
             raise ValueError("model (the draft checkpoint) is needed by, and only by, draft_model")
+        if self.method == "suffix" and importlib.util.find_spec("arctic_inference") is None:
+            raise ValueError("method suffix needs arctic-inference: pip install "
+                             "'flagstop[suffix]' (make venv installs it)")  # fmt: skip
         return self

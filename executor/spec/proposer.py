@@ -14,6 +14,14 @@ from flagstop.executor.spec.ngram import propose_ngram
 
 
 class Proposer(Protocol):
+    # A draft model's own KV cache, on the target's blocks: its bytes a block, its
+    # tensors (every KV tensor a transfer moves), and where it is made.
+    block_bytes: int
+    kv_caches: list
+
+    def allocate(self, num_blocks: int) -> None:
+        """Its cache, once the target's pool is sized."""
+
     def add(self, req_id: str, row: int, batch: InputBatch) -> None:
         """A request took a row (new, or resumed with its outputs so far)."""
 
@@ -35,11 +43,15 @@ class Proposer(Protocol):
         """A new scheduler stream: no request is left."""
 
 
-class NgramProposer:
-    """Prompt lookup (executor/spec/ngram.py): stateless."""
+class NoProposer:
+    """Proposes nothing and holds nothing: a rank other than 0 (it takes rank 0's
+    drafts), and the base of the proposers without a cache of their own."""
 
-    def __init__(self, config: SpeculativeConfig) -> None:
-        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+    block_bytes = 0
+    kv_caches: tuple = ()
+
+    def allocate(self, num_blocks: int) -> None:
+        pass
 
     def add(self, req_id: str, row: int, batch: InputBatch) -> None:
         pass
@@ -48,18 +60,28 @@ class NgramProposer:
         pass
 
     def propose(self, batch, rows, slots):
-        drafts = [
-            propose_ngram(batch.token_ids[row, : batch.num_tokens[row]], int(k),
-                          self.min_n, self.max_n).astype(np.int64)
-            for row, k in zip(rows.tolist(), slots.tolist(), strict=True)
-        ]  # fmt: skip
-        return drafts, None
+        return [np.zeros(0, np.int64) for _ in range(len(rows))], None
 
     def verified(self, batch, rows, num_known, num_sampled) -> None:
         pass
 
     def reset(self) -> None:
         pass
+
+
+class NgramProposer(NoProposer):
+    """Prompt lookup (executor/spec/ngram.py): stateless."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+
+    def propose(self, batch, rows, slots):
+        drafts = [
+            propose_ngram(batch.token_ids[row, : batch.num_tokens[row]], int(k),
+                          self.min_n, self.max_n).astype(np.int64)
+            for row, k in zip(rows.tolist(), slots.tolist(), strict=True)
+        ]  # fmt: skip
+        return drafts, None
 
 
 def make_proposer(config: SpeculativeConfig, runner) -> Proposer:

@@ -10,9 +10,10 @@ from arctic_inference.suffix_decoding import SuffixDecodingCache
 
 from flagstop.executor.input_batch import InputBatch
 from flagstop.executor.spec.config import SpeculativeConfig
+from flagstop.executor.spec.proposer import NoProposer
 
 
-class SuffixProposer:
+class SuffixProposer(NoProposer):
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self.cache = self._new_cache()

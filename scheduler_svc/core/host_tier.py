@@ -9,7 +9,7 @@ entry on, skipping slots a load still reads and slots this step saves into. A pr
 hit in the tier (the blocks past the pool's own hits, up to the last token) loads back
 into blocks the scheduler reserved, while the request waits as WAITING_FOR_REMOTE_KVS.
 
-The executor holds the bytes (executor/kv_offload.py) and executes the copies in plan
+The executor holds the bytes (executor/kv_transfers/host_tier.py) and executes the copies in plan
 order: a step's saves run after its forward and before any later step's loads, so a
 load never reads a slot before the save that fills it. Only a load planned in the same
 step as the slot's save could: the scheduler tells the tier of a step's cached blocks

@@ -103,6 +103,14 @@ class StepOutcome:
     num_draft_tokens: Sequence[int] = ()
     transfers: KVTransferResult = NO_TRANSFERS
 
+    def check(self, plan: "SchedulerOutput") -> None:
+        """Raises ValueError when its tokens cannot be the plan's sampling requests'."""
+        sampling, counts = plan.sampling_requests, self.num_sampled_tokens
+        expected = sum(counts) if counts else len(sampling)
+        if len(self.token_ids) != expected or (counts and len(counts) != len(sampling)):
+            raise ValueError(f"step {plan.step_id}: {len(self.token_ids)} sampled tokens for "
+                             f"{len(sampling)} sampling requests")  # fmt: skip
+
 
 @dataclass(slots=True)
 class OwnerOutputs:

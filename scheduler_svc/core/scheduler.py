@@ -96,12 +96,6 @@ class Scheduler:
         if found:
             self._drop_finished(queued_ids)
 
-    def abort_all(self) -> dict[str, list[str]]:
-        """Fail every request (FINISHED_ERROR); returns their ids by owner."""
-        by_owner = self.request_ids_by_owner()
-        self.abort(list(self.requests), FINISHED_ERROR)
-        return by_owner
-
     def reset_executor(self, num_blocks: int | None = None, num_host_blocks: int = 0) -> None:
         """The executor was lost, and the KV cache with it: every request starts over
         by recompute (prompt + the tokens it already has), its steps in flight are
@@ -327,15 +321,11 @@ class Scheduler:
         executor failed: it ends with an error, the rest of the batch goes on; every
         stop rule is applied at each token, so nothing past a stop is emitted), then
         the transfers that ended. Returns new tokens and finish reasons by owner."""
-        sampling, counts = plan.sampling_requests, outcome.num_sampled_tokens or None
-        token_ids = outcome.token_ids
-        expected = sum(counts) if counts is not None else len(sampling)
-        if len(token_ids) != expected or (counts is not None and len(counts) != len(sampling)):
-            raise ValueError(f"step {plan.step_id}: {len(token_ids)} sampled tokens for "
-                             f"{len(sampling)} sampling requests")  # fmt: skip
+        outcome.check(plan)
+        sampling, token_ids = plan.sampling_requests, outcome.token_ids
         outputs: dict[str, OwnerOutputs] = {}
         ended: list[tuple[Request, RequestStatus]] = []
-        if counts is None:  # the plain path: a token per request
+        if not outcome.num_sampled_tokens:  # the plain path: a token per request
             append, owner, out = self._append_token, None, OwnerOutputs()
             for request, token_id in zip(sampling, token_ids, strict=True):
                 if request.status.is_finished:
@@ -419,6 +409,14 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         """Requests, or transfers whose blocks wait to be freed."""
         return bool(self.requests) or self.transfers.has_pending()
+
+    def owner_of(self, request_id: str) -> str | None:
+        request = self.requests.get(request_id)
+        return None if request is None else request.owner
+
+    def lora_requests(self) -> list[Request]:
+        """The requests that run a LoRA adapter."""
+        return [r for r in self.requests.values() if r.lora_name]
 
     def request_ids_by_owner(self) -> dict[str, list[str]]:
         by_owner: dict[str, list[str]] = {}

@@ -39,7 +39,9 @@ def make_stats(scheduler: "Scheduler") -> SchedulerStats:
         num_free_blocks=pool.num_free_blocks, num_total_blocks=pool.num_blocks,
         kv_cache_usage=pool.usage(), prefix_cache_queries=prefix.num_queries,
         prefix_cache_hits=prefix.num_hits, num_preemptions=scheduler.num_preemptions,
-        num_loading=len(transfers.loading), external_prefix_cache_queries=external.num_queries,
+        num_loading=len(transfers.loading),
+        external_prefix_cache_queries=external.num_queries,
         external_prefix_cache_hits=external.num_hits,
-        num_host_cached_blocks=transfers.num_host_cached_blocks, num_kv_leases=len(transfers.leased),
+        num_host_cached_blocks=transfers.num_host_cached_blocks,
+        num_kv_leases=len(transfers.leased),
     )  # fmt: skip

@@ -10,7 +10,7 @@ import json
 import uuid
 from typing import Any, Protocol
 
-from flagstop.router.openai_protocol import ChatCompletionRequest, ToolSpec
+from flagstop.router.openai.chat_request import ChatCompletionRequest, ToolSpec
 from flagstop.scheduler_svc.core.limits import RequestRejected
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"

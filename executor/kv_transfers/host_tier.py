@@ -25,22 +25,24 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from flagstop.executor.kv_transfers.worker import NoLeases
 from flagstop.executor.parallel import TensorParallel
 from flagstop.scheduler_svc.core.kv_connector import KVConnectorMetadata, KVTransferResult
 
 log = logging.getLogger("flagstop.executor")
 
 
-class HostTier:
-    """A KVWorker (executor/kv_worker.py)."""
+class HostTier(NoLeases):
+    """A KVWorker (executor/kv_transfers/worker.py)."""
 
     def __init__(
         self, caches: list[torch.Tensor], num_slots: int, tp: TensorParallel,
         path: str | None = None,
     ) -> None:  # fmt: skip
-        """caches: the rank's KV tensors, [num_blocks, ...] each."""
+        """caches: the rank's KV tensors, [num_blocks, ...] each; num_slots: the host
+        blocks it holds."""
         self.tp = tp
-        self.num_slots = num_slots
+        self.num_host_blocks = num_slots
         # Each cache as [num_blocks, its bytes a block], and where it sits in a slot.
         self.views = [c.view(torch.uint8).view(c.shape[0], -1) for c in caches]
         widths = [v.shape[1] for v in self.views]

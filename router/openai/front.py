@@ -1,105 +1,42 @@
-"""The router's OpenAI-compatible HTTP front (FastAPI on uvicorn, on the router's own
-event loop beside the gRPC server): /v1/models, /v1/completions, /v1/chat/completions
-with Server-Sent Events, /health, /ready and /metrics. Every request goes through the
-same RouterEngine as a gRPC one; errors come back in OpenAI's shape."""
+"""What the OpenAI routes share: OpenAIFront turns a body's choices into
+GenerateRequests on the same RouterEngine as a gRPC request, and their chunks into the
+API's shapes, whole or as Server-Sent Events; the routes' dependencies (the front, the
+API key)."""
 
 import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Annotated
 
-import grpc
 import orjson
-from fastapi import Request
+from fastapi import Depends, Request
 from fastapi.responses import Response, StreamingResponse
 
+from flagstop.router.auth import REFUSAL, BearerKey
 from flagstop.router.chat import ChatTemplate
 from flagstop.router.engine import RouterEngine
-from flagstop.router.openai_responses import Choice, ResponseBuilder, TokenTexts
+from flagstop.router.openai.bodies import Choice, ResponseBuilder, TokenTexts
+from flagstop.router.openai.errors import OpenAIError, from_failure, internal_error, stream_error
+from flagstop.router.openai.sse import DONE, sse
 from flagstop.router.output import Pending, RequestFailed
+from flagstop.router.settings import RouterSettings
 
-HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400,
-    grpc.StatusCode.FAILED_PRECONDITION: 400,  # e.g. a LoRA load on an engine without slots
-    grpc.StatusCode.ALREADY_EXISTS: 400,  # a LoRA name loaded already (vLLM's 400)
-    grpc.StatusCode.ABORTED: 409,  # a request whose LoRA adapter was replaced under it
-    grpc.StatusCode.UNAUTHENTICATED: 401,
-    grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-    grpc.StatusCode.UNAVAILABLE: 503,
-}
-ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-              413: "invalid_request_error", 429: "rate_limit_error",
-              500: "internal_error"}  # fmt: skip
-DONE = b"data: [DONE]\n\n"
 log = logging.getLogger("flagstop.router.http")
-
-
-class OpenAIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code=None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-
-def error_response(status: int, message: str, param: str | None = None, code=None) -> Response:
-    error_type = ERROR_TYPE.get(status, "server_error")
-    body = {"error": {"message": message, "type": error_type, "param": param, "code": code}}
-    return Response(orjson.dumps(body), status, media_type="application/json")
-
-
-def from_failure(e: RequestFailed) -> OpenAIError:
-    return OpenAIError(HTTP_STATUS.get(e.code, 500), e.message, e.param)
-
-
-def internal_error(e: Exception, request_id: str) -> OpenAIError:
-    """An unexpected failure of one request: logged once, on one line (the traceback
-    at debug level), answered with the request id to quote."""
-    log.error("request %s failed: %s: %s", request_id, type(e).__name__, e)
-    log.debug("request %s", request_id, exc_info=e)
-    return OpenAIError(500, f"internal error; quote request id {request_id} when reporting it")
-
-
-def stream_error(failure: OpenAIError) -> dict[str, Any]:
-    error_type = ERROR_TYPE.get(failure.status, "server_error")
-    return {"error": {"message": failure.message, "type": error_type, "param": failure.param,
-                      "code": failure.status}}  # fmt: skip
 
 
 def token_id_texts(token_id: int) -> str:
     return f"token_id:{token_id}"
 
 
-# Characters JSON leaves unescaped that str.splitlines() splits at: clients that read
-# a stream with it (httpx's aiter_lines) would cut an event in two. SSE itself splits
-# at CR and LF only, which JSON escapes.
-_LINE_BREAKS = (
-    (b"\xc2\x85", b"\\u0085"),
-    (b"\xe2\x80\xa8", b"\\u2028"),
-    (b"\xe2\x80\xa9", b"\\u2029"),
-)
-
-
-def json_line(obj: Any) -> bytes:
-    """obj as JSON on one line, whoever splits the lines."""
-    data = orjson.dumps(obj)
-    if not data.isascii():
-        for raw, escaped in _LINE_BREAKS:
-            if raw in data:
-                data = data.replace(raw, escaped)
-    return data
-
-
-def sse(obj: Any) -> bytes:
-    return b"data: " + json_line(obj) + b"\n\n"
-
-
 class OpenAIFront:
     """The routes' logic: requests to GenerateRequests, chunks to the API's shapes."""
 
-    def __init__(self, engine: RouterEngine, chat: ChatTemplate) -> None:
-        self.engine, self.chat = engine, chat
+    def __init__(
+        self, engine: RouterEngine, chat: ChatTemplate, settings: RouterSettings,
+        key: BearerKey | None,
+    ) -> None:  # fmt: skip
+        self.engine, self.chat, self.settings, self.key = engine, chat, settings, key
         self.texts = TokenTexts(engine.tokenizer)
 
     def check_model(self, name: str) -> str:
@@ -268,3 +205,19 @@ async def until_disconnected(http: Request, work):
                 await task
             raise OpenAIError(499, "the client went away")
     return task.result()
+
+
+def front_of(request: Request) -> OpenAIFront:
+    """The routes' dependency: the app's front (create_app sets it)."""
+    return request.app.state.front
+
+
+def authorized(request: Request) -> None:
+    """The /v1 routes' dependency: the API key, when one is set."""
+    key = request.app.state.front.key
+    if key is not None and not key.matches(request.headers.get("authorization")):
+        raise OpenAIError(401, REFUSAL, code="invalid_api_key")
+
+
+# A route's parameter `front: Front` is the app's front.
+Front = Annotated[OpenAIFront, Depends(front_of)]

@@ -29,6 +29,7 @@ from typing import Protocol
 
 import grpc
 
+from flagstop.executor.kv_transfers.worker import NoLeases
 from flagstop.scheduler_svc.core.kv_connector import (
     KVConnectorMetadata,
     KVLoad,
@@ -124,7 +125,7 @@ class StoreBoard:
         return executor_pb2.KVHandshakeResponse.FromString(value[1:])
 
 
-class DecodeSide:
+class DecodeSide(NoLeases):
     """A decode executor's KV worker (--kv-role decode), one per rank."""
 
     def __init__(

@@ -3,15 +3,70 @@ exception handlers (a request's own errors, pydantic's validation), Contained (a
 failure nobody foresaw: a 500 and one log line, never Starlette's plain-text 500 with
 a traceback) and BodyLimit (413)."""
 
+import logging
 import uuid
+from typing import Any
 
+import grpc
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
-from flagstop.router.openai_server import OpenAIError, error_response, internal_error
+from flagstop.router.output import RequestFailed
 from flagstop.scheduler_svc.core.limits import RequestRejected
+
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,  # e.g. a LoRA load on an engine without slots
+    grpc.StatusCode.ALREADY_EXISTS: 400,  # a LoRA name loaded already (vLLM's 400)
+    grpc.StatusCode.ABORTED: 409,  # a request whose LoRA adapter was replaced under it
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    grpc.StatusCode.UNAVAILABLE: 503,
+}
+ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+              413: "invalid_request_error", 429: "rate_limit_error",
+              500: "internal_error"}  # fmt: skip
+DONE = b"data: [DONE]\n\n"
+log = logging.getLogger("flagstop.router.openai.app")
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code=None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def json_response(body, status: int = 200) -> Response:
+    return Response(orjson.dumps(body), status, media_type="application/json")
+
+
+def error_response(status: int, message: str, param: str | None = None, code=None) -> Response:
+    error_type = ERROR_TYPE.get(status, "server_error")
+    body = {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+    return Response(orjson.dumps(body), status, media_type="application/json")
+
+
+def from_failure(e: RequestFailed) -> OpenAIError:
+    return OpenAIError(HTTP_STATUS.get(e.code, 500), e.message, e.param)
+
+
+def internal_error(e: Exception, request_id: str) -> OpenAIError:
+    """An unexpected failure of one request: logged once, on one line (the traceback
+    at debug level), answered with the request id to quote."""
+    log.error("request %s failed: %s: %s", request_id, type(e).__name__, e)
+    log.debug("request %s", request_id, exc_info=e)
+    return OpenAIError(500, f"internal error; quote request id {request_id} when reporting it")
+
+
+def stream_error(failure: OpenAIError) -> dict[str, Any]:
+    error_type = ERROR_TYPE.get(failure.status, "server_error")
+    return {"error": {"message": failure.message, "type": error_type, "param": failure.param,
+                      "code": failure.status}}  # fmt: skip
 
 
 def add_error_handlers(app: FastAPI) -> None:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from flagstop.router.tool_calls import ToolParser
+from flagstop.router.openai.tools import ToolParser
 from flagstop.scheduler_svc.core.request import FinishReason
 from flagstop.v1 import generation_pb2
 

@@ -4,10 +4,15 @@ backend): /tokenize (a prompt, or chat messages through the chat template),
 
 from typing import Any
 
+from fastapi import APIRouter, Depends
+from fastapi.responses import Response
 from pydantic import Field
 
 from flagstop.router.chat import ChatTemplate
-from flagstop.router.openai_protocol import ChatMessage, EncodableText, TokenId, ToolSpec
+from flagstop.router.openai.chat_request import ChatMessage, ToolSpec
+from flagstop.router.openai.errors import OpenAIError, json_response
+from flagstop.router.openai.front import Front, authorized
+from flagstop.router.openai.protocol import EncodableText, TokenId
 
 
 class TokenizeRequest(EncodableText):
@@ -57,3 +62,35 @@ def tokenizer_info(tokenizer, chat: ChatTemplate) -> dict[str, Any]:
         **{k: v for k, v in special.items() if isinstance(v, str)},
         "chat_template": chat.template,
     }
+
+
+api = APIRouter(dependencies=[Depends(authorized)])
+
+
+@api.post("/tokenize")
+async def tokenize_route(body: TokenizeRequest, front: Front) -> Response:
+    if body.model is not None:
+        front.check_model(body.model)
+    engine = front.engine
+    try:
+        token_ids = tokenize(body, engine.tokenizer, front.chat)
+    except ValueError as e:
+        raise OpenAIError(400, str(e)) from None
+    max_model_len = engine.model_info.max_model_len
+    return json_response(tokenize_response(token_ids, engine.tokenizer, max_model_len,
+                                           body.return_token_strs))  # fmt: skip
+
+
+@api.post("/detokenize")
+async def detokenize_route(body: DetokenizeRequest, front: Front) -> Response:
+    if body.model is not None:
+        front.check_model(body.model)
+    tokenizer = front.engine.tokenizer
+    if bad := [t for t in body.tokens if t >= len(tokenizer)]:
+        raise OpenAIError(400, f"token id {bad[0]} is outside the vocabulary", "tokens")
+    return json_response({"prompt": tokenizer.decode(body.tokens)})
+
+
+@api.get("/tokenizer_info")
+async def tokenizer_info_route(front: Front) -> Response:
+    return json_response(tokenizer_info(front.engine.tokenizer, front.chat))

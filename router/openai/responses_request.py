@@ -1,7 +1,7 @@
 """OpenAI's Responses API (POST /v1/responses), its requests: each becomes a chat
 completion request (instructions as the system message, input items as messages,
 text.format as response_format, flat function tools as chat tools), so that it runs
-the chat path; router/responses_events.py turns the chat's output into the
+the chat path; router/openai/responses_stream.py turns the chat's output into the
 Responses object and events. Nothing is stored: previous_response_id and background
 are refused."""
 
@@ -9,7 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from flagstop.router.openai_protocol import ChatCompletionRequest, Count, EncodableText
+from flagstop.router.openai.chat_request import ChatCompletionRequest
+from flagstop.router.openai.protocol import Count, EncodableText
 
 
 class InputPart(BaseModel):

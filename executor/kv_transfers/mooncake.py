@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from flagstop.executor.kv_pull import TransferFailed
+from flagstop.executor.kv_transfers.decode import TransferFailed
 from flagstop.v1 import executor_pb2
 
 log = logging.getLogger("flagstop.executor")

@@ -14,16 +14,11 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from flagstop.router.openai_responses import Choice, ResponseBuilder
-from flagstop.router.openai_server import (
-    OpenAIError,
-    from_failure,
-    internal_error,
-    json_line,
-    stream_error,
-)
+from flagstop.router.openai.bodies import Choice, ResponseBuilder
+from flagstop.router.openai.errors import OpenAIError, from_failure, internal_error, stream_error
+from flagstop.router.openai.responses_request import NamedFunctionChoice, ResponsesRequest
+from flagstop.router.openai.sse import json_line
 from flagstop.router.output import RequestFailed
-from flagstop.router.responses_api import NamedFunctionChoice, ResponsesRequest
 
 Event = tuple[str, dict[str, Any]]  # (type, payload)
 

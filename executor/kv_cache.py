@@ -1,0 +1,72 @@
+"""A rank's paged KV cache: the bytes of a block, its tensors, and how many blocks it
+gets: --num-blocks, else --kv-cache-bytes on the CPU, and on CUDA what a warm-up
+forward of the largest step leaves under --gpu-memory-utilization (vLLM's
+profiling)."""
+
+from collections.abc import Callable
+
+import torch
+
+from flagstop.executor.config import ExecutorConfig
+from flagstop.executor.models.config import ModelConfig
+from flagstop.executor.models.llama import KVCache
+from flagstop.scheduler_svc.core.output import NewRequestData, SchedulerOutput
+from flagstop.utils import cdiv
+
+
+def block_bytes(mc: ModelConfig, num_kv_heads: int, dtype: torch.dtype, block_size: int) -> int:
+    """A block's bytes on one rank (its num_kv_heads): K and V of every layer."""
+    return 2 * mc.num_layers * num_kv_heads * mc.head_dim * dtype.itemsize * block_size
+
+
+def allocate(
+    backend, mc: ModelConfig, num_kv_heads: int, num_blocks: int, block_size: int,
+    dtype: torch.dtype, device: torch.device,
+) -> list[KVCache]:  # fmt: skip
+    """(K, V) of every layer, zeroed, in the attention backend's layout."""
+    shape = backend.kv_cache_shape(num_blocks, block_size, num_kv_heads, mc.head_dim)
+
+    def zeros() -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    return [(zeros(), zeros()) for _ in range(mc.num_layers)]
+
+
+def num_blocks(
+    config: ExecutorConfig, device: torch.device, bytes_a_block: int,
+    warm_up: Callable[[int], int],
+) -> int:  # fmt: skip
+    """The blocks this rank can hold. warm_up(num_tokens) runs the largest step once,
+    on a cache just big enough for it, and returns that cache's bytes (CUDA only)."""
+    if config.num_blocks is not None:
+        return config.num_blocks
+    if device.type != "cuda":
+        return max(1, config.kv_cache_bytes // bytes_a_block)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    kv_bytes = warm_up(config.max_num_batched_tokens)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    # Other processes and the CUDA context; the weights are in the peak below.
+    used_elsewhere = total - free - torch.cuda.memory_reserved()
+    peak_without_kv = torch.cuda.max_memory_allocated() - kv_bytes
+    budget = total * config.gpu_memory_utilization - used_elsewhere - peak_without_kv
+    if budget < bytes_a_block:
+        raise RuntimeError(
+            f"no room for the KV cache at gpu_memory_utilization="
+            f"{config.gpu_memory_utilization}: raise it or lower max_num_batched_tokens"
+        )
+    return int(budget // bytes_a_block)
+
+
+def warmup_plan(
+    num_tokens: int, block_size: int, vocab_size: int, sampling_params
+) -> SchedulerOutput:
+    """One request of num_tokens prompt tokens, prefilled whole."""
+    token_ids = [i % vocab_size for i in range(num_tokens)]
+    blocks = list(range(cdiv(num_tokens, block_size)))
+    request = NewRequestData("warmup", token_ids, num_tokens, sampling_params, blocks)
+    return SchedulerOutput(
+        scheduled_new_reqs=[request], num_scheduled_tokens={"warmup": num_tokens}
+    )

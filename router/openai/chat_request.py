@@ -1,0 +1,166 @@
+"""The chat completions request (and its messages, tools and tool choice), as the
+OpenAI API defines it; its conversion to GenerateRequests is the shared
+OpenAIRequest's (protocol.py), the tool choice a constraint of its own."""
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from flagstop.router.openai.protocol import Count, Int32, OpenAIRequest, structured_outputs
+from flagstop.v1 import generation_pb2
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionSpec(BaseModel):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: any object
+    strict: bool | None = None
+
+
+class ToolSpec(BaseModel):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str  # JSON text, as the API carries it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    # "developer" is OpenAI's newer name for "system".
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's reply to one
+
+    def as_template_input(self) -> dict[str, Any]:
+        """The message as chat templates read it (Hugging Face's convention: a call's
+        arguments as an object, where the API sends JSON text)."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        role = "system" if self.role == "developer" else self.role
+        message: dict[str, Any] = {"role": role, "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": _arguments(c)}}
+                for c in self.tool_calls
+            ]  # fmt: skip
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def _arguments(call: ToolCall) -> Any:
+    try:
+        return json.loads(call.function.arguments)
+    except ValueError:
+        return call.function.arguments
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class ChatCompletionRequest(OpenAIRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Count | None = None
+    logprobs: bool = False
+    top_logprobs: Int32 | None = None
+    tools: list[ToolSpec] | None = Field(None, max_length=1024)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    # The legacy function calling: refused, with what to send instead.
+    functions: list[Any] | None = None
+    function_call: Any = None
+
+    def unsupported(self) -> dict[str, Any]:
+        # vLLM's chat echo (the last message repeated): not implemented.
+        return {**super().unsupported(), "echo": (self.model_extra or {}).get("echo")}
+
+    @model_validator(mode="after")
+    def _tools_known(self) -> "ChatCompletionRequest":
+        if self.functions is not None or self.function_call is not None:
+            raise ValueError("functions and function_call are the deprecated form of tools "
+                             "and are not supported: send tools and tool_choice")  # fmt: skip
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and self.named_tool is None:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not in tools")
+        return self
+
+    @property
+    def tool_mode(self) -> str:
+        """none, auto (the model may call; a parser reads its calls), required or
+        named (the output is constrained to calls)."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    @property
+    def named_tool(self) -> ToolSpec | None:
+        choice = self.tool_choice
+        if not isinstance(choice, NamedToolChoice):
+            return None
+        return next((t for t in self.tools or () if t.function.name == choice.function.name),
+                    None)  # fmt: skip
+
+    def _constraints(self) -> list[tuple[str, generation_pb2.StructuredOutputs]]:
+        from flagstop.router.openai.tools import arguments_schema, required_schema
+
+        found = super()._constraints()
+        if (tool := self.named_tool) is not None:
+            schema = arguments_schema(tool)
+        elif self.tool_choice == "required" and self.tools:
+            schema = required_schema(self.tools, self.parallel_tool_calls)
+        else:
+            return found
+        return [
+            *found,
+            ("tool_choice", structured_outputs(json_schema=json.dumps(schema), strict=True)),
+        ]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates take them; none when tool_choice is none."""
+        if self.tool_mode == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools or ()]
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs
+
+    def choice_request(self, prompt_token_ids: list[int], choice: int):
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        request = self.generate_request(choice, max_tokens)
+        request.prompt_token_ids.extend(prompt_token_ids)
+        if self.logprobs:
+            request.logprobs = self.top_logprobs or 0
+        return request

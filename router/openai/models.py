@@ -1,0 +1,76 @@
+"""The models surface: /v1/models (the base model and each LoRA adapter, its parent the
+base: vLLM's cards) and vLLM's runtime adapter routes, /v1/load_lora_adapter and
+/v1/unload_lora_adapter (on every replica; 200 with vLLM's message, or the error)."""
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import Response
+from pydantic import ConfigDict, Field
+
+from flagstop.router.openai.errors import from_failure, json_response
+from flagstop.router.openai.front import Front, OpenAIFront, authorized
+from flagstop.router.openai.protocol import EncodableText
+from flagstop.router.output import RequestFailed
+
+api = APIRouter(dependencies=[Depends(authorized)])
+
+
+class LoadLoRAAdapterRequest(EncodableText):
+    """vLLM's POST /v1/load_lora_adapter body: the name requests will give as their
+    model, and the PEFT directory as each replica's executor reads it."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    # vLLM's: replace the adapter loaded under lora_name (its requests end); without
+    # it a name loaded already is refused (400).
+    load_inplace: bool = False
+
+
+class UnloadLoRAAdapterRequest(EncodableText):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None  # vLLM's, accepted and unused: adapters go by name
+
+
+def model_cards(front: OpenAIFront) -> dict[str, dict]:
+    info = front.engine.model_info
+    front.check_model(info.model_name)
+    base = {"id": info.model_name, "object": "model", "created": 0, "owned_by": "flagstop",
+            "root": info.model_name, "parent": None,
+            "max_model_len": info.max_model_len}  # fmt: skip
+    cards = {info.model_name: base}
+    for name, adapter in sorted(front.engine.replicas.adapters().items()):
+        cards[name] = {**base, "id": name, "root": adapter.path, "parent": info.model_name}
+    return cards
+
+
+@api.get("/v1/models")
+async def models(front: Front) -> Response:
+    return json_response({"object": "list", "data": list(model_cards(front).values())})
+
+
+@api.get("/v1/models/{model_id:path}")
+async def model(model_id: str, front: Front) -> Response:
+    cards = model_cards(front)
+    front.check_model(model_id)
+    return json_response(cards[model_id])
+
+
+@api.post("/v1/load_lora_adapter")
+async def load_lora_adapter(body: LoadLoRAAdapterRequest, front: Front) -> Response:
+    try:
+        await front.engine.load_lora(body.lora_name, body.lora_path, body.load_inplace)
+    except RequestFailed as e:
+        raise from_failure(e) from None
+    return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.",
+                    media_type="text/plain")  # fmt: skip
+
+
+@api.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, front: Front) -> Response:
+    try:
+        await front.engine.unload_lora(body.lora_name)
+    except RequestFailed as e:
+        raise from_failure(e) from None
+    return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.",
+                    media_type="text/plain")  # fmt: skip

@@ -1,0 +1,41 @@
+"""The Responses API surface (POST /v1/responses): its request becomes a chat request
+(responses_request.py) run on the chat path, its output the Responses object and its
+events (responses_stream.py)."""
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response, StreamingResponse
+
+from flagstop.router.openai import responses_stream
+from flagstop.router.openai.bodies import Choice
+from flagstop.router.openai.errors import OpenAIError, json_response
+from flagstop.router.openai.front import Front, authorized, until_disconnected
+from flagstop.router.openai.responses_request import ResponsesRequest, chat_request
+from flagstop.router.openai.responses_stream import ResponseEvents
+from flagstop.router.openai.tools import parser_factory
+
+api = APIRouter(dependencies=[Depends(authorized)])
+
+
+@api.post("/v1/responses")
+async def responses(body: ResponsesRequest, http: Request, front: Front) -> Response:
+    served = front.check_model(body.model)
+    try:
+        as_chat = chat_request(body)
+    except ValueError as e:
+        raise OpenAIError(400, str(e)) from None
+    prompt = front.chat.render([m.as_template_input() for m in as_chat.messages],
+                               as_chat.template_tools())  # fmt: skip
+    parser = parser_factory(as_chat, front.settings.tool_call_parser)
+    requests = front.with_adapter([as_chat.choice_request(prompt, 0)], body.model)
+    [pending] = front.submit(requests, list(http.headers.items()), "responses")
+    builder = front.builder(as_chat, "chat")
+    [choice] = front.choices(as_chat, [pending], lambda i, p: Choice(i, tools=parser()))
+    builder.usage.prompt_tokens = len(pending.prompt_token_ids)
+    events, engine = ResponseEvents(body, served), front.engine
+    if body.stream:
+        return StreamingResponse(
+            responses_stream.stream(engine, builder, choice, pending, events),
+            media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+        )  # fmt: skip
+    work = responses_stream.collect(engine, builder, choice, pending, events)
+    return json_response(await until_disconnected(http, work))
