@@ -114,7 +114,10 @@ model: $(MODEL_DIR)/config.json
 $(MODEL_DIR)/config.json: $(STAMP) tools/make_model.py
 	$(PY) -m tools.make_model --size $(SIZE) --arch $(ARCH) --out $(MODEL_DIR)
 
-# Ctrl-C (SIGINT) reaches them all, and each drains and exits 0.
+# tools/supervise.py runs them: a process that dies is started again (with backoff,
+# logged), as compose and Kubernetes do; `make serve RESTART=0` leaves it dead (fault
+# tests). Ctrl-C (SIGINT) reaches them all, and each drains and exits 0.
+RESTART ?= 1
 EXECUTOR_FLAGS = --model $(MODEL) --tensor-parallel-size $(TP) \
 	$(if $(filter 1,$(EP)),--expert-parallel) $(if $(SPEC),--speculative-config '$(SPEC)') \
 	$(if $(MAX_LORAS),--max-loras $(MAX_LORAS)) $(if $(LORA),--lora-modules '$(LORA)') \
@@ -124,19 +127,18 @@ serve: $(STAMP) $(if $(filter $(MODEL_DIR),$(MODEL)),$(MODEL_DIR)/config.json)
 	@echo "router 127.0.0.1:50051 (OpenAI HTTP :8000), scheduler :50052, executor :50053" \
 		"$(if $(PD),(decode; the prefill replica: scheduler :50054, executor :50055) )on $(MODEL)," \
 		"tensor parallel $(TP)$(if $(filter 1,$(EP)), (expert parallel)), $(ROUTERS) router process(es); Ctrl-C stops"
-	@trap 'kill -INT $$e $$s $$r $$pe $$ps 2>/dev/null; wait' INT TERM; \
-	$(VENV)/bin/flagstop-executor $(EXECUTOR_FLAGS) --port 50053 \
-		$(if $(PD),--kv-role decode) & e=$$!; \
-	$(VENV)/bin/flagstop-scheduler --executor 127.0.0.1:50053 --port 50052 & s=$$!; \
-	$(if $(PD),$(VENV)/bin/flagstop-executor $(EXECUTOR_FLAGS) --port 50055 --metrics-port 8005 \
-		--kv-role prefill & pe=$$!; \
-	$(VENV)/bin/flagstop-scheduler --executor 127.0.0.1:50055 --port 50054 --metrics-port 8004 \
-		& ps=$$!;) \
-	$(VENV)/bin/flagstop-router --model $(MODEL) --port 50051 \
+	@$(PY) -m tools.supervise $(if $(filter 0,$(RESTART)),--no-restart) \
+	:: executor $(VENV)/bin/flagstop-executor $(EXECUTOR_FLAGS) --port 50053 \
+		$(if $(PD),--kv-role decode) \
+	:: scheduler $(VENV)/bin/flagstop-scheduler --executor 127.0.0.1:50053 --port 50052 \
+	$(if $(PD),:: executor-prefill $(VENV)/bin/flagstop-executor $(EXECUTOR_FLAGS) --port 50055 \
+		--metrics-port 8005 --kv-role prefill \
+	:: scheduler-prefill $(VENV)/bin/flagstop-scheduler --executor 127.0.0.1:50055 --port 50054 \
+		--metrics-port 8004) \
+	:: router $(VENV)/bin/flagstop-router --model $(MODEL) --port 50051 \
 		--scheduler 127.0.0.1:50052$(if $(PD),$(comma)127.0.0.1:50054 --pd-threshold $(PD_THRESHOLD)) \
 		--processes $(ROUTERS) $(if $(TOOL_CALL_PARSER),--tool-call-parser $(TOOL_CALL_PARSER)) \
-		--grpc-server $(GRPC_SERVER) & r=$$!; \
-	wait
+		--grpc-server $(GRPC_SERVER)
 
 up:
 	@case "$(REPLICAS)" in 1|2) ;; *) echo "REPLICAS=$(REPLICAS): compose runs 1 or 2" \

@@ -66,22 +66,21 @@ class RouterEngine:
     @property
     def ready(self) -> bool:
         """Readiness, as the health entries report it: a replica connected, admitting."""
-        return self.accepting and self.replicas.any_connected
-
-    @property
-    def serving(self) -> bool:
-        """Taking requests: while a lost replica may still come back, new requests
-        queue up here."""
-        return self.accepting and self.limits is not None and bool(self.replicas.routable())
+        return self.accepting and self.replicas.any_serving
 
     def _readiness(self) -> None:
         self.health.set_ready(self.ready)
 
     def check_serving(self) -> ModelLimits:
-        if not self.serving or self.limits is None:
+        if self.limits is None or not self.accepting:
             raise RequestFailed(
                 grpc.StatusCode.UNAVAILABLE, "the router is not serving; retry later"
             )
+        if not self.replicas.routable():
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, (
+                "no replica can serve: none has a working executor (lost or restarting "
+                f"for over {self.settings.replica_grace_s:g}s) or a scheduler; retry later"
+            ))  # fmt: skip
         return self.limits
 
     # -- the request path ------------------------------------------------------

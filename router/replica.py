@@ -5,6 +5,7 @@ comes back on its own after it is lost."""
 
 import asyncio
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import grpc
@@ -51,6 +52,11 @@ class Replica:
         self.lora_version = -1
         self.kv_role = 0  # ModelInfo.kv_role: prefill, decode or both (0)
         self.describing: asyncio.Task | None = None  # held: the loop keeps tasks weakly
+        # Since when (monotonic) its scheduler has said it has no executor; None: it has.
+        self.executor_lost_since: float | None = None
+        # Requests moved off it while its executor was away, and when: its late words
+        # of them (a step run as the executor came back) are not theirs any more.
+        self.evacuated: dict[str, float] = {}
 
     @property
     def load(self) -> int:
@@ -59,6 +65,16 @@ class Replica:
         replica that looked idle."""
         reported = self.reported
         return reported.num_running + reported.num_waiting + self.routed_since_report
+
+    @property
+    def serving(self) -> bool:
+        """Connected, with an executor: new requests may go here."""
+        return self.connected and self.executor_lost_since is None
+
+    @property
+    def executor_lost_for_s(self) -> float:
+        since = self.executor_lost_since
+        return 0.0 if since is None else time.monotonic() - since
 
     @property
     def may_come_back(self) -> bool:
@@ -106,6 +122,7 @@ class Replica:
         self.reconnect.lost()
         self.aborts = []  # the scheduler that comes back never knew them
         self.reported = scheduler_pb2.ReplicaLoad()
+        self.executor_lost_since, self.evacuated = None, {}
         self.fleet.lost(self)
 
     def _failed(self, level: int, why) -> None:
@@ -157,6 +174,29 @@ class Replica:
             log.warning("scheduler %s: its adapters not described again: %s", self.address,
                         e.code())  # fmt: skip
 
+    def evacuate(self, request_id: str) -> None:
+        """It moves elsewhere: aborted here, and what this scheduler still says of it
+        is dropped."""
+        self.abort(request_id)
+        self.evacuated[request_id] = time.monotonic()
+
+    def forget_evacuated(self, after_s: float = 30.0) -> None:
+        """Long enough for the scheduler to have heard the abort."""
+        if self.evacuated:
+            old = time.monotonic() - after_s
+            self.evacuated = {r: t for r, t in self.evacuated.items() if t > old}
+
+    def _executor_changed(self, lost: bool) -> None:
+        """No new request goes here while its executor is away; what it holds moves
+        once that lasts past --replica-grace-s (the set's rebalance)."""
+        if lost:
+            log.error("scheduler %s has no executor: requests go elsewhere", self.address)
+            self.executor_lost_since = time.monotonic()
+        else:
+            log.info("scheduler %s has an executor again", self.address)
+            self.executor_lost_since = None
+        self.fleet.connected()  # readiness
+
     async def _write(self, call) -> None:
         """One message per wake-up: every abort and every release the credits allow."""
         last_queued = -1
@@ -181,12 +221,40 @@ class Replica:
             msg = await call.read()
             if msg is grpc.aio.EOF:
                 return
-            fan_out(msg)
+            fan_out(without(msg, self.evacuated) if self.evacuated else msg)
             if msg.HasField("load"):
                 self.reported, self.routed_since_report = msg.load, 0
+                if msg.load.executor_lost != (self.executor_lost_since is not None):
+                    self._executor_changed(msg.load.executor_lost)
                 if msg.load.lora_adapters_version != self.lora_version:
                     self.lora_version = msg.load.lora_adapters_version
                     self.describing = asyncio.create_task(self.describe_adapters())
             if msg.credits:
                 self.credits += msg.credits
                 self.flush.set()
+
+
+def without(msg: scheduler_pb2.SchedulerMessage, request_ids) -> scheduler_pb2.SchedulerMessage:
+    """The message less what it says of these requests (they moved elsewhere)."""
+    out = scheduler_pb2.SchedulerMessage(step_id=msg.step_id, credits=msg.credits)
+    if msg.HasField("load"):
+        out.load.CopyFrom(msg.load)
+    logprobs = msg.logprobs or [None] * len(msg.request_ids)
+    for request_id, token_id, logprob in zip(msg.request_ids, msg.token_ids, logprobs, strict=True):
+        if request_id not in request_ids:
+            out.request_ids.append(request_id)
+            out.token_ids.append(token_id)
+            if logprob is not None:
+                out.logprobs.append(logprob)
+    ends = zip(msg.finished_ids, msg.finish_reasons, strict=True)
+    for i, (request_id, reason) in enumerate(ends):
+        if request_id not in request_ids:
+            out.finished_ids.append(request_id)
+            out.finish_reasons.append(reason)
+            if i < len(msg.num_cached_tokens):
+                out.num_cached_tokens.append(msg.num_cached_tokens[i])
+            if request_id in msg.kv_transfers:
+                out.kv_transfers[request_id].CopyFrom(msg.kv_transfers[request_id])
+    out.errors.extend(e for e in msg.errors if e.request_id not in request_ids)
+    out.prompt_logprobs.extend(c for c in msg.prompt_logprobs if c.req_id not in request_ids)
+    return out

@@ -74,8 +74,9 @@ class ReplicaSet:
         return iter(self.by_address.values())
 
     @property
-    def any_connected(self) -> bool:
-        return any(r.connected for r in self.by_address.values())
+    def any_serving(self) -> bool:
+        """Some replica can take a request now (connected, with an executor)."""
+        return any(r.serving for r in self.by_address.values())
 
     # -- which replicas --------------------------------------------------------
 
@@ -164,10 +165,16 @@ class ReplicaSet:
     # -- where requests go -------------------------------------------------------
 
     def routable(self) -> list[Replica]:
-        """The live replicas; with none, those lost that may still come back (requests
-        queue for them, as for a restarting scheduler)."""
-        replicas = self.by_address.values()
-        return [r for r in replicas if r.connected] or [r for r in replicas if r.may_come_back]
+        """The replicas serving (connected, with an executor); with none, those that
+        may still come back within --replica-grace-s: a scheduler lost, or one whose
+        executor is away (requests queue for them, as for a restart). None: no replica
+        can serve."""
+        replicas, grace = self.by_address.values(), self.settings.replica_grace_s
+        return [r for r in replicas if r.serving] or [
+            r for r in replicas
+            if (r.connected and r.executor_lost_for_s <= grace)
+            or (not r.connected and r.may_come_back)
+        ]  # fmt: skip
 
     def adapters(self) -> dict[str, generation_pb2.LoRAAdapter]:
         """Every adapter some replica holds, by name (one replica's, when they differ)."""
@@ -230,9 +237,9 @@ class ReplicaSet:
         if params is not None:
             add.kv_transfer.CopyFrom(params)
         target = pending.decode_replica
-        live = [r for r in self.by_address.values() if r.connected and r.kv_role != PREFILL
+        live = [r for r in self.by_address.values() if r.serving and r.kv_role != PREFILL
                 and r.holds(add.lora_name, add.lora_id)]  # fmt: skip
-        if target is None or not target.connected:
+        if target is None or not target.serving:
             target = self._best_of(add, live) or pending.replica  # no decode replica: whole
         pending.replica, pending.decode_replica = target, None
         target.routed_since_report += 1
@@ -259,18 +266,46 @@ class ReplicaSet:
             self.rebalance()
 
     def rebalance(self) -> None:
-        """Requests queued at a replica that is gone move to the live ones; with none
-        live, they wait up to --scheduler-timeout and then fail."""
-        live = [r for r in self.by_address.values() if r.connected]
+        """Requests queued at a replica that is gone move to the serving ones; with
+        none serving, they wait up to --scheduler-timeout and then fail. A replica
+        whose executor stays away past the grace gives up what it holds too."""
+        live = [r for r in self.by_address.values() if r.serving]
         grace = self.settings.replica_grace_s
         for replica in [*self.by_address.values(), *self.leaving]:
-            if replica.connected or not replica.admission:
+            replica.forget_evacuated()
+            if replica.connected:
+                if live and replica.executor_lost_for_s > grace:
+                    self._evacuate(replica, live)
+                continue
+            if not replica.admission:
                 continue
             if live and (replica.removed or replica.reconnect.lost_for_s > grace):
                 self._move(replica, live)
             elif replica.reconnect.gave_up:
                 self._fail(replica, f"no scheduler for {self.settings.scheduler_timeout:g}s")
         self.leaving = [r for r in self.leaving if r.admission]
+
+    def _evacuate(self, replica: Replica, live: list[Replica]) -> None:
+        """Its executor is away past the grace: what is queued for it moves, and what
+        its scheduler holds is aborted there and goes on elsewhere as its remainder
+        (prompt + the tokens streamed: the same greedy tokens)."""
+        if replica.admission:
+            self._move(replica, live)
+        held = [p for p in self.requests.values()
+                if p.replica is replica and p.sent and not p.finished]  # fmt: skip
+        if not held:
+            return
+        moved: dict[Replica, list[scheduler_pb2.AddRequest]] = {}
+        for pending in held:
+            replica.evacuate(pending.request_id)
+            pending.sent = False
+            target, add = self.place(pending, pending.remainder(), live, moved=True)
+            moved.setdefault(target, []).append(add)
+        for target, adds in moved.items():
+            target.admission.push_front(adds)
+            target.flush.set()
+        log.warning("%d requests move from %s (no executor for %.1fs)", len(held),
+                    replica.address, replica.executor_lost_for_s)  # fmt: skip
 
     def _move(self, replica: Replica, live: list[Replica]) -> None:
         moved: dict[Replica, list[scheduler_pb2.AddRequest]] = {}

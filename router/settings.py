@@ -67,8 +67,9 @@ class RouterSettings(ServiceSettings):
     prefix_index_blocks: PositiveInt = 1 << 17
     """block hashes the prefix index remembers (LRU, ~400 bytes each: 50 MB at the default)"""
     replica_grace_s: NonNegativeFloat = 5.0
-    """seconds a lost replica's requests wait for it to come back before they move on
-    to another replica (as their remainders)"""
+    """seconds a lost replica's requests (its scheduler's stream gone, or its executor:
+    the scheduler says so) wait for it to come back before they move on to another
+    replica (as their remainders)"""
     max_queued_requests: PositiveInt = 1024
     """admission queue bound; past it RESOURCE_EXHAUSTED"""
     max_queued_tokens: PositiveInt = 1 << 20

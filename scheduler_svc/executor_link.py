@@ -27,7 +27,9 @@ if TYPE_CHECKING:
     from flagstop.scheduler_svc.service import SchedulerService
 
 log = logging.getLogger("flagstop.scheduler")
-HEARTBEAT_INTERVAL_S = 1.0
+# An idle engine probes its executor this often: a dead one is noticed (and the routers
+# told: executor_lost) within it, a busy one at its next step.
+HEARTBEAT_INTERVAL_S = 0.5
 
 
 class ExecutorLost(Exception):

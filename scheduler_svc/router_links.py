@@ -76,6 +76,9 @@ class RouterLinks:
                     conn.router_id = msg.router_id or conn.router_id
                     self.routers[conn.router_id] = conn
                     registered = True
+                    if self.service.scheduler is not None:  # where it stands, at once
+                        conn.outbox.put_nowait(scheduler_pb2.SchedulerMessage(
+                            load=self.service.load()))  # fmt: skip
                 self._apply(conn, msg)
         finally:
             conn.outbox.put_nowait(None)
@@ -124,6 +127,13 @@ class RouterLinks:
     def send_errors(self, owner: str, errors: list[scheduler_pb2.RequestError]) -> None:
         if (conn := self.routers.get(owner)) is not None:
             conn.outbox.put_nowait(scheduler_pb2.SchedulerMessage(errors=errors))
+
+    def report_load(self) -> None:
+        """The load to every router now (its executor came or went)."""
+        load, now = self.service.load(), time.monotonic()
+        for conn in self.routers.values():
+            conn.load_sent_at = now
+            conn.outbox.put_nowait(scheduler_pb2.SchedulerMessage(load=load))
 
     def close(self) -> None:
         for conn in self.routers.values():

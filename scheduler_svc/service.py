@@ -116,8 +116,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         await self.link.run(self.scheduler)
 
     def executor_changed(self) -> None:
-        """Ready while an executor is connected (and we admit)."""
+        """Ready while an executor is connected (and we admit); the routers hear it at
+        once, in the load (executor_lost), to place requests elsewhere meanwhile."""
         self.health.set_ready(self.accepting and self.link.connected)
+        if self.scheduler is not None:
+            self.links.report_load()
 
     def dispatch(
         self, plan: SchedulerOutput, result: executor_pb2.StepResult,
@@ -132,7 +135,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         load = scheduler_pb2.ReplicaLoad(
             num_running=len(scheduler.running), num_waiting=self.num_waiting(),
             kv_cache_usage=scheduler.kv_cache_usage,
-            lora_adapters_version=self.link.lora_version,
+            lora_adapters_version=self.link.lora_version, executor_lost=not self.link.connected,
         )  # fmt: skip
         if self.kv_connector is not None:
             load.num_host_cached_blocks = scheduler.transfers.num_host_cached_blocks

@@ -109,6 +109,12 @@ class Stack:
         config = {"scheduler": ",".join(schedulers)}
         (self.log_dir / "router.json").write_text(json.dumps(config))
 
+    def router_ready(self) -> bool:
+        """The router's readiness entry: SERVING while some replica can take a request."""
+        stub = health_pb2_grpc.HealthStub(self.channel(self.router))
+        reply = stub.Check(health_pb2.HealthCheckRequest(service="readiness"), timeout=5)
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
     def generation(self) -> generation_pb2_grpc.GenerationStub:
         return generation_pb2_grpc.GenerationStub(self.channel(self.router))
 

@@ -149,7 +149,7 @@ class SchedulerMessage(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., finished_ids: _Optional[_Iterable[str]] = ..., finish_reasons: _Optional[_Iterable[_Union[RequestFinish, str]]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., credits: _Optional[int] = ..., load: _Optional[_Union[ReplicaLoad, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_executor_pb2.PromptLogprobs, _Mapping]]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ..., kv_transfers: _Optional[_Mapping[str, KVTransferParams]] = ...) -> None: ...
 
 class ReplicaLoad(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_cache_usage", "running_loras", "waiting_loras", "lora_adapters_version", "num_host_cached_blocks", "external_prefix_cache_hits")
+    __slots__ = ("num_running", "num_waiting", "kv_cache_usage", "running_loras", "waiting_loras", "lora_adapters_version", "num_host_cached_blocks", "external_prefix_cache_hits", "executor_lost")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +158,7 @@ class ReplicaLoad(_message.Message):
     LORA_ADAPTERS_VERSION_FIELD_NUMBER: _ClassVar[int]
     NUM_HOST_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     EXTERNAL_PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    EXECUTOR_LOST_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_cache_usage: float
@@ -166,7 +167,8 @@ class ReplicaLoad(_message.Message):
     lora_adapters_version: int
     num_host_cached_blocks: int
     external_prefix_cache_hits: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., running_loras: _Optional[_Iterable[str]] = ..., waiting_loras: _Optional[_Iterable[str]] = ..., lora_adapters_version: _Optional[int] = ..., num_host_cached_blocks: _Optional[int] = ..., external_prefix_cache_hits: _Optional[int] = ...) -> None: ...
+    executor_lost: bool
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., running_loras: _Optional[_Iterable[str]] = ..., waiting_loras: _Optional[_Iterable[str]] = ..., lora_adapters_version: _Optional[int] = ..., num_host_cached_blocks: _Optional[int] = ..., external_prefix_cache_hits: _Optional[int] = ..., executor_lost: _Optional[bool] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()
