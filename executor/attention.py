@@ -57,24 +57,41 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     fp8_scales: "FP8Scales | None" = None,
+    band: "Band | None" = None,
 ) -> torch.Tensor:
     """query [T, H, D], key/value [T, KVH, D] -> [T, H, D]: store the new K/V, then
-    attend to everything cached (the new tokens included). fp8_scales: an FP8 cache's
-    (see fp8_cache)."""
+    attend to everything cached (the new tokens included; a window layer's band of
+    it). fp8_scales: an FP8 cache's (see fp8_cache)."""
     if fp8_scales is not None:
-        return fp8_cache(backend, query, key, value, kv_cache, meta, scale, fp8_scales)
+        return fp8_cache(backend, query, key, value, kv_cache, meta, scale, fp8_scales, band)
     k_cache, v_cache = kv_cache
     backend.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
     n = meta.num_decodes
     decode, prefill = backend.paged_attention_decode, backend.paged_attention_prefill
+    kwargs = {} if band is None else {"window": band.window, "sinks": band.sinks}
     if n == query.shape[0]:
-        return decode(query, k_cache, v_cache, *meta.decode, scale)
+        return decode(query, k_cache, v_cache, *meta.decode, scale, **kwargs)
     out = torch.empty_like(query)
     if n:
-        out[:n] = decode(query[:n], k_cache, v_cache, *meta.decode, scale)
+        out[:n] = decode(query[:n], k_cache, v_cache, *meta.decode, scale, **kwargs)
     block_tables, query_start_loc, seq_lens = meta.prefill
-    out[n:] = prefill(query[n:], k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
+    out[n:] = prefill(query[n:], k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                      **kwargs)  # fmt: skip
     return out
+
+
+@dataclass(slots=True, frozen=True)
+class Band:
+    """What a layer's queries see beyond causality: a sliding window (0: all keys)
+    and per-head sink logits (gpt-oss; None: none). A layer without either passes
+    None and the backends take their plain kernels."""
+
+    window: int = 0
+    sinks: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, window: int, sinks: torch.Tensor | None) -> "Band | None":
+        return cls(window, sinks) if window or sinks is not None else None
 
 
 FP8 = torch.float8_e4m3fn
@@ -99,7 +116,7 @@ class FP8Scales:
         return cls(k, v, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))
 
 
-def fp8_cache(backend, query, key, value, kv_cache, meta, scale, scales: FP8Scales):
+def fp8_cache(backend, query, key, value, kv_cache, meta, scale, scales: FP8Scales, band=None):
     """Attention on an e4m3 cache holding K / k_scale and V / v_scale (per KV head). The
     kernels read it as plain values: softmax(q . (s_k k)) = softmax((s_k q) . k) and
     sum p (s_v v) = s_v sum p v, so the query is scaled before and the output after,
@@ -108,5 +125,5 @@ def fp8_cache(backend, query, key, value, kv_cache, meta, scale, scales: FP8Scal
     key = (key.float() / scales.key).to(FP8)
     value = (value.float() / scales.value).to(FP8)
     scaled = (query.float() * scales.query).to(query.dtype)
-    out = paged_attention(backend, scaled, key, value, kv_cache, meta, scale)
+    out = paged_attention(backend, scaled, key, value, kv_cache, meta, scale, band=band)
     return (out.float() * scales.output).to(query.dtype)

@@ -34,10 +34,11 @@ class InputBatch:
 
     def __init__(
         self, max_num_reqs: int, max_model_len: int, block_size: int, vocab_size: int,
-        speculative: bool = False,
+        speculative: bool = False, num_groups: int = 1,
     ) -> None:  # fmt: skip
         """speculative: the scheduler may count drafts of steps in flight as computed
-        before their rejection is known: its num_computed_tokens may run ahead."""
+        before their rejection is known: its num_computed_tokens may run ahead.
+        num_groups: KV cache groups, each with its block table (kv_groups.py)."""
         self.max_num_reqs, self.max_model_len = max_num_reqs, max_model_len
         self.speculative = speculative
         self.block_size, self.vocab_size = block_size, vocab_size
@@ -46,7 +47,12 @@ class InputBatch:
         self.num_tokens = np.zeros(max_num_reqs, np.int64)
         self.num_prompt_tokens = np.zeros(max_num_reqs, np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, np.int64)
-        self.block_table = np.zeros((max_num_reqs, cdiv(max_model_len, block_size)), np.int32)
+        # Per KV cache group (block_table: the first group's, full attention if any),
+        # all of one length: a plan's ids come position-major, a group's each.
+        self.num_groups = num_groups
+        self.block_tables = [np.zeros((max_num_reqs, cdiv(max_model_len, block_size)), np.int32)
+                             for _ in range(num_groups)]  # fmt: skip
+        self.block_table = self.block_tables[0]
         self.num_blocks = np.zeros(max_num_reqs, np.int64)
         # Sampling parameters by row, so that a step gathers them instead of looping
         # over requests; the rare per-request work (seeds, min_tokens) reads the params.
@@ -130,9 +136,13 @@ class InputBatch:
         self.min_p[row] = p.min_p
 
     def _append_blocks(self, row: int, block_ids: Sequence[int]) -> None:
-        start = self.num_blocks[row]
-        self.block_table[row, start : start + len(block_ids)] = block_ids
-        self.num_blocks[row] = start + len(block_ids)
+        start, n = self.num_blocks[row], len(block_ids) // self.num_groups
+        if self.num_groups == 1:
+            self.block_table[row, start : start + n] = block_ids
+        else:
+            for g, table in enumerate(self.block_tables):
+                table[row, start : start + n] = block_ids[g :: self.num_groups]
+        self.num_blocks[row] = start + n
 
     def _row(self, req_id: str) -> int:
         row = self.req_rows.get(req_id)

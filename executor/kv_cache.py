@@ -3,33 +3,41 @@ gets: --num-blocks, else --kv-cache-bytes on the CPU, and on CUDA what a warm-up
 forward of the largest step leaves under --gpu-memory-utilization (vLLM's
 profiling)."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
 from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.models.config import ModelConfig
 from flagstop.executor.models.llama import KVCache
+from flagstop.scheduler_svc.core.kv_groups import KVCacheGroup, group_size, layer_slots
 from flagstop.scheduler_svc.core.output import NewRequestData, SchedulerOutput
 from flagstop.utils import cdiv
 
 
-def block_bytes(mc: ModelConfig, num_kv_heads: int, dtype: torch.dtype, block_size: int) -> int:
-    """A block's bytes on one rank (its num_kv_heads): K and V of every layer."""
-    return 2 * mc.num_layers * num_kv_heads * mc.head_dim * dtype.itemsize * block_size
+def block_bytes(
+    mc: ModelConfig, groups: Sequence[KVCacheGroup], num_kv_heads: int, dtype: torch.dtype,
+    block_size: int,
+) -> int:  # fmt: skip
+    """A block's bytes on one rank (its num_kv_heads): K and V of a group's layers (one
+    group: every layer; kv_groups.py)."""
+    return 2 * group_size(groups) * num_kv_heads * mc.head_dim * dtype.itemsize * block_size
 
 
 def allocate(
-    backend, mc: ModelConfig, num_kv_heads: int, num_blocks: int, block_size: int,
-    dtype: torch.dtype, device: torch.device,
-) -> list[KVCache]:  # fmt: skip
-    """(K, V) of every layer, zeroed, in the attention backend's layout."""
+    backend, mc: ModelConfig, groups: Sequence[KVCacheGroup], num_kv_heads: int,
+    num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+) -> tuple[list[KVCache], list[KVCache]]:  # fmt: skip
+    """(K, V) tensors of a group's size, zeroed, in the attention backend's layout, and
+    every layer's pair: layer j of each group shares pair j (a block id belongs to one
+    group at a time). Returns (the pairs, the layers' pairs)."""
     shape = backend.kv_cache_shape(num_blocks, block_size, num_kv_heads, mc.head_dim)
 
     def zeros() -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype, device=device)
 
-    return [(zeros(), zeros()) for _ in range(mc.num_layers)]
+    pairs = [(zeros(), zeros()) for _ in range(group_size(groups))]
+    return pairs, [pairs[slot] for _, slot in layer_slots(groups, mc.num_layers)]
 
 
 def num_blocks(
@@ -61,11 +69,12 @@ def num_blocks(
 
 
 def warmup_plan(
-    num_tokens: int, block_size: int, vocab_size: int, sampling_params
+    num_tokens: int, block_size: int, vocab_size: int, sampling_params, num_groups: int = 1
 ) -> SchedulerOutput:
-    """One request of num_tokens prompt tokens, prefilled whole."""
+    """One request of num_tokens prompt tokens, prefilled whole (every group on the
+    same blocks: the warm-up's values are never read)."""
     token_ids = [i % vocab_size for i in range(num_tokens)]
-    blocks = list(range(cdiv(num_tokens, block_size)))
+    blocks = [b for b in range(cdiv(num_tokens, block_size)) for _ in range(num_groups)]
     request = NewRequestData("warmup", token_ids, num_tokens, sampling_params, blocks)
     return SchedulerOutput(
         scheduled_new_reqs=[request], num_scheduled_tokens={"warmup": num_tokens}

@@ -37,6 +37,7 @@ from flagstop.executor.sampling_params import SampleOutput, SamplingParams
 from flagstop.executor.spec.drafter import make_drafter
 from flagstop.executor.step_inputs import StepInputs, prepare_inputs
 from flagstop.scheduler_svc.core.kv_connector import NO_TRANSFERS
+from flagstop.scheduler_svc.core.kv_groups import kv_cache_groups
 from flagstop.scheduler_svc.core.output import SchedulerOutput
 from flagstop.structured import GrammarSpec
 from flagstop.utils import cdiv
@@ -86,6 +87,13 @@ class ModelRunner:
             after_load()
         self.model_config = mc = self.model.config
         self.num_kv_heads = tp.shard.kv_heads(mc.num_kv_heads)[1]  # this rank's
+        # The layers as the scheduler builds its KV cache groups from them (Describe).
+        self.kv_layers = mc.layer_specs(self.num_kv_heads, self.kv_cache_dtype.itemsize)
+        self.kv_groups = kv_cache_groups(self.kv_layers)
+        if not self.attention_backend.SLIDING_WINDOW and any(g.is_window for g in self.kv_groups):
+            raise ValueError(f"--attention-backend {config.attention_backend}: its kernels have "
+                             "no sliding window yet; serve this model with "
+                             "--attention-backend torch")  # fmt: skip
         self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
         self.block_size = config.block_size
         self.num_speculative_tokens = config.num_speculative_tokens
@@ -102,7 +110,7 @@ class ModelRunner:
         self.num_blocks = tp.min_over_ranks(
             kv_cache.num_blocks(config, self.device, self.block_bytes, self._warm_up)
         )
-        self.kv_caches = self._allocate(self.num_blocks)
+        self._allocate(self.num_blocks)
         self.drafter.proposer.allocate(self.num_blocks)  # a draft model's, on the same blocks
         # A new one every start: an older instance's leases and addresses are void.
         self.kv_engine_id = uuid.uuid4().hex[:12]
@@ -118,20 +126,21 @@ class ModelRunner:
     @property
     def block_bytes(self) -> int:
         """A block's bytes on this rank, a draft model's cache included."""
-        own = kv_cache.block_bytes(self.model_config, self.num_kv_heads, self.kv_cache_dtype,
-                                   self.block_size)  # fmt: skip
+        own = kv_cache.block_bytes(self.model_config, self.kv_groups, self.num_kv_heads,
+                                   self.kv_cache_dtype, self.block_size)  # fmt: skip
         return own + self.drafter.proposer.block_bytes
 
-    def _allocate(self, num_blocks: int) -> list:
-        return kv_cache.allocate(
-            self.attention_backend, self.model_config, self.num_kv_heads, num_blocks,
-            self.block_size, self.kv_cache_dtype, self.device,
+    def _allocate(self, num_blocks: int) -> None:
+        """The cache's tensors (kv_pairs, each once) and each layer's (kv_caches)."""
+        self.kv_pairs, self.kv_caches = kv_cache.allocate(
+            self.attention_backend, self.model_config, self.kv_groups, self.num_kv_heads,
+            num_blocks, self.block_size, self.kv_cache_dtype, self.device,
         )  # fmt: skip
 
     @property
     def _all_kv_caches(self) -> list[torch.Tensor]:
         """Every KV tensor of this rank, a draft model's after the model's own."""
-        pairs = [*self.kv_caches, *self.drafter.proposer.kv_caches]
+        pairs = [*self.kv_pairs, *self.drafter.proposer.kv_caches]
         return [t for pair in pairs for t in pair]
 
     def _kv_layout(self) -> str:
@@ -147,20 +156,21 @@ class ModelRunner:
         """The largest step once, on a cache just its size (CUDA profiling): that
         cache's bytes."""
         num_tokens = min(num_tokens, self.max_model_len - 1)
-        self.kv_caches = self._allocate(cdiv(num_tokens, self.block_size))
+        self._allocate(cdiv(num_tokens, self.block_size))
         plan = kv_cache.warmup_plan(num_tokens, self.block_size, self.model_config.vocab_size,
-                                    SamplingParams())  # fmt: skip
+                                    SamplingParams(), len(self.kv_groups))  # fmt: skip
         self.compute_logits(plan)
         self.batch = self._new_batch()
         self.model.take_expert_tokens()  # the warm-up's are no step's
-        kv_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
-        self.kv_caches = []
+        kv_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_pairs)
+        self.kv_pairs, self.kv_caches = [], []
         return kv_bytes
 
     def _new_batch(self) -> InputBatch:
         return InputBatch(
             self.config.max_num_seqs, self.max_model_len, self.block_size,
             self.model_config.vocab_size, speculative=self.num_speculative_tokens > 0,
+            num_groups=len(self.kv_groups),
         )  # fmt: skip
 
     # -- a step ------------------------------------------------------------------

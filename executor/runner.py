@@ -8,6 +8,7 @@ from flagstop.adapters import LoadedAdapter
 from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.models.config import ModelConfig
 from flagstop.executor.sampling_params import SampleOutput
+from flagstop.scheduler_svc.core.kv_groups import KVCacheGroup, LayerSpec
 from flagstop.scheduler_svc.core.output import SchedulerOutput
 from flagstop.structured import GrammarSpec
 
@@ -21,6 +22,10 @@ class Runner(Protocol):
     max_model_len: int
     block_size: int
     num_blocks: int  # the KV pool, in blocks of block_size tokens
+    # The layers as the KV cache holds them, and the groups they make (kv_groups.py):
+    # Describe sends the layers, the scheduler builds the same groups from them.
+    kv_layers: list[LayerSpec]
+    kv_groups: list[KVCacheGroup]
     num_host_blocks: int  # its host tier (--kv-offload-bytes), in blocks; 0: none
     tensor_parallel_size: int
     # Speculative decoding: the most draft tokens a request gets a step (0: off),

@@ -16,6 +16,7 @@ from flagstop.adapters import LoadedAdapter, already_loaded, name_refusal
 from flagstop.executor.convert import plan_from_proto, result_to_proto
 from flagstop.executor.kv_transfers.worker import LayoutMismatch
 from flagstop.executor.tp_messages import LORA_LOAD, LORA_UNLOAD
+from flagstop.scheduler_svc.convert import layers_to_proto
 from flagstop.structured import GrammarError, spec_from_proto
 from flagstop.telemetry import LATENCY_BUCKETS, Telemetry, extract
 from flagstop.v1 import executor_pb2, executor_pb2_grpc, generation_pb2
@@ -69,7 +70,7 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
             lora_adapters=[generation_pb2.LoRAAdapter(name=name, path=a.path, id=a.id)
                            for name, a in runner.lora_adapters().items()],
             kv_role=generation_pb2.KVRole.Value(f"KV_ROLE_{runner.config.kv_role.upper()}"),
-            kv_layout=runner.kv_layout,
+            kv_layout=runner.kv_layout, kv_layers=layers_to_proto(runner.kv_layers),
         )  # fmt: skip
         return executor_pb2.DescribeExecutorResponse(
             model=model, max_num_seqs=runner.config.max_num_seqs,

@@ -48,6 +48,7 @@ from flagstop.executor.kv_transfers.prefill import PrefillSide
 from flagstop.executor.kv_transfers.worker import POLL_WAIT_S, KVWorker, NoKVWorker, kv_layout
 from flagstop.executor.models.config import ModelConfig
 from flagstop.executor.sampling_params import SampleOutput, SamplingParams
+from flagstop.scheduler_svc.core.kv_groups import kv_cache_groups
 from flagstop.scheduler_svc.core.output import SchedulerOutput
 from flagstop.structured import GrammarSpec
 from flagstop.v1 import executor_pb2
@@ -72,8 +73,8 @@ class SimulatedBatch(InputBatch):
     picks its stop tokens for the whole batch at once (the model runner's sampler
     reads them from the request's params)."""
 
-    def __init__(self, max_num_reqs: int, *args) -> None:
-        super().__init__(max_num_reqs, *args)
+    def __init__(self, max_num_reqs: int, *args, **kwargs) -> None:
+        super().__init__(max_num_reqs, *args, **kwargs)
         self.stop_ids = np.full((max_num_reqs, MAX_STOP_IDS), -1, np.int64)
         self.stop_counts = np.zeros(max_num_reqs, np.int64)
 
@@ -99,6 +100,10 @@ class SimulatedRunner:
         self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
         self.block_size = config.block_size
         self.num_blocks = config.num_blocks or config.simulate_num_blocks
+        # The model's layers as a real executor describes them (bf16 K and V), so that
+        # the scheduler's block accounting under load is the model's.
+        self.kv_layers = mc.layer_specs(mc.num_kv_heads, 2)
+        self.kv_groups = kv_cache_groups(self.kv_layers)
         self.cost = CostModel(config.simulate_base_ms, config.simulate_us_per_scheduled_token,
                               config.simulate_us_per_context_token)  # fmt: skip
         self.mean_output_tokens = config.simulate_mean_output_tokens
@@ -152,8 +157,8 @@ class SimulatedRunner:
 
     def _new_batch(self) -> SimulatedBatch:
         return SimulatedBatch(self.config.max_num_seqs, self.max_model_len, self.block_size,
-                              self.model_config.vocab_size,
-                              self.num_speculative_tokens > 0)  # fmt: skip
+                              self.model_config.vocab_size, self.num_speculative_tokens > 0,
+                              len(self.kv_groups))  # fmt: skip
 
     def reset(self) -> None:
         self.batch = self._new_batch()

@@ -32,7 +32,7 @@ class Drafts:
 class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
-    attention: AttentionMetadata
+    attention: list[AttentionMetadata]  # per KV cache group
     logits_indices: torch.Tensor  # rows of the hidden states to sample from, plan order
     sampling: SamplingMetadata
     rows: np.ndarray  # batch row of each scheduled request, plan order
@@ -121,19 +121,24 @@ class Flattened:
         """The flat index of each request's last new token, requests as given."""
         return self.cu_tokens[self.position_in_order] - 1
 
-    def tensors(self, batch: InputBatch, t) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """(input ids, positions, attention metadata) on the device, from the batch's
-        token table and block table."""
-        block_ids = batch.block_table[self.token_rows, self.positions // batch.block_size]
-        slots = block_ids.astype(np.int64) * batch.block_size + self.positions % batch.block_size
-        max_blocks = cdiv(int(self.seq_lens.max()), batch.block_size)
-        attention = AttentionMetadata(
-            slot_mapping=t(slots),
-            block_tables=t(batch.block_table[self.rows, :max_blocks]),
-            seq_lens=t(self.seq_lens.astype(np.int32)),
-            query_start_loc=t(np.concatenate(([0], self.cu_tokens)).astype(np.int32)),
-            num_decodes=int((self.num_new == 1).sum()),
-        )
+    def tensors(
+        self, batch: InputBatch, t
+    ) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata]]:
+        """(input ids, positions, attention metadata per KV cache group) on the device,
+        from the batch's token table and block tables."""
+        bs = batch.block_size
+        block_index, offsets = self.positions // bs, self.positions % bs
+        max_blocks = cdiv(int(self.seq_lens.max()), bs)
+        seq_lens = t(self.seq_lens.astype(np.int32))
+        query_start_loc = t(np.concatenate(([0], self.cu_tokens)).astype(np.int32))
+        num_decodes = int((self.num_new == 1).sum())
+        attention = []
+        for table in batch.block_tables:
+            slots = table[self.token_rows, block_index].astype(np.int64) * bs + offsets
+            attention.append(AttentionMetadata(
+                slot_mapping=t(slots), block_tables=t(table[self.rows, :max_blocks]),
+                seq_lens=seq_lens, query_start_loc=query_start_loc, num_decodes=num_decodes,
+            ))  # fmt: skip
         input_ids = t(batch.token_ids[self.token_rows, self.positions])
         return input_ids, t(self.positions), attention
 

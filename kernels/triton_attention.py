@@ -21,6 +21,10 @@ from flagstop.kernels.triton_quant import int4_linear, w8_linear  # noqa: F401
 DECODE_PARTITION = 512
 
 
+# Sliding-window layers (and sinks): not yet: a windowed model is refused at start-up.
+SLIDING_WINDOW = False
+
+
 def kv_cache_shape(
     num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
 ) -> tuple[int, ...]:

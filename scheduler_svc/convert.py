@@ -8,9 +8,23 @@ from flagstop.scheduler_svc.core.kv_connector import (
     KVHandoff,
     KVTransferResult,
 )
+from flagstop.scheduler_svc.core.kv_groups import LayerSpec
 from flagstop.scheduler_svc.core.output import SchedulerOutput, StepOutcome
 from flagstop.scheduler_svc.core.request import Request, StopParams
-from flagstop.v1 import executor_pb2, scheduler_pb2
+from flagstop.v1 import executor_pb2, generation_pb2, scheduler_pb2
+
+
+def layer_specs(model: generation_pb2.ModelInfo) -> list[LayerSpec]:
+    """The executor's layers as the core's groups are built from (ValueError names a
+    bad one)."""
+    return [LayerSpec(x.attention, x.sliding_window, x.sinks, x.kv_bytes_per_token)
+            for x in model.kv_layers]  # fmt: skip
+
+
+def layers_to_proto(layers: list[LayerSpec]) -> list[generation_pb2.KVCacheLayer]:
+    return [generation_pb2.KVCacheLayer(attention=x.attention, sliding_window=x.sliding_window,
+                                        sinks=x.sinks, kv_bytes_per_token=x.kv_bytes_per_token)
+            for x in layers]  # fmt: skip
 
 
 def request_from_proto(

@@ -16,9 +16,11 @@ import grpc
 
 from flagstop.health import Health
 from flagstop.scheduler_svc.adapters import Adapters
+from flagstop.scheduler_svc.convert import layer_specs
 from flagstop.scheduler_svc.core.disaggregation import DecodeConnector, PrefillConnector
 from flagstop.scheduler_svc.core.host_tier import HostTierConnector
 from flagstop.scheduler_svc.core.kv_connector import KVConnector
+from flagstop.scheduler_svc.core.kv_groups import describe_groups, kv_cache_groups
 from flagstop.scheduler_svc.core.output import OwnerOutputs, SchedulerOutput
 from flagstop.scheduler_svc.core.policy import make_policy
 from flagstop.scheduler_svc.core.scheduler import Scheduler
@@ -65,13 +67,15 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 info.model.max_model_len, info.model.block_size, info.num_speculative_tokens,
                 info.model.max_loras,
             )  # fmt: skip
+            groups = kv_cache_groups(layer_specs(info.model))
         except (ExecutorMismatch, ValueError) as e:
             raise StartupError(str(e)) from None
         self.telemetry.model_name = info.model.model_name
         self.eos_token_ids = frozenset(info.model.eos_token_ids)
-        self.kv_connector = self.telemetry.kv_connector = self._connector(info, config)
+        self.kv_connector = self.telemetry.kv_connector = self._connector(info, config, groups)
         policy = make_policy(config.policy)
-        self.scheduler = Scheduler(config, info.model.num_blocks, policy, self.kv_connector)
+        self.scheduler = Scheduler(config, info.model.num_blocks, policy, self.kv_connector,
+                                   groups)  # fmt: skip
         if config.policy == "remote":  # a RankedPolicy, fed by the policy service
             self.policy_client = RemotePolicyClient(
                 s.policy_addr, policy, s.policy_deadline_ms / 1000, self._policy_changed,
@@ -86,13 +90,25 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if info.model.kv_role:
             role = generation_pb2.KVRole.Name(info.model.kv_role).removeprefix("KV_ROLE_")
             extras += f", KV role {role.lower()}"
-        log.info("executor %s: %s, %d blocks of %d%s", s.executor, info.model.model_name,
-                 info.model.num_blocks, info.model.block_size, extras)  # fmt: skip
+        if len(groups) > 1 or groups[0].is_window:
+            extras += f", KV cache groups {describe_groups(groups)}"
+        log.info("executor %s: %s, %d blocks of %d (a sequence of up to %d tokens)%s",
+                 s.executor, info.model.model_name, info.model.num_blocks,
+                 info.model.block_size, self.scheduler.kv_capacity_tokens, extras)  # fmt: skip
 
     @staticmethod
-    def _connector(info: executor_pb2.DescribeExecutorResponse, config):
+    def _connector(info: executor_pb2.DescribeExecutorResponse, config, groups):
         """The KV connector the executor calls for: a host tier, a prefill or a decode
         replica's side of disaggregation, or none."""
+        wants = (
+            "a host tier (--kv-offload-bytes)"
+            if info.model.num_host_blocks
+            else ("prefill/decode disaggregation (--kv-role)" if info.model.kv_role else "")
+        )
+        if wants and (len(groups) > 1 or groups[0].is_window):
+            raise StartupError(f"{wants} moves one full-attention block table; this model's "
+                               f"layers make KV cache groups {describe_groups(groups)}: "
+                               "serve it without")  # fmt: skip
         if info.model.num_host_blocks:
             if config.no_prefix_caching:
                 raise StartupError("--no-prefix-caching: the executor's host tier "

@@ -128,7 +128,7 @@ def test_revived_hits_count_against_the_free_blocks():
     assert len(hits) == 2
     # 2 revived hits + 2 new blocks > 3 free blocks.
     assert kv.allocate_slots(b, b.num_tokens - 8, hits) is None
-    assert all(h.ref_cnt == 0 for h in hits)
+    assert all(h.ref_cnt == 0 for h in hits.groups[0])
 
 
 def test_only_full_known_blocks_are_cached():

@@ -7,6 +7,7 @@ from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.model_runner import ModelRunner
 from tests.helpers.checkpoints import (
     MOE_VARIANTS,
+    WINDOW_VARIANTS,
     assert_matches,
     load_reference,
     prompt,
@@ -15,7 +16,8 @@ from tests.helpers.checkpoints import (
 )
 from tests.helpers.executor_harness import Harness
 
-ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "llama3-rope-tied", *MOE_VARIANTS]
+ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "llama3-rope-tied", *MOE_VARIANTS,
+                 *WINDOW_VARIANTS]  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=ARCHITECTURES)
@@ -69,7 +71,7 @@ def test_prefix_from_another_requests_cached_blocks(checkpoint):
     harness.add("a", [*shared, 5, 6])
     harness.logits({"a": 14})
     # b's first 3 blocks (12 tokens) are a's: only its own 5 tokens are computed.
-    harness.add("b", [*shared, 9, 8, 7, 6, 5], shared_blocks=harness.requests["a"].block_ids[:3])
+    harness.add("b", [*shared, 9, 8, 7, 6, 5], shared_blocks=harness.prefix_blocks("a", 3))
     assert_matches(reference, harness, harness.logits({"b": 5}))
     assert_matches(reference, harness, harness.logits({"a": 1, "b": 1}))
 

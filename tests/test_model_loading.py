@@ -44,10 +44,22 @@ def test_config_of_an_unsupported_architecture_says_what_is_supported():
         ModelConfig.from_hf({"architectures": ["GPT2LMHeadModel"]})
 
 
-def test_sliding_window_caps_the_model_length(tiny):
+def test_a_sliding_window_is_honoured_per_layer_not_as_a_length_cap(tiny):
     hf = json.loads((tiny / "config.json").read_text())
-    hf |= {"architectures": ["MistralForCausalLM"], "sliding_window": 256}
-    assert ModelConfig.from_hf(hf).max_model_len == 256
+    mistral = ModelConfig.from_hf(hf | {"architectures": ["MistralForCausalLM"],
+                                        "sliding_window": 256})  # fmt: skip
+    assert mistral.max_model_len == hf["max_position_embeddings"]
+    assert mistral.layer_types == ("sliding_attention",) * hf["num_hidden_layers"]
+    assert mistral.sliding_window == 256
+    # Qwen2: only with use_sliding_window, from max_window_layers on.
+    qwen2 = {"architectures": ["Qwen2ForCausalLM"], "sliding_window": 64, "max_window_layers": 1}
+    assert set(ModelConfig.from_hf(hf | qwen2 | {"use_sliding_window": False}).layer_types) == {
+        "full_attention"
+    }
+    types = ModelConfig.from_hf(hf | qwen2 | {"use_sliding_window": True}).layer_types
+    assert types == ("full_attention", *["sliding_attention"] * (hf["num_hidden_layers"] - 1))
+    with pytest.raises(ValueError, match="layer_types"):
+        ModelConfig.from_hf(hf | {"sliding_window": 8, "layer_types": ["local"]})
 
 
 def test_a_checkpoint_missing_a_tensor_is_refused(tiny, tmp_path):

@@ -4,9 +4,13 @@ to the stand-in model's reference. With a host tier, its loads finish late, fail
 are aborted mid-way (tests/helpers/fake_kv_tier.py). As a prefill replica, requests
 are handed off after their first token and their blocks held under leases that end
 late; as a decode replica, requests arrive with their prompt's KV waiting at a
-prefill replica, and their loads finish late, fail or are aborted."""
+prefill replica, and their loads finish late, fail or are aborted. With KV cache
+groups (full attention, sliding windows, or both as gpt-oss and Gemma 3 mix them),
+every group's invariants hold after every step and each window group reads its own
+window back (tests/helpers/hash_model.py)."""
 
 import itertools
+import os
 import random
 
 from hypothesis import settings
@@ -16,6 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from flagstop.scheduler_svc.core.config import SchedulerConfig
 from flagstop.scheduler_svc.core.disaggregation import DecodeConnector, PrefillConnector
 from flagstop.scheduler_svc.core.kv_connector import KVHandoff
+from flagstop.scheduler_svc.core.kv_groups import SLIDING_ATTENTION, LayerSpec, kv_cache_groups
 from flagstop.scheduler_svc.core.request import FinishReason, Request, StopParams
 from flagstop.scheduler_svc.core.scheduler import Scheduler
 from tests.helpers.fake_kv_tier import FakeTierWorker, FlakyHostTier, prefill_side_blocks
@@ -24,6 +29,13 @@ from tests.helpers.scheduler_invariants import check_idle, check_invariants
 
 VOCAB, EOS, BLOCK_SIZE, MAX_MODEL_LEN = 24, frozenset({0}), 4, 64
 PREFIXES = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21, 22, 23, 1, 2, 3, 4]]
+_FULL, _WINDOW = LayerSpec(), lambda w: LayerSpec(SLIDING_ATTENTION, w)
+LAYOUTS = {
+    "full": lambda w: [_FULL] * 2,
+    "window": lambda w: [_WINDOW(w)] * 2,  # Mistral: every layer windowed
+    "alternating": lambda w: [_WINDOW(w), _FULL] * 2,  # gpt-oss
+    "five_to_one": lambda w: [*[_WINDOW(w)] * 5, _FULL],  # Gemma 3
+}
 
 
 class RecordingScheduler(Scheduler):
@@ -72,11 +84,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         delayed_free_rate=st.sampled_from([0.0, 0.3]),
         # Prefill/decode disaggregation: this scheduler's side (instead of a tier).
         kv_role=st.sampled_from(["", "", "", "prefill", "decode"]),
+        # KV cache groups: the layers' attention types (windows of W tokens).
+        layout=st.sampled_from(["full", "full", "window", "alternating", "five_to_one"]),
+        window=st.sampled_from([2, 4, 5, 9]),
         seed=st.integers(0, 2**16),
     )
     def setup(self, num_blocks, budget, max_num_seqs, chunked, caching, threshold, policy, depth,
               num_spec, draft_error_rate, max_loras, tier_slots, max_delay, fail_rate,
-              defer_rate, delayed_free_rate, kv_role, seed):  # fmt: skip
+              defer_rate, delayed_free_rate, kv_role, layout, window, seed):  # fmt: skip
+        self.groups = kv_cache_groups(LAYOUTS[layout](window))
+        if layout != "full":  # a KV connector with window groups is refused at start-up
+            tier_slots, kv_role = 0, ""
+            num_blocks *= len(self.groups)
         self.config = SchedulerConfig(
             max_num_batched_tokens=budget if chunked else MAX_MODEL_LEN,
             max_num_seqs=max_num_seqs,
@@ -101,7 +120,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         elif tier_slots and caching:
             self.connector = FlakyHostTier(tier_slots, BLOCK_SIZE, self.rng, defer_rate,
                                            delayed_free_rate)  # fmt: skip
-        self.scheduler = RecordingScheduler(self.config, num_blocks, connector=self.connector)
+        self.scheduler = RecordingScheduler(self.config, num_blocks, connector=self.connector,
+                                            kv_groups=self.groups)  # fmt: skip
         self.admission_order = self.scheduler.admission_order
         self.driver = Driver(self.scheduler, None, depth, self.check_plan)
         self._new_executor()
@@ -116,7 +136,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     def _new_executor(self) -> None:
         num_blocks = self.scheduler.kv.pool.num_blocks
         executor = HashModelExecutor(num_blocks, BLOCK_SIZE, VOCAB, self.draft_error_rate,
-                                     seed=self.rng.randrange(1 << 16))  # fmt: skip
+                                     seed=self.rng.randrange(1 << 16),
+                                     groups=self.groups)  # fmt: skip
         self.driver.executor = executor
         if self.connector is not None:
             worker = FakeTierWorker(executor, self.connector, self.rng, self.fail_rate,
@@ -178,7 +199,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         stop = StopParams(
             max_tokens, min_tokens, ignore_eos, frozenset() if stop_token is None else {stop_token}
         )
-        room = min(self.scheduler.kv.pool.num_blocks * BLOCK_SIZE, MAX_MODEL_LEN)
+        room = min(self.scheduler.kv_capacity_tokens, MAX_MODEL_LEN)
         if len(prompt) + max_tokens > room:
             return  # rejected at admission; covered by the unit tests
         rid = f"r{next(self.ids)}"
@@ -250,6 +271,8 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 SchedulerMachine.TestCase.settings = settings(
-    max_examples=200, stateful_step_count=60, deadline=None
+    max_examples=int(os.environ.get("FLAGSTOP_MACHINE_EXAMPLES", 200)),
+    stateful_step_count=60,
+    deadline=None,
 )
 TestSchedulerMachine = SchedulerMachine.TestCase

@@ -42,7 +42,7 @@ def run_engine(
     """Every job to its end; outputs in job order. The runner starts from an empty
     batch (as on a new scheduler stream)."""
     runner.reset()
-    scheduler = Scheduler(config, num_blocks or runner.num_blocks)
+    scheduler = Scheduler(config, num_blocks or runner.num_blocks, kv_groups=runner.kv_groups)
     adapters = runner.lora_adapters()
     for i, job in enumerate(jobs):
         request = Request(

@@ -4,6 +4,12 @@ from pathlib import Path
 from typing import Any
 
 from flagstop.executor.models.quantization import ConfigError, QuantConfig
+from flagstop.scheduler_svc.core.kv_groups import (
+    ATTENTION_TYPES,
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    LayerSpec,
+)
 
 # architecture -> (q/k/v always biased, per-head q/k RMSNorm, MoE family or None);
 # otherwise the config's attention_bias applies to q/k/v and o alike. The MoE
@@ -92,6 +98,28 @@ def _sparse_layers(family: str, hf: dict[str, Any], num_layers: int) -> tuple[bo
     return tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
 
 
+def _layer_types(hf: dict[str, Any], num_layers: int) -> tuple[tuple[str, ...], int]:
+    """(each layer's attention type, the window) as transformers reads them: an
+    explicit layer_types, else Qwen's rule (use_sliding_window, and then the layers
+    from max_window_layers on), else Mistral's (a sliding_window: every layer)."""
+    window = hf.get("sliding_window") or 0
+    if not hf.get("use_sliding_window", True):
+        window = 0
+    if not isinstance(window, int) or window < 0:
+        raise ConfigError(f"sliding_window={window!r}: a window is a positive number of tokens")
+    types = hf.get("layer_types")
+    if types is None:
+        first = hf.get("max_window_layers", 0) if "use_sliding_window" in hf else 0
+        types = [SLIDING_ATTENTION if window and i >= first else FULL_ATTENTION
+                 for i in range(num_layers)]  # fmt: skip
+    if not window:
+        types = [FULL_ATTENTION] * num_layers
+    if len(types) != num_layers or not set(types) <= set(ATTENTION_TYPES):
+        raise ConfigError(f"layer_types={types!r}: one of {ATTENTION_TYPES} per layer "
+                          f"({num_layers})")  # fmt: skip
+    return tuple(types), window if SLIDING_ATTENTION in types else 0
+
+
 @dataclass(slots=True, frozen=True)
 class ModelConfig:
     architecture: str
@@ -114,8 +142,11 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     moe: MoeConfig | None
     quant: QuantConfig | None  # quantized weights: the checkpoint's quantization_config
-    # Sliding-window attention is not implemented: a window caps the usable length.
     max_model_len: int
+    # Per layer, transformers' "full_attention" or "sliding_attention" (the window
+    # layers' queries see sliding_window tokens, themselves included).
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int = 0
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":
@@ -142,7 +173,7 @@ class ModelConfig:
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         max_len = hf.get("max_position_embeddings", 2048)
-        window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+        layer_types, window = _layer_types(hf, num_layers)
         if eos is None:
             eos = hf.get("eos_token_id")
         quant = QuantConfig.from_hf(hf)
@@ -167,5 +198,13 @@ class ModelConfig:
             eos_token_ids=tuple([] if eos is None else [eos] if isinstance(eos, int) else eos),
             moe=MoeConfig.from_hf(moe_family, hf, num_layers) if moe_family else None,
             quant=quant,
-            max_model_len=min(max_len, window) if window else max_len,
+            max_model_len=max_len,
+            layer_types=layer_types,
+            sliding_window=window,
         )
+
+    def layer_specs(self, num_kv_heads: int, kv_dtype_bytes: int) -> list[LayerSpec]:
+        """Each layer as the KV cache holds it (num_kv_heads: one rank's)."""
+        kv_bytes = 2 * num_kv_heads * self.head_dim * kv_dtype_bytes
+        return [LayerSpec(t, self.sliding_window if t == SLIDING_ATTENTION else 0,
+                          kv_bytes_per_token=kv_bytes) for t in self.layer_types]  # fmt: skip

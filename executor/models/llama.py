@@ -5,13 +5,14 @@ varlen forward per step; q/k/v and gate/up are packed into one matmul each. Unde
 tensor parallelism (executor/parallel.py) each rank builds the same modules at its
 shard's sizes."""
 
+from collections.abc import Sequence
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flagstop.executor.attention import AttentionMetadata, FP8Scales, paged_attention
+from flagstop.executor.attention import AttentionMetadata, Band, FP8Scales, paged_attention
 from flagstop.executor.models.config import ModelConfig
 from flagstop.executor.models.layers import (
     RMSNorm,
@@ -26,6 +27,7 @@ from flagstop.executor.models.onednn import Linear
 from flagstop.executor.models.quantization import ConfigError
 from flagstop.executor.parallel import SINGLE, TensorParallel
 from flagstop.kernels import torch_attention
+from flagstop.scheduler_svc.core.kv_groups import SLIDING_ATTENTION, kv_cache_groups, layer_slots
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -49,7 +51,7 @@ class VocabParallelEmbedding(nn.Embedding):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel, prefix: str) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel, prefix: str, index: int) -> None:
         super().__init__()
         self.num_heads = tp.shard.heads(config.num_heads)[1]
         self.num_kv_heads = tp.shard.kv_heads(config.num_kv_heads)[1]
@@ -70,6 +72,8 @@ class Attention(nn.Module):
         # An FP8 cache's scales (this rank's KV heads'): set by set_kv_cache_dtype;
         # None while the cache is in the model's dtype.
         self.fp8_scales: FP8Scales | None = None
+        window = config.sliding_window if config.layer_types[index] == SLIDING_ATTENTION else 0
+        self.band = Band.of(window, None)
 
     def forward(
         self, rope: Rope, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
@@ -81,7 +85,8 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(rope, q, k)
-        out = paged_attention(self.backend, q, k, v, kv_cache, meta, self.scale, self.fp8_scales)
+        out = paged_attention(self.backend, q, k, v, kv_cache, meta, self.scale, self.fp8_scales,
+                              self.band)  # fmt: skip
         return self.o_proj(out.flatten(1))
 
 
@@ -102,7 +107,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel, index: int) -> None:
         super().__init__()
         prefix = f"model.layers.{index}"  # the checkpoint's names, which quantization uses
-        self.self_attn = Attention(config, tp, f"{prefix}.self_attn")
+        self.self_attn = Attention(config, tp, f"{prefix}.self_attn", index)
         sparse = config.moe is not None and config.moe.sparse_layers[index]
         mlp = SparseMoeBlock if sparse else MLP
         self.mlp = mlp(config, tp, f"{prefix}.mlp")
@@ -129,6 +134,9 @@ class LlamaForCausalLM(nn.Module):
         )
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(config, tp, i) for i in range(config.num_layers))
+        # Each layer's KV cache group: the step's metadata has a block table per group.
+        groups = kv_cache_groups(config.layer_specs(1, 1))
+        self.layer_groups = [g for g, _ in layer_slots(groups, config.num_layers)]
         mlps = (layer.mlp for layer in self.layers)
         self.moe_blocks = [mlp for mlp in mlps if isinstance(mlp, SparseMoeBlock)]
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -152,13 +160,14 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[KVCache],
-        meta: AttentionMetadata,
+        metas: Sequence[AttentionMetadata],
     ) -> torch.Tensor:
-        """Hidden states [num_tokens, hidden] of one flattened step."""
+        """Hidden states [num_tokens, hidden] of one flattened step; kv_caches by layer,
+        metas by KV cache group."""
         x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.lookup(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(rope, x, residual, kv_cache, meta)
+        for layer, kv_cache, g in zip(self.layers, kv_caches, self.layer_groups, strict=True):
+            x, residual = layer(rope, x, residual, kv_cache, metas[g])
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

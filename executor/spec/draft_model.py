@@ -29,6 +29,12 @@ class DraftModelProposer:
     def __init__(self, config: SpeculativeConfig, runner) -> None:
         assert config.model is not None
         check_same_vocabulary(config.model, runner.config.model, runner.model_config.vocab_size)
+        if runner.kv_groups[0].is_window:
+            raise ValueError(
+                "--speculative-model: a draft model attends to every token on the "
+                "target's block table, and this model has no full-attention "
+                "layer (every layer is windowed): use ngram or suffix drafts"
+            )
         self.model = load_model(config.model, runner.dtype, runner.device, SINGLE,
                                 runner.attention_backend)  # fmt: skip
         self.runner = runner

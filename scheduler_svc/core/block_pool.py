@@ -63,14 +63,20 @@ class FreeBlockQueue:
 class BlockPool:
     """Fixed-size KV blocks with reference counts and a content-addressed prefix cache."""
 
-    __slots__ = ("blocks", "cached_blocks", "free_queue", "num_blocks")
+    __slots__ = ("blocks", "cached_blocks", "free_queue", "null_block", "num_blocks",
+                 "num_usable_blocks")  # fmt: skip
 
-    def __init__(self, num_blocks: int) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+    def __init__(self, num_blocks: int, null_block: bool = False) -> None:
+        """null_block: block 0 is set aside, never allocated nor freed: a window
+        group's table holds it where a block left the window (its positions are
+        never read), as vLLM's does."""
+        if num_blocks < 1 + null_block:
+            raise ValueError(f"num_blocks must be >= {1 + null_block}, got {num_blocks}")
         self.num_blocks = num_blocks
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        self.null_block = self.blocks[0] if null_block else None
+        self.free_queue = FreeBlockQueue(self.blocks[int(null_block) :])
+        self.num_usable_blocks = num_blocks - null_block
         self.cached_blocks: dict[bytes, KVCacheBlock] = {}
 
     @property
@@ -78,7 +84,7 @@ class BlockPool:
         return self.free_queue.num_free_blocks
 
     def usage(self) -> float:
-        return 1.0 - self.free_queue.num_free_blocks / self.num_blocks
+        return 1.0 - self.free_queue.num_free_blocks / self.num_usable_blocks
 
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
         if n > self.free_queue.num_free_blocks:

@@ -4,6 +4,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from flagstop.scheduler_svc.core.block_pool import BlockPool, KVCacheBlock
+from flagstop.scheduler_svc.core.kv_groups import KVCacheGroup, kv_cache_groups
 from flagstop.scheduler_svc.core.request import Request
 from flagstop.utils import cdiv
 
@@ -46,21 +47,53 @@ class PrefixCacheStats:
 
 @dataclass(slots=True)
 class _RequestBlocks:
-    blocks: list[KVCacheBlock]
-    # How many leading blocks are already in the prefix cache.
+    # Per group, a block per block_size positions (all of equal length): a window
+    # group's blocks that left every query's window are the pool's null block.
+    blocks: list[list[KVCacheBlock]]
+    # How many leading positions' blocks are already in the prefix cache.
     num_cached_blocks: int = 0
+    # Per window group (in window_groups order): how many leading blocks are null.
+    num_skipped_blocks: list[int] | None = None
+
+
+class ComputedBlocks:
+    """A request's prefix-cache hits: per group, a block per hit position (a window
+    group's out-of-window ones null). len(): the positions, the same in every group."""
+
+    __slots__ = ("groups",)
+
+    def __init__(self, groups: list[list[KVCacheBlock]]) -> None:
+        self.groups = groups
+
+    def __len__(self) -> int:
+        return len(self.groups[0])
 
 
 NO_NEW_BLOCKS: tuple[int, ...] = ()
 
 
 class KVCacheManager:
-    """Maps requests to blocks: prefix lookups, slot allocation, caching and freeing."""
+    """Maps requests to blocks: prefix lookups, slot allocation, caching and freeing,
+    for every KV cache group (kv_groups.py) out of one pool. Block ids go to the
+    executor position-major: for each new block position, one id per group, so
+    that appending a step's ids to a plan's keeps the layout."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool = True,
+        groups: Sequence[KVCacheGroup] | None = None,
+    ) -> None:  # fmt: skip
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks)
+        self.groups = list(groups or kv_cache_groups([]))
+        self.num_groups = len(self.groups)
+        # (group index, window) of the window groups: the only ones that skip blocks.
+        self.window_groups = [(g, x.sliding_window) for g, x in enumerate(self.groups)
+                              if x.is_window]  # fmt: skip
+        self.full_groups = [g for g, x in enumerate(self.groups) if not x.is_window]
+        self.pool = BlockPool(num_blocks, null_block=bool(self.window_groups))
+        # A group's cached blocks are keyed by its hashes and its index: the same tokens
+        # are different KV in each group's layers.
+        self.group_keys = [bytes([g]) if g else b"" for g in range(self.num_groups)]
         self.req_blocks: dict[str, _RequestBlocks] = {}
         self.prefix_stats = PrefixCacheStats()
         # Blocks cached since the last take_newly_cached (kept only for a KV connector's
@@ -75,53 +108,141 @@ class KVCacheManager:
         hashes += chain_hashes(request.all_token_ids, self.block_size, len(hashes),
                                hashes[-1] if hashes else lora_root(request.lora_id))  # fmt: skip
 
-    def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:
-        """The longest cached prefix of full blocks, never covering the last token:
-        its logits are what the next step must produce."""
+    # -- prefix hits ---------------------------------------------------------------
+
+    def get_computed_blocks(self, request: Request) -> ComputedBlocks:
+        """The longest cached prefix every group can serve, in full blocks, never
+        covering the last token (its logits are what the next step must produce): full
+        attention scanned from the left, then each window group back from there to
+        the last point whose window before it is cached (vLLM's hybrid hit), until
+        they agree."""
         if not self.enable_caching:
-            return []
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[:max_blocks]:
-            block = self.pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            hits.append(block)
-        return hits
+            return ComputedBlocks([[] for _ in self.groups])
+        hashes = request.block_hashes[: (request.num_tokens - 1) // self.block_size]
+        num_hit = len(hashes)
+        for g in self.full_groups:
+            num_hit = self._full_hit(hashes, g, num_hit)
+        changed = bool(self.window_groups)
+        while changed:
+            changed = False
+            for g, window in self.window_groups:
+                n = self._window_hit(hashes, g, num_hit, window)
+                changed, num_hit = changed or n != num_hit, min(n, num_hit)
+        return ComputedBlocks([self._hit_blocks(hashes, g, num_hit)
+                               for g in range(self.num_groups)])  # fmt: skip
+
+    def _cached(self, block_hash: bytes, g: int) -> KVCacheBlock | None:
+        return self.pool.get_cached_block(block_hash + self.group_keys[g])
+
+    def _full_hit(self, hashes: list[bytes], g: int, num_hit: int) -> int:
+        for i in range(num_hit):
+            if self._cached(hashes[i], g) is None:
+                return i
+        return num_hit
+
+    def _window_hit(self, hashes: list[bytes], g: int, num_hit: int, window: int) -> int:
+        """The longest n <= num_hit whose window before it is cached: the blocks of the
+        window - 1 positions before position n * block_size."""
+        num_needed = cdiv(window - 1, self.block_size)
+        top = num_hit
+        for i in range(num_hit - 1, -1, -1):
+            if self._cached(hashes[i], g) is None:
+                top = i
+            elif top - i >= num_needed:
+                return top
+        return top
+
+    def _hit_blocks(self, hashes: list[bytes], g: int, num_hit: int) -> list[KVCacheBlock]:
+        group, cached = self.groups[g], self._cached
+        first = 0
+        if group.is_window:  # the blocks before its window are not needed: null
+            first = max(0, num_hit - cdiv(group.sliding_window - 1, self.block_size))
+        null = self.pool.null_block
+        return [null] * first + [cached(hashes[i], g) for i in range(first, num_hit)]  # type: ignore[misc]
+
+    # -- slots ----------------------------------------------------------------------
 
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
-        new_computed_blocks: list[KVCacheBlock] | None = None,
+        new_computed_blocks: ComputedBlocks | None = None,
         delay_cache_blocks: bool = False,
     ) -> Sequence[int] | None:
         """Give the request room for num_new_tokens more tokens (after the prefix hits).
         All or nothing: None when the free blocks cannot cover it. Returns the block ids
-        appended to the request's block table. delay_cache_blocks: a connector fills
-        them, so none is cached (no other request may hit it) until cache_blocks."""
+        appended to the request's block tables (position-major). delay_cache_blocks: a
+        connector fills them, so none is cached (no other request may hit it) until
+        cache_blocks. A window group first lets go of what left the window."""
         state = self.req_blocks.get(request.request_id)
         num_total = request.num_computed_tokens + num_new_tokens
-        if state is not None and num_total <= len(state.blocks) * self.block_size:
-            # The decode fast path: room was already allocated, at most a block to cache.
-            self._cache_full_blocks(request, state, num_total)
-            return NO_NEW_BLOCKS
-        hits = new_computed_blocks or []
-        num_total += len(hits) * self.block_size
-        num_allocated = len(state.blocks) if state is not None else 0
-        num_needed = cdiv(num_total, self.block_size) - num_allocated - len(hits)
+        if state is not None:
+            if self.window_groups:
+                self._skip_blocks(request, state)
+            if num_total <= len(state.blocks[0]) * self.block_size:
+                # The decode fast path: room was already allocated, at most a block to cache.
+                self._cache_full_blocks(request, state, num_total)
+                return NO_NEW_BLOCKS
+        hits = new_computed_blocks.groups if new_computed_blocks else None
+        num_hits = len(hits[0]) if hits else 0
+        num_total += num_hits * self.block_size
+        num_allocated = len(state.blocks[0]) if state is not None else 0
+        num_needed = cdiv(num_total, self.block_size) - num_allocated - num_hits
         # Hits sitting in the free queue (ref 0) are taken from the same free pool.
-        num_revived = sum(1 for b in hits if b.ref_cnt == 0)
-        if num_needed + num_revived > self.pool.free_queue.num_free_blocks:
+        null = self.pool.null_block
+        revived = [b for group in hits or () for b in group if b.ref_cnt == 0 and b is not null]
+        if num_needed * self.num_groups + len(revived) > self.pool.free_queue.num_free_blocks:
             return None
         if state is None:
-            state = self.req_blocks[request.request_id] = _RequestBlocks([])
-        self.pool.touch(hits)
-        new_blocks = hits + self.pool.get_new_blocks(num_needed)
-        state.blocks.extend(new_blocks)
+            state = self.req_blocks[request.request_id] = self._new_state()
+        # Every group's hits taken before any new block: a hit of one group may sit in
+        # the free queue, where another group's new block would evict it.
+        for group_hits in hits or ():
+            self.pool.touch(b for b in group_hits if b is not null)
+        new_ids: list[int] = []
+        for g, blocks in enumerate(state.blocks):
+            new_blocks = (hits[g] if hits else []) + self.pool.get_new_blocks(num_needed)
+            blocks.extend(new_blocks)
+            new_ids.extend(b.block_id for b in new_blocks)
+        if hits and self.window_groups:
+            self._count_null_hits(state)
         if not delay_cache_blocks:
             self._cache_full_blocks(request, state, num_total)
-        return [b.block_id for b in new_blocks]
+        if self.num_groups == 1:
+            return new_ids
+        n = len(new_ids) // self.num_groups  # group-major -> position-major
+        return [new_ids[g * n + i] for i in range(n) for g in range(self.num_groups)]
+
+    def _new_state(self) -> _RequestBlocks:
+        skipped = [0] * len(self.window_groups) if self.window_groups else None
+        return _RequestBlocks([[] for _ in self.groups], num_skipped_blocks=skipped)
+
+    def _count_null_hits(self, state: _RequestBlocks) -> None:
+        assert state.num_skipped_blocks is not None
+        null = self.pool.null_block
+        for w, (g, _) in enumerate(self.window_groups):
+            blocks, i = state.blocks[g], state.num_skipped_blocks[w]
+            while i < len(blocks) and blocks[i] is null:
+                i += 1
+            state.num_skipped_blocks[w] = i
+
+    def _skip_blocks(self, request: Request, state: _RequestBlocks) -> None:
+        """Free each window group's blocks that no query of this step or a later one
+        sees. Counted from the tokens known to be computed: drafts of a step in flight
+        may be rejected, and the positions they roll back to still need their window."""
+        assert state.num_skipped_blocks is not None
+        num_computed = request.num_computed_tokens - request.num_output_placeholders
+        null, skipped = self.pool.null_block, state.num_skipped_blocks
+        for w, (g, window) in enumerate(self.window_groups):
+            num_skip = max(0, num_computed - window + 1) // self.block_size
+            first = skipped[w]
+            if num_skip <= first:
+                continue
+            blocks = state.blocks[g]
+            num_skip = min(num_skip, len(blocks))
+            self.pool.free_blocks(blocks[first:num_skip])
+            blocks[first:num_skip] = [null] * (num_skip - first)
+            skipped[w] = num_skip
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """A connector filled the request's blocks up to num_computed_tokens."""
@@ -133,11 +254,14 @@ class KVCacheManager:
         # Only blocks whose tokens are all known and computed once this step has run;
         # a block ending in a token still in flight is cached on a later call.
         num_full = min(num_total, len(request.all_token_ids)) // self.block_size
-        if num_full <= state.num_cached_blocks or not self.enable_caching:
+        first = state.num_cached_blocks
+        if num_full <= first or not self.enable_caching:
             return
-        blocks, hashes, cache_block = state.blocks, request.block_hashes, self.pool.cache_block
-        cached = [blocks[i] for i in range(state.num_cached_blocks, num_full)
-                  if cache_block(blocks[i], hashes[i])]  # fmt: skip
+        hashes, cache, null = request.block_hashes, self.pool.cache_block, self.pool.null_block
+        cached = []
+        for blocks, key in zip(state.blocks, self.group_keys, strict=True):
+            cached += [b for i in range(first, num_full)
+                       if (b := blocks[i]) is not null and cache(b, hashes[i] + key)]  # fmt: skip
         state.num_cached_blocks = num_full
         if self.newly_cached is not None:
             self.newly_cached += cached
@@ -153,12 +277,14 @@ class KVCacheManager:
         them allocated): the new block count, or None when nothing was past."""
         state = self.req_blocks.get(request.request_id)
         num_kept = cdiv(num_tokens, self.block_size)
-        if state is None or len(state.blocks) <= num_kept:
+        if state is None or len(state.blocks[0]) <= num_kept:
             return None
-        # Only blocks of tokens that were never known: none of them is cached.
+        # Only blocks of tokens that were never known: none of them is cached, and
+        # none was skipped (skipping counts only tokens known computed).
         assert state.num_cached_blocks <= num_kept, "a cached block past the tokens"
-        self.pool.free_blocks(reversed(state.blocks[num_kept:]))
-        del state.blocks[num_kept:]
+        for blocks in state.blocks:
+            self.pool.free_blocks(reversed(blocks[num_kept:]))
+            del blocks[num_kept:]
         return num_kept
 
     def hold(self, request_id: str, key: str) -> None:
@@ -176,14 +302,39 @@ class KVCacheManager:
         state = self.req_blocks.pop(request_id, None)
         if state is None:
             return
-        if num_valid_tokens is not None:
-            for block in state.blocks[num_valid_tokens // self.block_size :]:
-                if block.block_hash is not None and block.ref_cnt == 1:
-                    self.pool.uncache(block)
-        # Tail blocks first: they join the free queue ahead of the prefix blocks and
-        # are evicted first, so shared prefixes stay cached longest.
-        self.pool.free_blocks(reversed(state.blocks))
+        null = self.pool.null_block
+        for blocks in state.blocks:
+            if num_valid_tokens is not None:
+                for block in blocks[num_valid_tokens // self.block_size :]:
+                    if block.block_hash is not None and block.ref_cnt == 1:
+                        self.pool.uncache(block)
+            # Tail blocks first: they join the free queue ahead of the prefix blocks
+            # and are evicted first, so shared prefixes stay cached longest.
+            self.pool.free_blocks(b for b in reversed(blocks) if b is not null)
 
     def block_ids(self, request_id: str) -> list[int]:
+        """The request's block tables, position-major."""
         state = self.req_blocks.get(request_id)
-        return [b.block_id for b in state.blocks] if state is not None else []
+        if state is None:
+            return []
+        if self.num_groups == 1:
+            return [b.block_id for b in state.blocks[0]]
+        return [b.block_id for position in zip(*state.blocks, strict=True) for b in position]
+
+    def max_num_tokens(self, max_chunk_tokens: int) -> int:
+        """The longest sequence the pool could hold alone: every full group's blocks
+        for all of it, each window group's for its window and a chunk of new tokens
+        (the most it holds at once); unbounded by the pool without a full group."""
+        usable = self.pool.num_usable_blocks
+        if not self.window_groups:
+            return usable // self.num_groups * self.block_size
+        usable -= sum(cdiv(w + max_chunk_tokens, self.block_size) + 1
+                      for _, w in self.window_groups)  # fmt: skip
+        if usable < 0:
+            return 0
+        if not self.full_groups:
+            return UNBOUNDED
+        return usable // len(self.full_groups) * self.block_size
+
+
+UNBOUNDED = 2**31 - 1

@@ -16,7 +16,11 @@ connector, answers each as if nothing ever lived beyond the pool.
 
 from collections import deque
 
-from flagstop.scheduler_svc.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from flagstop.scheduler_svc.core.kv_cache_manager import (
+    ComputedBlocks,
+    KVCacheManager,
+    PrefixCacheStats,
+)
 from flagstop.scheduler_svc.core.kv_connector import KVConnector, KVTransferResult
 from flagstop.scheduler_svc.core.output import SchedulerOutput
 from flagstop.scheduler_svc.core.request import (
@@ -70,7 +74,12 @@ class KVTransfers:
         return self.connector.get_num_new_matched_tokens(request, num_cached)
 
     def start_load(
-        self, kv: KVCacheManager, request: Request, hits: list, num_cached: int, num_external: int
+        self,
+        kv: KVCacheManager,
+        request: Request,
+        hits: ComputedBlocks | None,
+        num_cached: int,
+        num_external: int,
     ) -> bool:
         """Reserve blocks for the request's whole remaining prefill, uncached (a load
         fills them), and park it until the connector reports the load; False when the
@@ -85,7 +94,7 @@ class KVTransfers:
         self.loading[request.request_id] = request
         # A fresh block table: the hits, then the new blocks, the loaded ones first (a
         # prefill replica's last one may be partly filled).
-        first = len(hits)
+        first = len(hits) if hits else 0
         loaded_ids = block_ids[first : first + cdiv(num_external, kv.block_size)]
         self.connector.update_state_after_alloc(request, loaded_ids, num_external)
         return True

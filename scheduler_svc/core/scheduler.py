@@ -8,11 +8,12 @@ null variant when the feature is off, so the loop never asks whether one is on:
 - `self.transfers` (kv_transfers.py): KV beyond the pool, around the KV connector;
 - LoRA is one admission rule, `_can_admit` (--max-loras distinct adapters running)."""
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from flagstop.scheduler_svc.core.config import SchedulerConfig
-from flagstop.scheduler_svc.core.kv_cache_manager import KVCacheManager
+from flagstop.scheduler_svc.core.kv_cache_manager import ComputedBlocks, KVCacheManager
 from flagstop.scheduler_svc.core.kv_connector import KVConnector
+from flagstop.scheduler_svc.core.kv_groups import KVCacheGroup
 from flagstop.scheduler_svc.core.kv_transfers import kv_transfers
 from flagstop.scheduler_svc.core.limits import RequestRejected, check_admissible
 from flagstop.scheduler_svc.core.output import (
@@ -47,8 +48,12 @@ class Scheduler:
         num_blocks: int,
         policy: SchedulingPolicy | None = None,
         connector: KVConnector | None = None,
+        kv_groups: Sequence[KVCacheGroup] | None = None,
     ) -> None:
+        """kv_groups: the executor's layers as KV cache groups (kv_groups.py); None:
+        one full-attention group."""
         self.config = config
+        self.kv_groups = kv_groups
         self.policy = policy or make_policy(config.policy)
         self.drafts = draft_budget(config)
         self.transfers = kv_transfers(connector)
@@ -67,9 +72,11 @@ class Scheduler:
         """An empty pool of num_blocks, and the longest sequence it holds (the model's
         limit or the whole pool)."""
         config = self.config
-        self.kv = KVCacheManager(num_blocks, config.block_size, not config.no_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, config.block_size, not config.no_prefix_caching,
+                                 self.kv_groups)  # fmt: skip
         self.transfers.watch(self.kv)
-        self.max_model_len = min(config.max_model_len, num_blocks * config.block_size)
+        self.kv_capacity_tokens = self.kv.max_num_tokens(config.max_num_batched_tokens)
+        self.max_model_len = min(config.max_model_len, self.kv_capacity_tokens)
 
     # -- requests in -------------------------------------------------------------
 
@@ -77,8 +84,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise RequestRejected(f"request id {request.request_id!r} is already in use")
         config = self.config
-        check_admissible(request, config.max_model_len, self.kv.pool.num_blocks * self.block_size,
-                         config.max_loras)  # fmt: skip
+        check_admissible(request, config.max_model_len, self.kv_capacity_tokens, config.max_loras)
         request.set_limits(self.max_model_len)
         self.transfers.on_add(request)
         self.kv.update_block_hashes(request)
@@ -253,11 +259,11 @@ class Scheduler:
             return num_new if num_new <= step.token_budget else None
         return min(num_new, config.long_prefill_token_threshold or num_new, step.token_budget)
 
-    def _find_computed(self, request: Request) -> tuple[list, int, int] | None:
+    def _find_computed(self, request: Request) -> tuple[ComputedBlocks | None, int, int] | None:
         """(local hits, tokens they cover, tokens the connector can load), or None
         while the connector asks for time."""
         if request.skip_prefix_cache:
-            return [], 0, 0
+            return None, 0, 0
         hits = self.kv.get_computed_blocks(request)
         num_cached = len(hits) * self.block_size
         num_external = self.transfers.num_loadable(request, num_cached)

@@ -80,6 +80,15 @@ MOE_VARIANTS = {
     ),
 }  # fmt: skip
 VARIANTS |= MOE_VARIANTS
+# Sliding windows of 8 tokens, shorter than the tests' prompts so that they matter:
+# every layer (Mistral: one window group), and Qwen2's rule (layers from
+# max_window_layers on: a full group and a window group).
+WINDOW_VARIANTS = {
+    "mistral-window": lambda: MistralConfig(**COMMON, sliding_window=8),
+    "qwen2-window": lambda: Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=8,
+                                        max_window_layers=1),
+}  # fmt: skip
+VARIANTS |= WINDOW_VARIANTS
 
 
 def write_checkpoint(name: str, out: Path) -> Path:

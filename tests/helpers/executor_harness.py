@@ -46,6 +46,15 @@ class Harness:
     def block_size(self) -> int:
         return self.runner.block_size
 
+    @property
+    def num_groups(self) -> int:
+        """KV cache groups: each block position holds one block id per group."""
+        return len(self.runner.kv_groups)
+
+    def prefix_blocks(self, req_id: str, num_positions: int) -> list[int]:
+        """The block ids of a request's first num_positions blocks (every group's)."""
+        return self.requests[req_id].block_ids[: num_positions * self.num_groups]
+
     def add(
         self,
         req_id: str,
@@ -58,7 +67,7 @@ class Harness:
         lora_name: the adapter it runs."""
         shared = list(shared_blocks or [])
         self.requests[req_id] = Tracked(
-            list(prompt), len(prompt), shared, len(shared) * self.block_size,
+            list(prompt), len(prompt), shared, len(shared) // self.num_groups * self.block_size,
             lora_name=lora_name,
         )  # fmt: skip
         self.params[req_id] = params or SamplingParams()
@@ -93,10 +102,10 @@ class Harness:
             tracked = self.requests[req_id]
             total = tracked.num_computed_tokens + n
             assert total <= len(tracked.token_ids)
-            new_blocks = [
-                self.free_blocks.pop(0)
-                for _ in range(cdiv(total, self.block_size) - len(tracked.block_ids))
-            ]
+            # Position-major, a block per group each (window groups keep theirs here:
+            # the executor must read only the window however many it holds).
+            num_positions = cdiv(total, self.block_size) - len(tracked.block_ids) // self.num_groups
+            new_blocks = [self.free_blocks.pop(0) for _ in range(num_positions * self.num_groups)]
             tracked.block_ids += new_blocks
             if not tracked.sent:
                 plan.scheduled_new_reqs.append(

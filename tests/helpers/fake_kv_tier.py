@@ -66,7 +66,7 @@ class _Transfer:
 def prefill_side_blocks(tokens: list[int], block_size: int) -> list[list]:
     """The KV a prefill replica computed for tokens, block by block (its last block's
     slots past them hold nothing)."""
-    entries = [(token, pos) for pos, token in enumerate(tokens)]
+    entries = [(token, pos, 0) for pos, token in enumerate(tokens)]
     entries += [None] * (-len(entries) % block_size)
     return [entries[i : i + block_size] for i in range(0, len(entries), block_size)]
 

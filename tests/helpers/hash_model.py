@@ -9,7 +9,12 @@ scheduler's bookkeeping, not just its arithmetic.
 With draft slots in a plan it speculates like the real executor: it proposes drafts
 (right ones, wrong ones from a seeded coin, or fewer than the slots), writes them to
 the KV cache after the request's tokens, and verifies them against its hash, so
-rollbacks, trims and multi-token outputs go through the same read-back."""
+rollbacks, trims and multi-token outputs go through the same read-back.
+
+With KV cache groups (kv_groups.py) each token is written through every group's block
+table, tagged with its group; the hash reads the first full-attention group, and
+every window group's read of the window before each sampled position must find its
+own entries (a block freed too early, or another group's block, fails it)."""
 
 import hashlib
 import random
@@ -19,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flagstop.scheduler_svc.core.kv_connector import NO_TRANSFERS
+from flagstop.scheduler_svc.core.kv_groups import KVCacheGroup, kv_cache_groups
 from flagstop.scheduler_svc.core.output import OwnerOutputs, SchedulerOutput, StepOutcome
 from flagstop.scheduler_svc.core.request import StopParams
 from flagstop.scheduler_svc.core.scheduler import Scheduler
@@ -53,30 +59,38 @@ def reference_tokens(
 @dataclass(slots=True)
 class _CachedRequest:
     token_ids: list[int]
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per group
     num_computed_tokens: int
+
+
+def split_groups(block_ids, num_groups: int) -> list[list[int]]:
+    """A plan's position-major block ids as one list per group."""
+    return [list(block_ids[g::num_groups]) for g in range(num_groups)]
 
 
 class HashModelExecutor:
     def __init__(
         self, num_blocks: int, block_size: int, vocab_size: int, draft_error_rate: float = 0.3,
-        seed: int = 0,
+        seed: int = 0, groups: list[KVCacheGroup] | None = None,
     ) -> None:  # fmt: skip
         """draft_error_rate: the chance that a proposed draft token is wrong."""
+        self.groups = groups or kv_cache_groups([])
+        self.windows = [g.sliding_window for g in self.groups]
+        full = [g for g, window in enumerate(self.windows) if not window]
+        self.hash_group = full[0] if full else None  # None: the windows alone
         self.block_size = block_size
         self.vocab_size = vocab_size
-        self.kv: list[tuple[int, int] | None] = [None] * (num_blocks * block_size)
+        self.kv: list[tuple[int, int, int] | None] = [None] * (num_blocks * block_size)
         self.requests: dict[str, _CachedRequest] = {}
         self.draft_error_rate = draft_error_rate
         self.rng = random.Random(seed)
         # Drafts proposed per sampling request, by step id (the StepResult's column).
         self.num_drafts: dict[int, list[int]] = {}
 
-    def _slot(self, state: _CachedRequest, position: int) -> int:
-        return (
-            state.block_ids[position // self.block_size] * self.block_size
-            + position % self.block_size
-        )
+    def _slot(self, state: _CachedRequest, position: int, group: int = 0) -> int:
+        block = state.block_ids[group][position // self.block_size]
+        assert not (block == 0 and any(self.windows)), f"position {position}: the null block"
+        return block * self.block_size + position % self.block_size
 
     def execute(self, plan: SchedulerOutput) -> list[list[int]]:
         """Per sampling request, its new tokens (one; with drafts 1 + accepted)."""
@@ -97,7 +111,8 @@ class HashModelExecutor:
                 drafts[rid] = self._propose(state.token_ids, slots[rid])
                 written = written + drafts[rid]
             for pos, token in enumerate(written, start):
-                self.kv[self._slot(state, pos)] = (token, pos)
+                for g in range(len(self.groups)):
+                    self.kv[self._slot(state, pos, g)] = (token, pos, g)
         sampled, num_drafts = [], []
         for rid, num_new in plan.num_scheduled_tokens.items():
             state = self.requests[rid]
@@ -140,12 +155,15 @@ class HashModelExecutor:
         for rid, num_blocks in plan.trimmed_blocks.items():
             if (state := self.requests.get(rid)) is not None:
                 assert num_blocks * self.block_size >= state.num_computed_tokens, "trimmed too far"
-                del state.block_ids[num_blocks:]
+                for block_ids in state.block_ids:
+                    del block_ids[num_blocks:]
+        num_groups = len(self.groups)
         for data in plan.scheduled_new_reqs + plan.scheduled_resumed_reqs:
             assert data.req_id not in self.requests, f"{data.req_id} sent twice"
             self.requests[data.req_id] = _CachedRequest(
-                list(data.token_ids), list(data.block_ids), data.num_computed_tokens
-            )
+                list(data.token_ids), split_groups(data.block_ids, num_groups),
+                data.num_computed_tokens,
+            )  # fmt: skip
         cached = plan.scheduled_cached_reqs
         for rid, num_computed, new_ids in zip(
             cached.req_ids, cached.num_computed_tokens, cached.new_block_ids, strict=True
@@ -157,15 +175,31 @@ class HashModelExecutor:
                 state.num_computed_tokens,
                 num_computed,
             )
-            state.block_ids.extend(new_ids)
+            for block_ids, ids in zip(state.block_ids, split_groups(new_ids, num_groups),
+                                      strict=True):  # fmt: skip
+                block_ids.extend(ids)
 
     def _sample(self, state: _CachedRequest) -> int:
-        context = [self.kv[self._slot(state, pos)] for pos in range(state.num_computed_tokens)]
-        for pos, entry in enumerate(context):
-            assert entry is not None and entry[1] == pos, f"slot for position {pos} holds {entry}"
-        token = next_token([entry[0] for entry in context], self.vocab_size)  # type: ignore[index]
+        n = state.num_computed_tokens
+        for g, window in enumerate(self.windows):
+            if window:  # what the group's layers read: the window before position n
+                self._read(state, range(max(0, n - window), n), g)
+        if self.hash_group is None:
+            tokens = state.token_ids[:n]
+        else:
+            tokens = self._read(state, range(n), self.hash_group)
+        token = next_token(tokens, self.vocab_size)
         state.token_ids.append(token)
         return token
+
+    def _read(self, state: _CachedRequest, positions: range, g: int) -> list[int]:
+        context = [self.kv[self._slot(state, pos, g)] for pos in positions]
+        for pos, entry in zip(positions, context, strict=True):
+            assert entry is not None and entry[1:] == (pos, g), (
+                f"group {g}: slot for position {pos} holds {entry}"
+            )
+            assert entry[0] == state.token_ids[pos], f"group {g}: another token at {pos}"
+        return [entry[0] for entry in context]  # type: ignore[index]
 
 
 @dataclass(slots=True)

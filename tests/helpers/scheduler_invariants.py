@@ -11,20 +11,45 @@ def check_invariants(scheduler: Scheduler) -> None:
     kv, pool = scheduler.kv, scheduler.kv.pool
     owners: Counter[int] = Counter()
     for rid, state in kv.req_blocks.items():
-        ids = [b.block_id for b in state.blocks]
+        _check_groups(scheduler, rid, state)
+        ids = [b.block_id for blocks in state.blocks for b in blocks if b is not pool.null_block]
         assert len(set(ids)) == len(ids), f"{rid} holds a block twice: {ids}"
         owners.update(ids)
     for block in pool.blocks:
+        if block is pool.null_block:
+            assert block.ref_cnt == 0 and block.prev_free is None and block.block_hash is None
+            continue
         n = owners[block.block_id]
         assert block.ref_cnt == n, f"block {block.block_id}: ref {block.ref_cnt}, owners {n}"
         assert n <= 1 or block.block_hash is not None, f"uncached block {block.block_id} shared"
         in_queue = block.prev_free is not None
         assert in_queue == (n == 0), f"block {block.block_id}: free-queue membership wrong"
     free_ids = [b.block_id for b in pool.free_queue]
-    assert len(free_ids) == pool.num_free_blocks == pool.num_blocks - len(owners)
+    assert len(free_ids) == pool.num_free_blocks == pool.num_usable_blocks - len(owners)
     for block_hash, block in pool.cached_blocks.items():
         assert block.block_hash == block_hash
     _check_queues(scheduler)
+
+
+def _check_groups(scheduler: Scheduler, rid: str, state) -> None:
+    """Every group's table as long as the others; a window group's null blocks lead
+    it, and none of them is one a query may still see."""
+    kv, null = scheduler.kv, scheduler.kv.pool.null_block
+    lengths = {len(blocks) for blocks in state.blocks}
+    assert len(lengths) == 1, f"{rid}: group tables of lengths {lengths}"
+    request = scheduler.requests.get(rid)
+    for w, (g, window) in enumerate(kv.window_groups):
+        blocks = state.blocks[g]
+        num_null = sum(b is null for b in blocks)
+        assert all(b is null for b in blocks[:num_null]), f"{rid}: a null block after a live one"
+        assert state.num_skipped_blocks[w] == num_null
+        if request is not None:
+            # Never freed a block a query may still see: skipping counts only the
+            # tokens known computed (a rollback of drafts never goes below them).
+            safe = request.num_computed_tokens - request.num_output_placeholders
+            assert num_null <= max(0, safe - window + 1) // kv.block_size, (
+                f"{rid}: {num_null} blocks of window group {g} freed at {safe} computed"
+            )
 
 
 def _check_queues(scheduler: Scheduler) -> None:
@@ -58,7 +83,7 @@ def _check_queues(scheduler: Scheduler) -> None:
 def _check_reserved(scheduler: Scheduler, request) -> None:
     # A load reserves the whole remaining prefill, and nothing it writes is a prefix
     # hit before it is reported done.
-    blocks = scheduler.kv.req_blocks[request.request_id].blocks
+    blocks = scheduler.kv.req_blocks[request.request_id].blocks[0]
     bs = scheduler.config.block_size
     assert len(blocks) * bs >= request.num_tokens, f"{request.request_id} reserved too little"
     if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
@@ -74,5 +99,5 @@ def check_idle(scheduler: Scheduler) -> None:
     assert not transfers.loading and not transfers.loaded and not transfers.freeing
     assert not transfers.leased
     assert not kv.req_blocks
-    assert kv.pool.num_free_blocks == kv.pool.num_blocks
+    assert kv.pool.num_free_blocks == kv.pool.num_usable_blocks
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
