@@ -21,8 +21,10 @@ from flagstop.kernels.triton_quant import int4_linear, w8_linear  # noqa: F401
 DECODE_PARTITION = 512
 
 
-# Sliding-window layers (and sinks): not yet: a windowed model is refused at start-up.
-SLIDING_WINDOW = False
+# Sliding-window layers and sinks: a window bounds each query's loop (blocks wholly
+# before it are never read: a window group's freed blocks are the null block), and a
+# sink joins the softmax's denominator where the output is normalised.
+SLIDING_WINDOW = True
 
 
 def kv_cache_shape(
@@ -125,18 +127,25 @@ def _decode_partition_kernel(
     stride_cache_block,
     stride_cache_token,
     num_partitions,
+    window,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     PARTITION: tl.constexpr,
     IEEE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     """One sequence, one KV head (its GROUP query heads), one partition of the context:
-    an online softmax over the partition's blocks, left unnormalised for the merge."""
+    an online softmax over the partition's blocks, left unnormalised for the merge.
+    With a window, only the last window keys (a partition before them is empty)."""
     seq, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens + seq)
     start = part * PARTITION
+    first_key = 0
+    if HAS_WINDOW:
+        first_key = tl.maximum(seq_len - window, 0)
+        start = tl.maximum(start, first_key // BLOCK_SIZE * BLOCK_SIZE)
     rows = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + rows
@@ -149,7 +158,7 @@ def _decode_partition_kernel(
     l = tl.zeros([GROUP_PAD], tl.float32)  # noqa: E741
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     offsets = tl.arange(0, BLOCK_SIZE)
-    for block_start in range(start, tl.minimum(start + PARTITION, seq_len), BLOCK_SIZE):
+    for block_start in range(start, tl.minimum(part * PARTITION + PARTITION, seq_len), BLOCK_SIZE):
         kv_offsets = _kv_offsets(
             block_tables,
             seq,
@@ -161,7 +170,8 @@ def _decode_partition_kernel(
             HEAD_DIM,
             BLOCK_SIZE,
         )
-        visible = (block_start + offsets)[None, :] < seq_len
+        key_pos = (block_start + offsets)[None, :]
+        visible = (key_pos < seq_len) & (key_pos >= first_key)
         m, l, acc = _attend_block(  # noqa: E741
             q, k_cache, v_cache, kv_offsets, visible, scale, m, l, acc, IEEE
         )
@@ -180,12 +190,14 @@ def _decode_merge_kernel(
     partial_out,
     out,
     seq_lens,
+    sinks,
     stride_out_seq,
     stride_out_head,
     num_partitions,
     HEAD_DIM: tl.constexpr,
     PARTITION: tl.constexpr,
     PARTS_PAD: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     seq, head = tl.program_id(0), tl.program_id(1)
     used = tl.cdiv(tl.load(seq_lens + seq), PARTITION)
@@ -194,20 +206,30 @@ def _decode_merge_kernel(
     valid = parts < used
     m = tl.load(partial_max + base + parts, mask=valid, other=float("-inf"))
     l = tl.load(partial_sum + base + parts, mask=valid, other=0.0)  # noqa: E741
-    weights = tl.where(valid, tl.exp(m - tl.max(m, axis=0)), 0.0)
+    m_max = tl.max(m, axis=0)
+    if HAS_SINKS:  # one more logit in the denominator, with no value
+        sink = tl.load(sinks + head).to(tl.float32)
+        m_max = tl.maximum(m_max, sink)
+    # Partitions before a window saw nothing (m = -inf): their weight is 0.
+    weights = tl.where(valid & (m > float("-inf")), tl.exp(m - m_max), 0.0)
     dims = tl.arange(0, HEAD_DIM)
     acc = tl.load(
         partial_out + (base + parts)[:, None] * HEAD_DIM + dims[None, :],
         mask=valid[:, None],
         other=0.0,
     )
-    result = tl.sum(acc * weights[:, None], axis=0) / tl.sum(l * weights, axis=0)
+    denominator = tl.sum(l * weights, axis=0)
+    if HAS_SINKS:
+        denominator += tl.exp(sink - m_max)
+    result = tl.sum(acc * weights[:, None], axis=0) / denominator
     tl.store(
         out + seq * stride_out_seq + head * stride_out_head + dims, result.to(out.dtype.element_ty)
     )
 
 
-def paged_attention_decode(query, k_cache, v_cache, block_tables, seq_lens, scale):
+def paged_attention_decode(
+    query, k_cache, v_cache, block_tables, seq_lens, scale, window=0, sinks=None
+):
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -233,12 +255,14 @@ def paged_attention_decode(query, k_cache, v_cache, block_tables, seq_lens, scal
         k_cache.stride(0),
         k_cache.stride(1),
         num_partitions,
+        window,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         PARTITION=DECODE_PARTITION,
         IEEE=ieee,
+        HAS_WINDOW=window > 0,
     )
     out = torch.empty_like(query)
     _decode_merge_kernel[(num_seqs, num_heads)](
@@ -247,12 +271,14 @@ def paged_attention_decode(query, k_cache, v_cache, block_tables, seq_lens, scal
         partial_out,
         out,
         seq_lens,
+        seq_lens if sinks is None else sinks,  # not read without sinks
         out.stride(0),
         out.stride(1),
         num_partitions,
         HEAD_DIM=head_dim,
         PARTITION=DECODE_PARTITION,
         PARTS_PAD=max(2, triton.next_power_of_2(num_partitions)),
+        HAS_SINKS=sinks is not None,
     )
     return out
 
@@ -266,7 +292,9 @@ def _prefill_kernel(
     query_start_loc,
     seq_lens,
     out,
+    sinks,
     scale,
+    window,
     stride_q_token,
     stride_q_head,
     stride_bt,
@@ -277,9 +305,11 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     IEEE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     """BLOCK_M queries of one sequence and one head against its cached context and
-    the new tokens, causally, one KV block at a time."""
+    the new tokens, causally (and within the window), one KV block at a time."""
     seq, head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(query_start_loc + seq)
     q_len = tl.load(query_start_loc + seq + 1) - q_start
@@ -300,7 +330,11 @@ def _prefill_kernel(
         offsets = tl.arange(0, BLOCK_SIZE)
         # Causality: no query of this tile sees past its last query's position.
         kv_end = tl.minimum(seq_len, num_context + (tile + 1) * BLOCK_M)
-        for block_start in range(0, kv_end, BLOCK_SIZE):
+        kv_start = 0
+        if HAS_WINDOW:  # nor before its first query's window
+            kv_start = tl.maximum(num_context + tile * BLOCK_M - window + 1, 0)
+            kv_start = kv_start // BLOCK_SIZE * BLOCK_SIZE
+        for block_start in range(kv_start, kv_end, BLOCK_SIZE):
             kv_offsets = _kv_offsets(
                 block_tables,
                 seq,
@@ -314,15 +348,19 @@ def _prefill_kernel(
             )
             key_pos = block_start + offsets
             visible = (key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] < seq_len)
+            if HAS_WINDOW:
+                visible = visible & (key_pos[None, :] > query_pos[:, None] - window)
             m, l, acc = _attend_block(  # noqa: E741
                 q, k_cache, v_cache, kv_offsets, visible, scale, m, l, acc, IEEE
             )
+        if HAS_SINKS:  # one more logit in the denominator, with no value
+            l += tl.exp(tl.load(sinks + head).to(tl.float32) - m)  # noqa: E741
         result = acc / tl.where(l == 0.0, 1.0, l)[:, None]
         tl.store(out + q_offsets, result.to(out.dtype.element_ty), mask=rows[:, None] < q_len)
 
 
 def paged_attention_prefill(
-    query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale
+    query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, window=0, sinks=None
 ):
     _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -342,7 +380,9 @@ def paged_attention_prefill(
         query_start_loc,
         seq_lens,
         out,
+        seq_lens if sinks is None else sinks,  # not read without sinks
         scale,
+        window,
         query.stride(0),
         query.stride(1),
         block_tables.stride(0),
@@ -353,6 +393,8 @@ def paged_attention_prefill(
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
         IEEE=query.dtype == torch.float32,
+        HAS_WINDOW=window > 0,
+        HAS_SINKS=sinks is not None,
         num_warps=num_warps,
     )
     return out

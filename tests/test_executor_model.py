@@ -5,6 +5,8 @@ import torch
 
 from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.model_runner import ModelRunner
+from flagstop.executor.models.config import ModelConfig
+from flagstop.scheduler_svc.core.kv_groups import kv_cache_groups
 from tests.helpers.checkpoints import (
     MOE_VARIANTS,
     WINDOW_VARIANTS,
@@ -27,9 +29,13 @@ def checkpoint(request, tmp_path_factory):
 
 
 def make_harness(path, num_blocks: int = 64, block_size: int = 4) -> Harness:
+    """num_blocks per KV cache group (a block position holds one id per group)."""
+    mc = ModelConfig.from_pretrained(path)
+    num_groups = len(kv_cache_groups(mc.layer_specs(1, 1)))
     config = ExecutorConfig(
-        model=str(path), num_blocks=num_blocks, block_size=block_size, max_num_seqs=16
-    )
+        model=str(path), num_blocks=num_blocks * num_groups, block_size=block_size,
+        max_num_seqs=16,
+    )  # fmt: skip
     return Harness(ModelRunner(config))
 
 

@@ -130,7 +130,90 @@ def test_paged_attention_prefill(
     assert_close(got, expected, dtype)
 
 
-@pytest.mark.parametrize("checkpoint", ["llama", "qwen2-moe"])
+def _sinks(num_heads: int, with_sinks: bool) -> torch.Tensor | None:
+    """Of both signs: gpt-oss' learned ones span about -4..4."""
+    return randn(num_heads, dtype=torch.float32, seed=7) * 3 if with_sinks else None
+
+
+def _null_before_window(tables: torch.Tensor, first_keys: list[int], block_size: int):
+    """The blocks wholly before each sequence's first visible key as the null block 0,
+    as a window group's table holds them."""
+    tables = tables.clone()
+    for i, first in enumerate(first_keys):
+        tables[i, : max(0, first) // block_size] = 0
+    return tables
+
+
+BAND_SHAPES = [SHAPES[0], SHAPES[5], SHAPES[-2]]
+
+
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["window", "window-sinks"])
+@pytest.mark.parametrize("window", [0, 20, 37])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"), BAND_SHAPES)
+def test_paged_attention_decode_in_a_window_with_sinks(
+    num_heads, num_kv_heads, head_dim, block_size, dtype, window, with_sinks, monkeypatch
+):  # fmt: skip
+    if not window and not with_sinks:
+        pytest.skip("the plain kernels: test_paged_attention_decode")
+    seq_lens = [1, block_size + 1, 40, 150]
+    monkeypatch.setattr(triton_attention, "DECODE_PARTITION", 64)
+    num_blocks = sum(cdiv(n, block_size) for n in seq_lens) + 3
+    k_cache, v_cache = make_caches(num_blocks, block_size, num_kv_heads, head_dim, dtype)
+    tables = block_tables(seq_lens, block_size, num_blocks)
+    if window:
+        tables = _null_before_window(tables, [n - window for n in seq_lens], block_size)
+    sinks = _sinks(num_heads, with_sinks)
+    # Not seed 0: the caches' first rows would be the queries, each peaked on its twin.
+    query = randn(len(seq_lens), num_heads, head_dim, dtype=dtype, seed=3)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    scale = head_dim**-0.5
+    expected = torch_attention.paged_attention_decode(
+        query, *head_major(k_cache, v_cache), tables, lens, scale, window, sinks
+    )
+    got = triton_attention.paged_attention_decode(
+        query, k_cache, v_cache, tables, lens, scale, window, sinks
+    )
+    assert_close(got, expected, dtype)
+    if window:  # the band matters: the plain kernel differs
+        plain = torch_attention.paged_attention_decode(
+            query, *head_major(k_cache, v_cache), tables, lens, scale, 0, sinks
+        )
+        assert not torch.allclose(plain[-1].float(), expected[-1].float(), atol=1e-2)
+
+
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["window", "window-sinks"])
+@pytest.mark.parametrize("window", [0, 20, 37])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"), BAND_SHAPES)
+def test_paged_attention_prefill_in_a_window_with_sinks(
+    num_heads, num_kv_heads, head_dim, block_size, dtype, window, with_sinks
+):  # fmt: skip
+    if not window and not with_sinks:
+        pytest.skip("the plain kernels: test_paged_attention_prefill")
+    # (new tokens, cached context): fresh, chunks after long contexts, a 64-query tile.
+    shapes = [(1, 5), (17, 0), (9, 2 * block_size + 1), (70, 45)]
+    seq_lens = [q + c for q, c in shapes]
+    num_blocks = sum(cdiv(n, block_size) for n in seq_lens) + 3
+    k_cache, v_cache = make_caches(num_blocks, block_size, num_kv_heads, head_dim, dtype)
+    tables = block_tables(seq_lens, block_size, num_blocks)
+    if window:  # the first query's window starts at context - window + 1
+        tables = _null_before_window(tables, [c - window + 1 for _, c in shapes], block_size)
+    sinks = _sinks(num_heads, with_sinks)
+    starts = torch.tensor([0] + [q for q, _ in shapes], dtype=torch.int32).cumsum(0).to(torch.int32)
+    query = randn(int(starts[-1]), num_heads, head_dim, dtype=dtype, seed=3)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    starts, scale = starts.to(DEVICE), head_dim**-0.5
+    expected = torch_attention.paged_attention_prefill(
+        query, *head_major(k_cache, v_cache), tables, starts, lens, scale, window, sinks
+    )
+    got = triton_attention.paged_attention_prefill(
+        query, k_cache, v_cache, tables, starts, lens, scale, window, sinks
+    )
+    assert_close(got, expected, dtype)
+
+
+@pytest.mark.parametrize("checkpoint", ["llama", "qwen2-moe", "qwen2-window"])
 def test_the_model_on_triton_kernels_matches_transformers(tmp_path, checkpoint):
     from flagstop.executor.config import ExecutorConfig
     from flagstop.executor.model_runner import ModelRunner
@@ -151,7 +234,7 @@ def test_the_model_on_triton_kernels_matches_transformers(tmp_path, checkpoint):
     assert_matches(reference, harness, harness.logits({"a": 20, "b": 5}))
     # c's first block is a's: only its 3 own tokens are computed, beside two decodes.
     shared = harness.requests["a"].token_ids[:16]
-    harness.add("c", [*shared, 5, 6, 7], shared_blocks=harness.requests["a"].block_ids[:1])
+    harness.add("c", [*shared, 5, 6, 7], shared_blocks=harness.prefix_blocks("a", 1))
     assert_matches(reference, harness, harness.logits({"a": 1, "b": 1, "c": 3}))
 
 

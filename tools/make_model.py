@@ -1,9 +1,10 @@
 """Write the embedded default model: a seeded random-weight Llama checkpoint with a
 locally trained byte-level BPE tokenizer, in the normal Hugging Face layout; with
 --arch, a Mixture-of-Experts one (Qwen3-MoE or Mixtral) of the same size class, for
-tests and benches of the sparse path.
+tests and benches of the sparse path, or one of mixed attention (Gemma 3: sliding-window
+layers beside full ones).
 
-    python -m tools.make_model [--size tiny|small] [--arch llama|qwen3_moe|mixtral]
+    python -m tools.make_model [--size tiny|small] [--arch llama|qwen3_moe|mixtral|gemma3]
                                [--out DIR] [--seed N]
 
 The default initialisation (std 0.02) makes greedy continuations collapse into short
@@ -71,7 +72,16 @@ ARCHS = {
                   "use_sliding_window": False},
     "mixtral": {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
                 "sliding_window": None},
+    # Gemma 3 (text): local layers of a 64-token window, every sixth global (the last
+    # of 4 at tiny), each with its RoPE base; sandwich and q/k norms (Gemma's 1 + w).
+    "gemma3": {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+               "sliding_window": 64, "hidden_activation": "gelu_pytorch_tanh",
+               "rope_parameters": {"full_attention": {"rope_type": "default",
+                                                      "rope_theta": 1_000_000.0},
+                                   "sliding_attention": {"rope_type": "default",
+                                                         "rope_theta": 10_000.0}}},
 }  # fmt: skip
+GEMMA_PATTERN = 6  # a global layer after every 5 local ones
 NUM_EXPERTS, EXPERTS_PER_TOKEN = 8, 2
 
 
@@ -127,11 +137,11 @@ def model_config(size: str, tokenizer: Tokenizer, arch: str = "llama") -> dict:
         "vocab_size": tokenizer.get_vocab_size(),
         **dims,
         **moe_fields(arch, dims["intermediate_size"] // 4),
+        **gemma_fields(arch, dims),
         "head_dim": dims["hidden_size"] // dims["num_attention_heads"],
-        "hidden_act": "silu",
         "max_position_embeddings": 2048,
         "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
+        **({} if arch == "gemma3" else {"hidden_act": "silu", "rope_theta": 10000.0}),
         "attention_bias": False,
         "mlp_bias": False,
         "tie_word_embeddings": False,
@@ -140,6 +150,16 @@ def model_config(size: str, tokenizer: Tokenizer, arch: str = "llama") -> dict:
         "pad_token_id": tokenizer.token_to_id(PAD),
         "torch_dtype": "float32",
     }
+
+
+def gemma_fields(arch: str, dims: dict) -> dict:
+    if arch != "gemma3":
+        return {}
+    n = dims["num_hidden_layers"]
+    pattern = min(GEMMA_PATTERN, n)
+    types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
+    return {"layer_types": types, "query_pre_attn_scalar": dims["hidden_size"]
+            // dims["num_attention_heads"]}  # fmt: skip
 
 
 def moe_fields(arch: str, expert_size: int) -> dict:
@@ -157,7 +177,7 @@ def mlp_shapes(config: dict, prefix: str) -> dict[str, tuple[int, ...]]:
     Mixtral's block_sparse_moe w1/w3/w2)."""
     h, i = config["hidden_size"], config["intermediate_size"]
     arch = config["model_type"]
-    if arch == "llama":
+    if arch in ("llama", "gemma3_text"):
         return {f"{prefix}mlp.{n}_proj.weight": s for n, s in
                 (("gate", (i, h)), ("up", (i, h)), ("down", (h, i)))}  # fmt: skip
     if arch == "mixtral":
@@ -192,8 +212,11 @@ def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
             p + "self_attn.o_proj.weight": (h, q),
             **mlp_shapes(config, p),
         }
-        if config["model_type"] == "qwen3_moe":  # Qwen3's per-head q/k RMSNorm
+        if config["model_type"] in ("qwen3_moe", "gemma3_text"):  # per-head q/k RMSNorm
             shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
+        if config["model_type"] == "gemma3_text":  # the MLP's sandwich
+            shapes |= {p + "pre_feedforward_layernorm.weight": (h,),
+                       p + "post_feedforward_layernorm.weight": (h,)}  # fmt: skip
     return shapes
 
 

@@ -22,7 +22,9 @@ ARCHITECTURES = {
     "MixtralForCausalLM": (False, False, "mixtral"),
     "Qwen2MoeForCausalLM": (True, False, "qwen2_moe"),
     "Qwen3MoeForCausalLM": (False, True, "qwen3_moe"),
+    "Gemma3ForCausalLM": (False, True, None),  # and GemmaStyle
 }
+GEMMA = {"Gemma3ForCausalLM"}
 # Routing fields of other MoE families (DeepSeek's grouped top-k and scaling, sigmoid
 # scoring) with the value that means "the plain softmax top-k we run":
 # a config that sets one otherwise names a routing scheme we do not know.
@@ -121,6 +123,33 @@ def _layer_types(hf: dict[str, Any], num_layers: int) -> tuple[tuple[str, ...], 
 
 
 @dataclass(slots=True, frozen=True)
+class GemmaStyle:
+    """Where Gemma 3 leaves the Llama block: norms of (1 + w) around both the
+    attention and the MLP (pre and post: "sandwich"), the embedding scaled by
+    sqrt(hidden_size), a tanh-GELU MLP, queries scaled by query_pre_attn_scalar, and
+    the window layers' own RoPE base (rope_parameters["sliding_attention"])."""
+
+    query_pre_attn_scalar: float
+    local_rope_theta: float
+    local_rope_scaling: dict[str, Any] | None
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], local_rope: dict[str, Any]) -> "GemmaStyle":
+        if (act := hf.get("hidden_activation", "gelu_pytorch_tanh")) != "gelu_pytorch_tanh":
+            raise ConfigError(f"hidden_activation={act!r}: Gemma's MLP runs gelu_pytorch_tanh")
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if hf.get(name) is not None:
+                raise ConfigError(f"{name}={hf[name]!r}: soft-capping is not run (Gemma 3 sets "
+                                  "none; Gemma 2's is not supported)")  # fmt: skip
+        rope_type = local_rope.get("rope_type", "default")
+        return cls(
+            query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),
+            local_rope_theta=local_rope.get("rope_theta", hf.get("rope_local_base_freq", 10000.0)),
+            local_rope_scaling=None if rope_type == "default" else dict(local_rope),
+        )
+
+
+@dataclass(slots=True, frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -147,6 +176,7 @@ class ModelConfig:
     # layers' queries see sliding_window tokens, themselves included).
     layer_types: tuple[str, ...] = ()
     sliding_window: int = 0
+    gemma: GemmaStyle | None = None  # None: the Llama block
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":
@@ -171,6 +201,8 @@ class ModelConfig:
             qkv_bias = hf.get("qkv_bias", True)
         num_heads = hf["num_attention_heads"]
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        local_rope = rope.get(SLIDING_ATTENTION) or {}
+        rope = rope.get(FULL_ATTENTION, rope)  # by layer type: Gemma 3's
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         max_len = hf.get("max_position_embeddings", 2048)
         layer_types, window = _layer_types(hf, num_layers)
@@ -201,6 +233,7 @@ class ModelConfig:
             max_model_len=max_len,
             layer_types=layer_types,
             sliding_window=window,
+            gemma=GemmaStyle.from_hf(hf, local_rope) if architecture in GEMMA else None,
         )
 
     def layer_specs(self, num_kv_heads: int, kv_dtype_bytes: int) -> list[LayerSpec]:

@@ -15,10 +15,12 @@ from torch import nn
 from flagstop.executor.attention import AttentionMetadata, Band, FP8Scales, paged_attention
 from flagstop.executor.models.config import ModelConfig
 from flagstop.executor.models.layers import (
+    GemmaRMSNorm,
     RMSNorm,
     Rope,
     RotaryEmbedding,
     apply_rotary,
+    gelu_tanh_and_mul,
     silu_and_mul,
 )
 from flagstop.executor.models.linear import QuantLinear, make_linear
@@ -58,7 +60,8 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * config.head_dim
         self.kv_size = self.num_kv_heads * config.head_dim
-        self.scale = config.head_dim**-0.5
+        gemma = config.gemma
+        self.scale = (gemma.query_pre_attn_scalar if gemma else config.head_dim) ** -0.5
         qkv = tuple(f"{prefix}.{name}_proj" for name in "qkv")
         self.qkv_proj = make_linear(
             config, qkv, config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias
@@ -66,18 +69,22 @@ class Attention(nn.Module):
         self.o_proj = make_linear(
             config, (f"{prefix}.o_proj",), self.q_size, config.hidden_size, config.o_bias, tp
         )
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        norm = GemmaRMSNorm if gemma else RMSNorm
+        self.q_norm = norm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = norm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.backend: ModuleType = torch_attention
         # An FP8 cache's scales (this rank's KV heads'): set by set_kv_cache_dtype;
         # None while the cache is in the model's dtype.
         self.fp8_scales: FP8Scales | None = None
-        window = config.sliding_window if config.layer_types[index] == SLIDING_ATTENTION else 0
-        self.band = Band.of(window, None)
+        sliding = config.layer_types[index] == SLIDING_ATTENTION
+        self.band = Band.of(config.sliding_window if sliding else 0, None)
+        # Which of the model's RoPE tables (Gemma's window layers have their own base).
+        self.rope_index = int(sliding and gemma is not None)
 
     def forward(
-        self, rope: Rope, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+        self, ropes: tuple[Rope, ...], x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
+        rope = ropes[self.rope_index]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -90,6 +97,10 @@ class Attention(nn.Module):
         return self.o_proj(out.flatten(1))
 
 
+def _norm(config: ModelConfig) -> type[RMSNorm]:
+    return GemmaRMSNorm if config.gemma is not None else RMSNorm
+
+
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel, prefix: str) -> None:
         super().__init__()
@@ -98,9 +109,10 @@ class MLP(nn.Module):
         self.gate_up_proj = make_linear(config, gate_up, size, 2 * inner, config.mlp_bias)
         down = (f"{prefix}.down_proj",)
         self.down_proj = make_linear(config, down, inner, size, config.mlp_bias, tp)
+        self.act_and_mul = gelu_tanh_and_mul if config.gemma else silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -111,27 +123,43 @@ class DecoderLayer(nn.Module):
         sparse = config.moe is not None and config.moe.sparse_layers[index]
         mlp = SparseMoeBlock if sparse else MLP
         self.mlp = mlp(config, tp, f"{prefix}.mlp")
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        norm, size, eps = _norm(config), config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = norm(size, eps)
+        self.post_attention_layernorm = norm(size, eps)
+        self.sandwich = config.gemma is not None
+        if self.sandwich:  # Gemma: the attention's and the MLP's outputs normed too
+            self.pre_feedforward_layernorm = norm(size, eps)
+            self.post_feedforward_layernorm = norm(size, eps)
 
-    def forward(self, rope: Rope, x, residual, kv_cache: KVCache, meta: AttentionMetadata):
+    def forward(self, ropes, x, residual, kv_cache: KVCache, meta: AttentionMetadata):
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(rope, x, kv_cache, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x = self.self_attn(ropes, x, kv_cache, meta)
+        if not self.sandwich:
+            x, residual = self.post_attention_layernorm(x, residual)
+            return self.mlp(x), residual
+        x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x), residual)
+        return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config, self.tp = config, tp
-        # One table shared by every layer.
+        # One table shared by every layer (Gemma's window layers: a second one).
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
+        self.rotary_tables = [self.rotary]
+        if (gemma := config.gemma) is not None:
+            self.rotary_tables.append(RotaryEmbedding(
+                config.head_dim, config.max_position_embeddings, gemma.local_rope_theta,
+                gemma.local_rope_scaling,
+            ))  # fmt: skip
+        # Gemma scales the embedding by sqrt(hidden_size), rounded to the model's dtype.
+        self.embed_scale = config.hidden_size**0.5 if gemma is not None else None
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(config, tp, i) for i in range(config.num_layers))
         # Each layer's KV cache group: the step's metadata has a block table per group.
@@ -139,7 +167,7 @@ class LlamaForCausalLM(nn.Module):
         self.layer_groups = [g for g, _ in layer_slots(groups, config.num_layers)]
         mlps = (layer.mlp for layer in self.layers)
         self.moe_blocks = [mlp for mlp in mlps if isinstance(mlp, SparseMoeBlock)]
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = _norm(config)(config.hidden_size, config.rms_norm_eps)
         # The checkpoint's K/V cache scales by layer, [2, this rank's KV heads] (the
         # loader's; an FP8 cache without them scales by 1.0).
         self.checkpoint_kv_scales: dict[int, torch.Tensor] = {}
@@ -165,9 +193,11 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [num_tokens, hidden] of one flattened step; kv_caches by layer,
         metas by KV cache group."""
         x, residual = self.embed_tokens(input_ids), None
-        rope = self.rotary.lookup(positions)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        ropes = tuple(table.lookup(positions) for table in self.rotary_tables)
         for layer, kv_cache, g in zip(self.layers, kv_caches, self.layer_groups, strict=True):
-            x, residual = layer(rope, x, residual, kv_cache, metas[g])
+            x, residual = layer(ropes, x, residual, kv_cache, metas[g])
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

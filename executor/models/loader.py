@@ -301,7 +301,8 @@ def load_model(
     linear.materialize(model, device)
     model.tie_weights()  # to_empty gives the tied parameters separate storage
     load_weights(model, model_dir)
-    model.rotary.build(device)
+    for table in model.rotary_tables:
+        table.build(device)
     model = model.eval()
     model.set_attention_backend(backend)  # before packing: the experts pack for torch's
     if onednn.usable(device, dtype):

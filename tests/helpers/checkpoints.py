@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3TextConfig,
     GenerationConfig,
     LlamaConfig,
     MistralConfig,
@@ -87,6 +88,14 @@ WINDOW_VARIANTS = {
     "mistral-window": lambda: MistralConfig(**COMMON, sliding_window=8),
     "qwen2-window": lambda: Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=8,
                                         max_window_layers=1),
+    # Gemma 3 (text): two local layers to one global, their own RoPE bases, a query
+    # scale that is not head_dim's, sandwich norms, qk norms, the scaled embedding.
+    # Untied: a tied random embedding, scaled by sqrt(hidden), makes greedy collapse.
+    "gemma3": lambda: Gemma3TextConfig(
+        **{**COMMON, "num_hidden_layers": 6}, head_dim=32, sliding_window=8,
+        query_pre_attn_scalar=24, sliding_window_pattern=3,
+        architectures=["Gemma3ForCausalLM"], tie_word_embeddings=False,
+    ),
 }  # fmt: skip
 VARIANTS |= WINDOW_VARIANTS
 

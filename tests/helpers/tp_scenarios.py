@@ -23,6 +23,7 @@ from flagstop.executor.distributed import join, start_group
 from flagstop.executor.model_runner import ModelRunner
 from flagstop.executor.models.config import ModelConfig
 from flagstop.executor.tp_messages import STOP
+from flagstop.scheduler_svc.core.kv_groups import kv_cache_groups
 from tests.helpers.executor_harness import Harness
 
 Record = list[tuple[list[int], torch.Tensor]]
@@ -60,7 +61,7 @@ def run_scenarios(harness: Harness, vocab_size: int, lora_name: str = "") -> Rec
     record(harness, harness.logits({"e": 5, "b": 1}), out)
     record(harness, harness.logits({"e": 4, "c": 1}), out)
     shared = harness.requests["e"].token_ids[:12]
-    join("f", [*shared, 9, 8, 7], shared_blocks=harness.requests["e"].block_ids[:3])
+    join("f", [*shared, 9, 8, 7], shared_blocks=harness.prefix_blocks("e", 3))
     record(harness, harness.logits({"f": 3, "d": 1}), out)
     for req_id in ("a", "b", "c", "d"):
         harness.leave(req_id)
@@ -81,8 +82,12 @@ def config(
     kv_cache_dtype: str = "auto",
     lora_modules: tuple[str, ...] = (),
 ) -> ExecutorConfig:
-    # float32 on every device (CUDA's default is bf16): compared at 1e-4.
-    return ExecutorConfig(model=str(checkpoint), num_blocks=64, block_size=4, max_num_seqs=16,
+    # float32 on every device (CUDA's default is bf16): compared at 1e-4. 64 blocks a
+    # KV cache group (a block position holds one id per group).
+    mc = ModelConfig.from_pretrained(checkpoint)
+    num_blocks = 64 * len(kv_cache_groups(mc.layer_specs(1, 1)))
+    return ExecutorConfig(model=str(checkpoint), num_blocks=num_blocks, block_size=4,
+                          max_num_seqs=16,
                           dtype="float32", tensor_parallel_size=tensor_parallel_size,
                           expert_parallel=expert_parallel,
                           kv_cache_dtype=kv_cache_dtype, lora_modules=list(lora_modules),
