@@ -90,10 +90,6 @@ class ModelRunner:
         # The layers as the scheduler builds its KV cache groups from them (Describe).
         self.kv_layers = mc.layer_specs(self.num_kv_heads, self.kv_cache_dtype.itemsize)
         self.kv_groups = kv_cache_groups(self.kv_layers)
-        if not self.attention_backend.SLIDING_WINDOW and any(g.is_window for g in self.kv_groups):
-            raise ValueError(f"--attention-backend {config.attention_backend}: its kernels have "
-                             "no sliding window yet; serve this model with "
-                             "--attention-backend torch")  # fmt: skip
         self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
         self.block_size = config.block_size
         self.num_speculative_tokens = config.num_speculative_tokens

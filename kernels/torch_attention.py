@@ -36,9 +36,6 @@ from flagstop.kernels.torch_quant import (  # noqa: F401 (the backend's quantize
 )
 from flagstop.utils import cdiv
 
-# Sliding-window layers (and sinks): the band masks below.
-SLIDING_WINDOW = True
-
 
 def kv_cache_shape(
     num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int

@@ -3,6 +3,10 @@ signatures). Layout: kv_cache_shape() = [num_blocks, block_size, num_kv_heads, h
 token-major (a stored token is one contiguous row); the torch twins read head-major
 blocks, the tests hand them a transposed copy.
 
+A window layer's loop starts at its first query's window, so the blocks wholly before
+it (a window group's null block) are never read; a sink is one more logit in the
+softmax's denominator, added where the output is normalised.
+
 Imported only when the triton backend is chosen; on a CPU they run under
 TRITON_INTERPRET=1, which is how the tests hold them to their torch twins."""
 
@@ -19,12 +23,6 @@ from flagstop.kernels.triton_quant import int4_linear, w8_linear  # noqa: F401
 # Tokens of context one decode program reduces before the partial results are merged
 # (flash-decoding): long contexts spread over more programs than there are sequences.
 DECODE_PARTITION = 512
-
-
-# Sliding-window layers and sinks: a window bounds each query's loop (blocks wholly
-# before it are never read: a window group's freed blocks are the null block), and a
-# sink joins the softmax's denominator where the output is normalised.
-SLIDING_WINDOW = True
 
 
 def kv_cache_shape(
