@@ -45,6 +45,20 @@ def grouped_experts(x, topk_weights, topk_ids, first_expert, num_experts, expert
     return out
 
 
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def clamped_swiglu(alpha: float, limit: float):
+    """gpt-oss' expert activation (transformers' GptOssExperts._apply_gate)."""
+
+    def act(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+    return act
+
+
 def fused_moe(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -52,13 +66,18 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     first_expert: int = 0,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    act_and_mul=silu_mul,
 ) -> torch.Tensor:
     """The routed experts of x [T, H]: w13 [E, 2I, H] (each expert's gate rows, then
-    its up rows), w2 [E, H, I] for this rank's E experts from first_expert on;
+    its up rows), w2 [E, H, I] for this rank's E experts from first_expert on, their
+    biases (gpt-oss: [E, 2I], [E, H]) and activation act_and_mul(gate, up);
     topk_weights/topk_ids [T, k] the router's choices. Twin of triton_moe.fused_moe."""
 
     def expert_mlp(e: int, rows: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(rows, w13[e]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, w2[e])
+        b13 = None if w13_bias is None else w13_bias[e]
+        gate, up = F.linear(rows, w13[e], b13).chunk(2, dim=-1)
+        return F.linear(act_and_mul(gate, up), w2[e], None if w2_bias is None else w2_bias[e])
 
     return grouped_experts(x, topk_weights, topk_ids, first_expert, w13.shape[0], expert_mlp)

@@ -10,11 +10,10 @@ Imported only on the triton backend; on a CPU it runs under TRITON_INTERPRET=1,
 which is how the tests hold it to its torch twin."""
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from flagstop.kernels import torch_moe
+from flagstop.kernels.torch_moe import local_expert_ids, silu_mul
 
 BLOCK_M, BLOCK_N, BLOCK_K = 32, 64, 32
 
@@ -25,7 +24,7 @@ def align_by_expert(topk_ids: torch.Tensor, first_expert: int, num_experts: int,
     with T * k (a row no block writes); block_experts the local expert of each block
     of block_m rows (-1 past the end); num_padded [1] the padded rows in use."""
     num_pairs = topk_ids.numel()
-    local = torch_moe.local_expert_ids(topk_ids, first_expert, num_experts)
+    local = local_expert_ids(topk_ids, first_expert, num_experts)
     counts = torch.bincount(local, minlength=num_experts + 1)[:num_experts]
     padded = (counts + block_m - 1) // block_m * block_m
     padded_start = torch.cumsum(padded, 0) - padded
@@ -104,17 +103,31 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     first_expert: int = 0,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    act_and_mul=silu_mul,
 ) -> torch.Tensor:
-    """See torch_moe.fused_moe: [T, H] in x's dtype."""
+    """See torch_moe.fused_moe: [T, H] in x's dtype. Biases are added around the
+    grouped GEMMs, by each pair's expert (a pair of another rank's expert gets none)."""
     num_tokens, top_k = topk_ids.shape
-    aligned = align_by_expert(topk_ids, first_expert, w13.shape[0], BLOCK_M)
+    num_experts = w13.shape[0]
+    aligned = align_by_expert(topk_ids, first_expert, num_experts, BLOCK_M)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     gate_up = torch.empty(num_tokens * top_k, w13.shape[1], dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w13, gate_up, None, aligned, top_k, a_row_div=top_k)
+    weights = topk_weights.to(torch.float32).contiguous().flatten()
+    local = ours = None
+    if w13_bias is not None or w2_bias is not None:
+        local = local_expert_ids(topk_ids, first_expert, num_experts)
+        ours = (local < num_experts).unsqueeze(1)
+        local = local.clamp(max=num_experts - 1)
+    if w13_bias is not None:
+        gate_up += w13_bias[local].to(x.dtype)
     gate, up = gate_up.chunk(2, dim=-1)
-    hidden = (F.silu(gate) * up).contiguous()
+    hidden = act_and_mul(gate, up).contiguous()
     # Zeros: a pair of another rank's expert adds nothing to its token's sum.
     down = torch.zeros(num_tokens * top_k, w2.shape[1], dtype=x.dtype, device=x.device)
-    weights = topk_weights.to(torch.float32).contiguous().flatten()
     _grouped_gemm(hidden, w2, down, weights, aligned, top_k, a_row_div=1)
+    if w2_bias is not None:  # the kernel weighted its products: the bias is weighted too
+        down += (w2_bias[local] * weights.unsqueeze(1) * ours).to(x.dtype)
     return down.view(num_tokens, top_k, -1).sum(dim=1)

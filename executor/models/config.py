@@ -23,7 +23,9 @@ ARCHITECTURES = {
     "Qwen2MoeForCausalLM": (True, False, "qwen2_moe"),
     "Qwen3MoeForCausalLM": (False, True, "qwen3_moe"),
     "Gemma3ForCausalLM": (False, True, None),  # and GemmaStyle
+    "GptOssForCausalLM": (False, False, "gpt_oss"),  # and attention sinks
 }
+SINKS = {"GptOssForCausalLM"}
 GEMMA = {"Gemma3ForCausalLM"}
 # Routing fields of other MoE families (DeepSeek's grouped top-k and scaling, sigmoid
 # scoring) with the value that means "the plain softmax top-k we run":
@@ -50,6 +52,12 @@ class MoeConfig:
     renormalize: bool
     shared_expert_intermediate_size: int  # 0: none
     sparse_layers: tuple[bool, ...]  # per layer: sparse, or a dense MLP
+    # gpt-oss: the router and the experts have biases, and the experts' activation is
+    # the clamped SwiGLU (gate clamped above at limit, up to +-limit, gate * sigmoid(
+    # alpha * gate) * (up + 1)); swiglu_limit 0: SiLU(gate) * up.
+    biased: bool = False
+    swiglu_alpha: float = 0.0
+    swiglu_limit: float = 0.0
 
     @classmethod
     def from_hf(cls, family: str, hf: dict[str, Any], num_layers: int) -> "MoeConfig":
@@ -59,23 +67,29 @@ class MoeConfig:
                     f"{name}={hf[name]!r}: an MoE routing scheme flagstop does not run "
                     f"(it runs softmax top-k, {name}={plain!r})"
                 )
+        local_first = family in ("mixtral", "gpt_oss")
         num_experts = _field(
             hf,
-            "num_local_experts" if family == "mixtral" else "num_experts",
-            "num_experts" if family == "mixtral" else "num_local_experts",
+            "num_local_experts" if local_first else "num_experts",
+            "num_experts" if local_first else "num_local_experts",
         )
         top_k = _field(hf, "num_experts_per_tok")
         if not 0 < top_k <= num_experts:
             raise ConfigError(f"num_experts_per_tok={top_k}: must be 1..{num_experts} experts")
+        gpt_oss = family == "gpt_oss"
         return cls(
             num_experts=num_experts,
             top_k=top_k,
             intermediate_size=_field(
-                hf, "intermediate_size" if family == "mixtral" else "moe_intermediate_size"),
-            renormalize=family == "mixtral" or bool(hf.get("norm_topk_prob", False)),
+                hf, "intermediate_size" if local_first else "moe_intermediate_size"),
+            # gpt-oss: softmax over the top-k logits, the same as renormalising.
+            renormalize=local_first or bool(hf.get("norm_topk_prob", False)),
             shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0)
             if family == "qwen2_moe" else 0,
             sparse_layers=_sparse_layers(family, hf, num_layers),
+            biased=gpt_oss,
+            swiglu_alpha=hf.get("swiglu_alpha", 1.702) if gpt_oss else 0.0,
+            swiglu_limit=hf.get("swiglu_limit", 7.0) if gpt_oss else 0.0,
         )  # fmt: skip
 
 
@@ -93,7 +107,7 @@ def _field(hf: dict[str, Any], name: str, alias: str | None = None) -> int:
 def _sparse_layers(family: str, hf: dict[str, Any], num_layers: int) -> tuple[bool, ...]:
     """Qwen's rule (transformers' Qwen2/3-MoE decoder layers): sparse unless listed in
     mlp_only_layers, and then only every decoder_sparse_step-th layer."""
-    if family == "mixtral":
+    if family in ("mixtral", "gpt_oss"):
         return (True,) * num_layers
     step = _field(hf, "decoder_sparse_step") if "decoder_sparse_step" in hf else 1
     dense = set(hf.get("mlp_only_layers") or ())
@@ -177,6 +191,7 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()
     sliding_window: int = 0
     gemma: GemmaStyle | None = None  # None: the Llama block
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head in every softmax
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":
@@ -234,10 +249,11 @@ class ModelConfig:
             layer_types=layer_types,
             sliding_window=window,
             gemma=GemmaStyle.from_hf(hf, local_rope) if architecture in GEMMA else None,
+            attention_sinks=architecture in SINKS,
         )
 
     def layer_specs(self, num_kv_heads: int, kv_dtype_bytes: int) -> list[LayerSpec]:
         """Each layer as the KV cache holds it (num_kv_heads: one rank's)."""
         kv_bytes = 2 * num_kv_heads * self.head_dim * kv_dtype_bytes
         return [LayerSpec(t, self.sliding_window if t == SLIDING_ATTENTION else 0,
-                          kv_bytes_per_token=kv_bytes) for t in self.layer_types]  # fmt: skip
+                          self.attention_sinks, kv_bytes) for t in self.layer_types]  # fmt: skip

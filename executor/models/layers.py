@@ -57,7 +57,46 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         return inv_freq / scaling["factor"]
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
-    raise ValueError(f"unsupported rope_type {rope_type!r}: default, linear and llama3 are")
+    if rope_type == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
+    raise ValueError(f"unsupported rope_type {rope_type!r}: default, linear, llama3 and yarn are")
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """What cos and sin are scaled by: YaRN's attention factor (0.1 ln(factor) + 1
+    unless the config gives one), 1 otherwise."""
+    if (scaling or {}).get("rope_type") != "yarn":
+        return 1.0
+    if (given := scaling.get("attention_factor")) is not None:
+        return float(given)
+    factor, mscale, mscale_all = (scaling.get(k) for k in ("factor", "mscale", "mscale_all_dim"))
+
+    def m(scale: float, k: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * k * math.log(scale) + 1.0
+
+    return m(factor, mscale) / m(factor, mscale_all) if mscale and mscale_all else m(factor)
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: dict):
+    # YaRN (transformers' _compute_yarn_parameters): frequencies that rotate fewer than
+    # beta_slow times over the original length are interpolated (divided by factor),
+    # those over beta_fast kept, a linear ramp between; truncate rounds the bounds.
+    factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
+    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dim_of(rotations: float) -> float:
+        return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.arange(head_dim // 2, dtype=torch.float32, device="cpu")
+    ramp = ((ramp - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp
+    return inv_freq / factor * (1 - keep) + inv_freq * keep
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -83,6 +122,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
         self.inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        self.attention_factor = rope_attention_factor(scaling)
         self.max_positions = max_positions
         self.build(torch.get_default_device())
 
@@ -90,6 +130,8 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(self.max_positions, dtype=torch.float32, device=device)
         freqs = torch.outer(positions, self.inv_freq.to(device))
         self.cos, self.sin = freqs.cos(), freqs.sin()
+        if self.attention_factor != 1.0:
+            self.cos, self.sin = self.cos * self.attention_factor, self.sin * self.attention_factor
 
     def lookup(self, positions: torch.Tensor) -> Rope:
         """The step's (cos, sin) rows [T, 1, D/2], looked up once for every layer."""

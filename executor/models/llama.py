@@ -77,7 +77,9 @@ class Attention(nn.Module):
         # None while the cache is in the model's dtype.
         self.fp8_scales: FP8Scales | None = None
         sliding = config.layer_types[index] == SLIDING_ATTENTION
-        self.band = Band.of(config.sliding_window if sliding else 0, None)
+        self.window = config.sliding_window if sliding else 0
+        # gpt-oss: this rank's heads' learned sink logits.
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if config.attention_sinks else None
         # Which of the model's RoPE tables (Gemma's window layers have their own base).
         self.rope_index = int(sliding and gemma is not None)
 
@@ -92,8 +94,9 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(rope, q, k)
+        band = Band.of(self.window, self.sinks)
         out = paged_attention(self.backend, q, k, v, kv_cache, meta, self.scale, self.fp8_scales,
-                              self.band)  # fmt: skip
+                              band)  # fmt: skip
         return self.o_proj(out.flatten(1))
 
 

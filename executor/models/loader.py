@@ -48,8 +48,14 @@ class Target:
     expert: int | None = None
 
 
+# gpt-oss stacks each layer's experts in one tensor: gate_up_proj [E, H, 2I] with the
+# gate and up columns interleaved, down_proj [E, I, H], and their biases.
+STACKED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
+
+
 def target(hf_name: str) -> Target:
     name = hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
+    name = name.replace(".mlp.router.", ".mlp.gate.")  # gpt-oss' router
     if match := EXPERT.match(name):
         if match[3] not in EXPERT_PARTS:
             raise ValueError(f"unexpected expert tensor {hf_name!r}")
@@ -87,6 +93,8 @@ def rank_slice(t: Target, c: ModelConfig, shard: Shard) -> tuple[int, int, int] 
     if name in VOCAB:
         first, rows = shard.vocab(c.vocab_size)
         return 0, first, max(0, min(rows, c.vocab_size - first))
+    if name.endswith("self_attn.sinks"):  # one per query head
+        return (0, *shard.heads(c.num_heads))
     return None
 
 
@@ -127,6 +135,9 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
                     continue
                 if (kv := KV_SCALE.match(hf_name)) is not None:
                     _take_kv_scale(model, int(kv[1]), kv[2], f.get_tensor(hf_name))
+                    continue
+                if (stacked := STACKED.match(hf_name)) is not None:
+                    loaded |= _take_stacked(model, params, stacked, f.get_tensor(hf_name))
                     continue
                 t = target(hf_name)
                 if t.name == "lm_head.weight" and config.tie_word_embeddings:
@@ -245,6 +256,36 @@ def quantized_slice(tensor: torch.Tensor, region, columns: int, name: str) -> to
             f"not a multiple of its {per_column}-input groups; use fewer ranks"
         )
     return tensor[:, start // per_column : (start + length) // per_column]
+
+
+def _take_stacked(model: LlamaForCausalLM, params: dict, match, tensor: torch.Tensor) -> set:
+    """A gpt-oss expert tensor (all of a layer's experts) in our layout: w13 [E, 2I, H]
+    with the gate rows, then the up rows; w2 [E, H, I]; this rank's experts and its
+    slice of their inner size."""
+    layer, which, bias = match[1], match[2], bool(match[3])
+    config, shard = model.config, model.tp.shard
+    first, count = shard.experts(config.moe.num_experts)
+    start, length = shard.expert_inner(config.moe.intermediate_size)
+    tensor = tensor[first : first + count]
+    if which == "gate_up_proj":
+        gate_up = tensor if bias else tensor.transpose(1, 2)  # [E, 2I(, H)], interleaved
+        gate, up = gate_up[:, 0::2], gate_up[:, 1::2]
+        ours = torch.cat((gate[:, start : start + length], up[:, start : start + length]), 1)
+        name = f"layers.{layer}.mlp.experts.w13" + ("_bias" if bias else "")
+    elif bias:  # added once: on the first rank of a sliced inner size
+        ours = tensor if start == 0 or shard.expert_parallel else torch.zeros_like(tensor)
+        name = f"layers.{layer}.mlp.experts.w2_bias"
+    else:
+        ours = tensor.transpose(1, 2)[:, :, start : start + length]
+        name = f"layers.{layer}.mlp.experts.w2"
+    param = params[name]
+    if param.shape != ours.shape:
+        raise ValueError(
+            f"{name}: checkpoint shape {tuple(ours.shape)}, model {tuple(param.shape)}"
+        )
+    with torch.no_grad():
+        param.copy_(ours)
+    return {Target(name, part, e) for part in _parts(name) for e in range(count)}
 
 
 def _copy(param: nn.Parameter, tensor: torch.Tensor, t: Target, offset: int) -> None:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from flagstop.executor.models import onednn
-from flagstop.executor.models.config import ConfigError, ModelConfig
+from flagstop.executor.models.config import ConfigError, ModelConfig, MoeConfig
 from flagstop.executor.models.layers import silu_and_mul
 from flagstop.executor.models.linear import QuantLinear, make_linear
 from flagstop.executor.models.onednn import Linear
@@ -32,18 +32,30 @@ class Experts(nn.Module):
     w2 [E, H, I], for experts first_expert .. first_expert + E - 1; I is this rank's
     slice of the expert's inner size (all of it under expert parallelism)."""
 
-    def __init__(self, first_expert: int, num_experts: int, hidden: int, inner: int) -> None:
+    def __init__(
+        self, first_expert: int, num_experts: int, hidden: int, inner: int,
+        moe: MoeConfig | None = None,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.first_expert, self.num_experts = first_expert, num_experts
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inner, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, inner))
+        # gpt-oss: biases (w13's gate part, then its up part) and the clamped SwiGLU.
+        self.w13_bias = self.w2_bias = None
+        self.act_and_mul = torch_moe.silu_mul
+        if moe is not None and moe.biased:
+            self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * inner))
+            self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden))
+        if moe is not None and moe.swiglu_limit:
+            self.act_and_mul = torch_moe.clamped_swiglu(moe.swiglu_alpha, moe.swiglu_limit)
         self.fused: FusedMoe = torch_moe.fused_moe
         # oneDNN's prepacked copies, one (w13, w2) pair per expert (prepack()).
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def forward(self, x, topk_weights, topk_ids) -> torch.Tensor:
         if self.packed is None:
-            return self.fused(x, self.w13, self.w2, topk_weights, topk_ids, self.first_expert)
+            return self.fused(x, self.w13, self.w2, topk_weights, topk_ids, self.first_expert,
+                              self.w13_bias, self.w2_bias, self.act_and_mul)  # fmt: skip
         return torch_moe.grouped_experts(x, topk_weights, topk_ids, self.first_expert,
                                          self.num_experts, self._packed_mlp)  # fmt: skip
 
@@ -58,6 +70,8 @@ class Experts(nn.Module):
         than torch's: it reads the stacked ones."""
         if self.fused is not torch_moe.fused_moe or self.w2[0].numel() < min_elements:
             return
+        if self.w13_bias is not None or self.act_and_mul is not torch_moe.silu_mul:
+            return  # the packed path runs plain SiLU experts without biases
         with torch.no_grad():
             self.packed = [(onednn.reorder(self.w13[e]), onednn.reorder(self.w2[e]))
                            for e in range(self.num_experts)]  # fmt: skip
@@ -137,7 +151,7 @@ def make_experts(config: ModelConfig, tp: TensorParallel, prefix: str) -> nn.Mod
     if len(schemes) > 1:
         raise ConfigError(f"{prefix}.experts: quantized with more than one scheme (or partly)")
     if (scheme := schemes.pop()) is None:
-        return Experts(first, count, config.hidden_size, inner)
+        return Experts(first, count, config.hidden_size, inner, moe)
     layers = expert_layers(prefix, family, first, count)
     return QuantExperts(first, count, config.hidden_size, inner, scheme, layers, everyone - layers)
 
@@ -163,8 +177,9 @@ class SparseMoeBlock(nn.Module):
         moe, hidden = config.moe, config.hidden_size
         assert moe is not None
         self.tp, self.top_k, self.renormalize = tp, moe.top_k, moe.renormalize
-        # The router, on every rank (quantization tools leave it, and the gates, alone).
-        self.gate = Linear(hidden, moe.num_experts, bias=False)
+        # The router, on every rank (quantization tools leave it, and the gates, alone);
+        # gpt-oss names it router, with a bias.
+        self.gate = Linear(hidden, moe.num_experts, bias=moe.biased)
         self.experts = make_experts(config, tp, prefix)
         self.shared_expert = self.shared_expert_gate = None
         if shared := moe.shared_expert_intermediate_size:

@@ -11,6 +11,7 @@ from transformers import (
     AutoModelForCausalLM,
     Gemma3TextConfig,
     GenerationConfig,
+    GptOssConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -95,6 +96,13 @@ WINDOW_VARIANTS = {
         **{**COMMON, "num_hidden_layers": 6}, head_dim=32, sliding_window=8,
         query_pre_attn_scalar=24, sliding_window_pattern=3,
         architectures=["Gemma3ForCausalLM"], tie_word_embeddings=False,
+    ),
+    # gpt-oss: window and full layers alternating, sinks, q/k/v/o biases, YaRN, and 4
+    # experts top-2 with router and expert biases and the clamped SwiGLU (stacked
+    # gate_up_proj, interleaved).
+    "gpt-oss": lambda: GptOssConfig(
+        **{**COMMON, "intermediate_size": 64}, head_dim=32, sliding_window=8,
+        num_local_experts=4, num_experts_per_tok=2, architectures=["GptOssForCausalLM"],
     ),
 }  # fmt: skip
 VARIANTS |= WINDOW_VARIANTS
