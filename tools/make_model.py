@@ -2,9 +2,9 @@
 locally trained byte-level BPE tokenizer, in the normal Hugging Face layout; with
 --arch, a Mixture-of-Experts one (Qwen3-MoE or Mixtral) of the same size class, for
 tests and benches of the sparse path, or one of mixed attention (Gemma 3: sliding-window
-layers beside full ones).
+layers beside full ones), gpt-oss (sinks, YaRN, biased experts).
 
-    python -m tools.make_model [--size tiny|small] [--arch llama|qwen3_moe|mixtral|gemma3]
+    python -m tools.make_model [--size tiny|small] [--arch llama|qwen3_moe|mixtral|gemma3|gpt_oss]
                                [--out DIR] [--seed N]
 
 The default initialisation (std 0.02) makes greedy continuations collapse into short
@@ -80,6 +80,14 @@ ARCHS = {
                                                       "rope_theta": 1_000_000.0},
                                    "sliding_attention": {"rope_type": "default",
                                                          "rope_theta": 10_000.0}}},
+    # gpt-oss: 128-token window layers alternating with full ones, sinks, attention
+    # biases, YaRN; 8 experts top-2 with biases and the clamped SwiGLU, stacked.
+    "gpt_oss": {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+                "sliding_window": 128, "attention_bias": True, "swiglu_limit": 7.0,
+                "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0,
+                                    "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                    "truncate": False,  # 2048 = 32 x 64 positions
+                                    "original_max_position_embeddings": 64}},
 }  # fmt: skip
 GEMMA_PATTERN = 6  # a global layer after every 5 local ones
 NUM_EXPERTS, EXPERTS_PER_TOKEN = 8, 2
@@ -133,7 +141,6 @@ def train_tokenizer() -> Tokenizer:
 def model_config(size: str, tokenizer: Tokenizer, arch: str = "llama") -> dict:
     dims = SIZES[size]
     return {
-        **ARCHS[arch],
         "vocab_size": tokenizer.get_vocab_size(),
         **dims,
         **moe_fields(arch, dims["intermediate_size"] // 4),
@@ -141,7 +148,7 @@ def model_config(size: str, tokenizer: Tokenizer, arch: str = "llama") -> dict:
         "head_dim": dims["hidden_size"] // dims["num_attention_heads"],
         "max_position_embeddings": 2048,
         "rms_norm_eps": 1e-5,
-        **({} if arch == "gemma3" else {"hidden_act": "silu", "rope_theta": 10000.0}),
+        **({} if arch in ("gemma3", "gpt_oss") else {"hidden_act": "silu", "rope_theta": 10000.0}),
         "attention_bias": False,
         "mlp_bias": False,
         "tie_word_embeddings": False,
@@ -149,10 +156,16 @@ def model_config(size: str, tokenizer: Tokenizer, arch: str = "llama") -> dict:
         "eos_token_id": tokenizer.token_to_id(EOS),
         "pad_token_id": tokenizer.token_to_id(PAD),
         "torch_dtype": "float32",
+        **ARCHS[arch],  # last: an architecture's own fields win
     }
 
 
 def gemma_fields(arch: str, dims: dict) -> dict:
+    """Gemma 3's and gpt-oss' layer types (and Gemma's query scale)."""
+    if arch == "gpt_oss":
+        n = dims["num_hidden_layers"]
+        return {"layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                for i in range(n)]}  # fmt: skip
     if arch != "gemma3":
         return {}
     n = dims["num_hidden_layers"]
@@ -166,7 +179,7 @@ def moe_fields(arch: str, expert_size: int) -> dict:
     if arch == "qwen3_moe":
         return {"num_experts": NUM_EXPERTS, "num_experts_per_tok": EXPERTS_PER_TOKEN,
                 "moe_intermediate_size": expert_size}  # fmt: skip
-    if arch == "mixtral":  # Mixtral's intermediate_size is each expert's
+    if arch in ("mixtral", "gpt_oss"):  # their intermediate_size is each expert's
         return {"num_local_experts": NUM_EXPERTS, "num_experts_per_tok": EXPERTS_PER_TOKEN,
                 "intermediate_size": expert_size}  # fmt: skip
     return {}
@@ -180,6 +193,11 @@ def mlp_shapes(config: dict, prefix: str) -> dict[str, tuple[int, ...]]:
     if arch in ("llama", "gemma3_text"):
         return {f"{prefix}mlp.{n}_proj.weight": s for n, s in
                 (("gate", (i, h)), ("up", (i, h)), ("down", (h, i)))}  # fmt: skip
+    if arch == "gpt_oss":  # stacked, gate and up interleaved; a biased router
+        e, b = NUM_EXPERTS, f"{prefix}mlp."
+        return {f"{b}router.weight": (e, h), f"{b}router.bias": (e,),
+                f"{b}experts.gate_up_proj": (e, h, 2 * i), f"{b}experts.gate_up_proj_bias": (e, 2 * i),
+                f"{b}experts.down_proj": (e, i, h), f"{b}experts.down_proj_bias": (e, h)}  # fmt: skip
     if arch == "mixtral":
         block, names = f"{prefix}block_sparse_moe.", ("w1", "w3", "w2")
     else:
@@ -214,6 +232,10 @@ def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
         }
         if config["model_type"] in ("qwen3_moe", "gemma3_text"):  # per-head q/k RMSNorm
             shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
+        if config["model_type"] == "gpt_oss":  # biased attention, sinks
+            shapes |= {p + f"self_attn.{n}_proj.bias": (size,)
+                       for n, size in (("q", q), ("k", kv), ("v", kv), ("o", h))}  # fmt: skip
+            shapes[p + "self_attn.sinks"] = (config["num_attention_heads"],)
         if config["model_type"] == "gemma3_text":  # the MLP's sandwich
             shapes |= {p + "pre_feedforward_layernorm.weight": (h,),
                        p + "post_feedforward_layernorm.weight": (h,)}  # fmt: skip
@@ -227,8 +249,14 @@ def random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
     for index, (name, shape) in enumerate(sorted(tensor_shapes(config).items())):
         generator = torch.Generator().manual_seed(seed * 100_003 + index)
         noise = torch.randn(shape, generator=generator)
-        # Norm weights around 1 (not exactly 1) so that a misloaded norm shows.
-        weights[name] = noise * 0.02 * WEIGHT_SCALE if len(shape) == 2 else 1.0 + 0.1 * noise
+        # Norm weights around 1 (not exactly 1) so that a misloaded norm shows; biases
+        # and sinks around 0.
+        if len(shape) >= 2:
+            weights[name] = noise * 0.02 * WEIGHT_SCALE
+        elif name.endswith(("bias", "sinks")):
+            weights[name] = 0.1 * noise
+        else:
+            weights[name] = 1.0 + 0.1 * noise
     return weights
 
 

@@ -51,6 +51,11 @@ class Target:
 # gpt-oss stacks each layer's experts in one tensor: gate_up_proj [E, H, 2I] with the
 # gate and up columns interleaved, down_proj [E, I, H], and their biases.
 STACKED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
+# The same in MXFP4: [E, rows, G, 16] blocks and [E, rows, G] scales, rows the
+# transpose's (gate_up: 2I, interleaved; down: H).
+MXFP4 = re.compile(
+    r"^(model\.layers\.\d+\.mlp\.experts\.(?:gate_up_proj|down_proj))_(blocks|scales)$"
+)
 
 
 def target(hf_name: str) -> Target:
@@ -138,6 +143,11 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
                     continue
                 if (stacked := STACKED.match(hf_name)) is not None:
                     loaded |= _take_stacked(model, params, stacked, f.get_tensor(hf_name))
+                    continue
+                if (mx := MXFP4.match(hf_name)) is not None:
+                    if mx[2] == "blocks":  # with its scales, from the same file
+                        tensor = _dequantized(f, mx[1], model.norm.weight.dtype)
+                        loaded |= _take_stacked(model, params, STACKED.match(mx[1]), tensor)
                     continue
                 t = target(hf_name)
                 if t.name == "lm_head.weight" and config.tie_word_embeddings:
@@ -256,6 +266,14 @@ def quantized_slice(tensor: torch.Tensor, region, columns: int, name: str) -> to
             f"not a multiple of its {per_column}-input groups; use fewer ranks"
         )
     return tensor[:, start // per_column : (start + length) // per_column]
+
+
+def _dequantized(f, name: str, dtype: torch.dtype) -> torch.Tensor:
+    """An MXFP4 expert tensor in the layout of its unquantized twin ([E, in, out])."""
+    if f"{name}_scales" not in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+        raise ValueError(f"{name}_blocks without {name}_scales in the same file")
+    blocks, scales = f.get_tensor(f"{name}_blocks"), f.get_tensor(f"{name}_scales")
+    return quant_formats.dequantize_mxfp4(blocks, scales, dtype).transpose(1, 2)
 
 
 def _take_stacked(model: LlamaForCausalLM, params: dict, match, tensor: torch.Tensor) -> set:

@@ -166,3 +166,22 @@ def _awq(scheme: LinearScheme, t: dict[str, torch.Tensor]):
     values = columns(t["qweight"]).t()  # [out, in]
     return {"qweight": pack_int4(values), "scales": row_scales(t["scales"].t(), values.shape[0]),
             "zeros": columns(t["qzeros"]).t().contiguous()}  # fmt: skip
+
+
+# MXFP4 (OCP microscaling, gpt-oss' experts): e2m1 values, two a byte (low nibble
+# first), 32 to a block with one shared power-of-two scale (e8m0, bias 127).
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+              -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # fmt: skip
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype):
+    """blocks uint8 [..., G, 16], scales uint8 [..., G] -> [..., G * 32] in dtype, the
+    values transformers' dequantizer (integrations/mxfp4.py) gives: the e2m1 value of
+    each nibble, times 2 ** (scale - 127) by ldexp (exact: a value has 2 mantissa bits)."""
+    lut = torch.tensor(FP4_VALUES, dtype=dtype, device=blocks.device)
+    *prefix, groups, half = blocks.shape
+    values = torch.empty(*prefix, groups, 2 * half, dtype=dtype, device=blocks.device)
+    values[..., 0::2] = lut[(blocks & 0x0F).long()]
+    values[..., 1::2] = lut[(blocks >> 4).long()]
+    torch.ldexp(values, scales.to(torch.int32).unsqueeze(-1) - 127, out=values)
+    return values.reshape(*prefix, groups * 2 * half)

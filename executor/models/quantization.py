@@ -78,7 +78,7 @@ class QuantConfig:
             return None
         method = q.get("quant_method")
         readers = {"fp8": _fp8, "compressed-tensors": _compressed_tensors,
-                   "gptq": _gptq, "awq": _awq}  # fmt: skip
+                   "gptq": _gptq, "awq": _awq, "mxfp4": _mxfp4}  # fmt: skip
         if method not in readers:
             raise ConfigError(
                 f"quantization_config.quant_method={method!r}: flagstop reads "
@@ -97,6 +97,12 @@ def _matches(pattern: str, layer: str) -> bool:
 
 def _refuse(field: str, value: Any, runs: str) -> ConfigError:
     return ConfigError(f"quantization_config.{field}={value!r}: flagstop runs {runs}")
+
+
+def _mxfp4(q: dict[str, Any]) -> QuantConfig:
+    """gpt-oss: only the stacked experts are MXFP4 (*_blocks, *_scales), which the
+    loader dequantizes to the model's dtype; every linear layer is as it is."""
+    return QuantConfig("mxfp4", (), ())
 
 
 def _fp8(q: dict[str, Any]) -> QuantConfig:
