@@ -194,10 +194,10 @@ def mlp_shapes(config: dict, prefix: str) -> dict[str, tuple[int, ...]]:
         return {f"{prefix}mlp.{n}_proj.weight": s for n, s in
                 (("gate", (i, h)), ("up", (i, h)), ("down", (h, i)))}  # fmt: skip
     if arch == "gpt_oss":  # stacked, gate and up interleaved; a biased router
-        e, b = NUM_EXPERTS, f"{prefix}mlp."
+        e, b, x = NUM_EXPERTS, f"{prefix}mlp.", f"{prefix}mlp.experts."
         return {f"{b}router.weight": (e, h), f"{b}router.bias": (e,),
-                f"{b}experts.gate_up_proj": (e, h, 2 * i), f"{b}experts.gate_up_proj_bias": (e, 2 * i),
-                f"{b}experts.down_proj": (e, i, h), f"{b}experts.down_proj_bias": (e, h)}  # fmt: skip
+                f"{x}gate_up_proj": (e, h, 2 * i), f"{x}gate_up_proj_bias": (e, 2 * i),
+                f"{x}down_proj": (e, i, h), f"{x}down_proj_bias": (e, h)}  # fmt: skip
     if arch == "mixtral":
         block, names = f"{prefix}block_sparse_moe.", ("w1", "w3", "w2")
     else:
