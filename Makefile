@@ -62,7 +62,7 @@ COMPOSE := $(if $(strip $(PROFILES)),COMPOSE_PROFILES=$(subst $() ,$(comma),$(st
 	$(if $(SPEC),SPEC='$(SPEC)') $(if $(filter-out grpcio,$(GRPC_SERVER)),GRPC_SERVER=$(GRPC_SERVER)) \
 	$(DOCKER_COMPOSE) -f compose/compose.yaml $(if $(GPU),-f compose/compose.gpu.yaml)
 
-.PHONY: venv test test-fast kernels-sm90 lint bench bench-executor bench-kv-tier bench-lora bench-replicas bench-structured model proto serve up down logs ps clean
+.PHONY: venv test test-fast kernels-sm90 lint bench bench-executor bench-kv-tier bench-kv-groups bench-lora bench-replicas bench-structured model proto serve up down logs ps clean
 
 venv: $(STAMP)
 
@@ -193,6 +193,12 @@ bench-lora: $(STAMP)
 # decode one (simulator and CPU; about 8 minutes).
 bench-kv-tier: $(STAMP)
 	$(PY) bench/kv_tier_bench.py
+	$(PY) bench/report.py
+
+# KV cache groups at a fixed KV memory: a gpt-oss-shaped model with groups and with
+# every layer full, a long-context workload side by side (about 3 minutes).
+bench-kv-groups: $(STAMP)
+	$(PY) bench/kv_groups_bench.py
 	$(PY) bench/report.py
 
 bench-executor: $(STAMP)

@@ -40,6 +40,10 @@ class ExecutorConfig(BaseModel):
     """auto: the model's dtype; fp8 (fp8_e4m3): one byte a K/V value, scaled by the
     checkpoint's k_scale/v_scale (per tensor or per head; 1.0 without), so the same
     bytes hold 2x the blocks of bfloat16 (docs/quantization.md)"""
+    disable_hybrid_kv_cache_manager: bool = False
+    """describe every layer as full attention: one KV cache group, window layers keeping
+    every token's KV as full ones do (vLLM's flag of the same name); for a host tier or
+    disaggregation with a windowed model, which move one block table (docs/kv_groups.md)"""
     kv_offload_bytes: NonNegativeInt = 0
     """the prefix cache's host-memory tier: full blocks are written through to this
     many bytes of host memory (pinned on CUDA) and loaded back on a prefix hit there;

@@ -88,8 +88,10 @@ class ModelRunner:
         self.model_config = mc = self.model.config
         self.num_kv_heads = tp.shard.kv_heads(mc.num_kv_heads)[1]  # this rank's
         # The layers as the scheduler builds its KV cache groups from them (Describe).
-        self.kv_layers = mc.layer_specs(self.num_kv_heads, self.kv_cache_dtype.itemsize)
+        self.kv_layers = mc.layer_specs(self.num_kv_heads, self.kv_cache_dtype.itemsize,
+                                        config.disable_hybrid_kv_cache_manager)  # fmt: skip
         self.kv_groups = kv_cache_groups(self.kv_layers)
+        self.model.set_kv_groups(self.kv_groups)
         self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
         self.block_size = config.block_size
         self.num_speculative_tokens = config.num_speculative_tokens

@@ -102,7 +102,7 @@ class SimulatedRunner:
         self.num_blocks = config.num_blocks or config.simulate_num_blocks
         # The model's layers as a real executor describes them (bf16 K and V), so that
         # the scheduler's block accounting under load is the model's.
-        self.kv_layers = mc.layer_specs(mc.num_kv_heads, 2)
+        self.kv_layers = mc.layer_specs(mc.num_kv_heads, 2, config.disable_hybrid_kv_cache_manager)
         self.kv_groups = kv_cache_groups(self.kv_layers)
         self.cost = CostModel(config.simulate_base_ms, config.simulate_us_per_scheduled_token,
                               config.simulate_us_per_context_token)  # fmt: skip

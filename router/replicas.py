@@ -133,7 +133,7 @@ class ReplicaSet:
             log.warning("a replica keeps %d blocks (pool and host tier) but the prefix index "
                         "remembers %d: raise --prefix-index-blocks", held,
                         self.chooser.index.max_blocks)  # fmt: skip
-        if served and (self.limits.kv_capacity_tokens <= info.num_blocks * info.block_size):
+        if served and self.limits.kv_capacity_tokens <= ModelLimits.of(info).kv_capacity_tokens:
             return  # the smallest replica bounds what a request may ask
         self.model_info = generation_pb2.ModelInfo()
         self.model_info.CopyFrom(info)

@@ -19,14 +19,14 @@ MAX_PENALTY = 2.0  # frequency and presence, as OpenAI bounds them
 class ModelLimits:
     vocab_size: int
     max_model_len: int
-    kv_capacity_tokens: int  # num_blocks * block_size
+    kv_capacity_tokens: int  # the scheduler's (its KV cache groups), else the pool's
     eos_token_ids: tuple[int, ...]
 
     @classmethod
     def of(cls, info: generation_pb2.ModelInfo) -> "ModelLimits":
         return cls(
             vocab_size=info.vocab_size, max_model_len=info.max_model_len,
-            kv_capacity_tokens=info.num_blocks * info.block_size,
+            kv_capacity_tokens=info.kv_capacity_tokens or info.num_blocks * info.block_size,
             eos_token_ids=tuple(info.eos_token_ids),
         )  # fmt: skip
 

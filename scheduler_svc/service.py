@@ -92,6 +92,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             extras += f", KV role {role.lower()}"
         if len(groups) > 1 or groups[0].is_window:
             extras += f", KV cache groups {describe_groups(groups)}"
+        kv_bytes = sum(x.kv_bytes_per_token for x in info.model.kv_layers)
+        self.telemetry.kv_cache_groups(describe_groups(groups), kv_bytes,
+                                       self.scheduler.kv_capacity_tokens)  # fmt: skip
         log.info("executor %s: %s, %d blocks of %d (a sequence of up to %d tokens)%s",
                  s.executor, info.model.model_name, info.model.num_blocks,
                  info.model.block_size, self.scheduler.kv_capacity_tokens, extras)  # fmt: skip
@@ -108,7 +111,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if wants and (len(groups) > 1 or groups[0].is_window):
             raise StartupError(f"{wants} moves one full-attention block table; this model's "
                                f"layers make KV cache groups {describe_groups(groups)}: "
-                               "serve it without")  # fmt: skip
+                               "start the executor with --disable-hybrid-kv-cache-manager "
+                               "(one group, every layer's KV kept) or without it")  # fmt: skip
         if info.model.num_host_blocks:
             if config.no_prefix_caching:
                 raise StartupError("--no-prefix-caching: the executor's host tier "
@@ -204,6 +208,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         reply.model.CopyFrom(self.link.model)
         reply.model.max_model_len = self.scheduler.config.max_model_len  # --max-model-len
         reply.model.num_blocks = self.scheduler.num_total_blocks  # the pool of the executor now
+        reply.model.kv_capacity_tokens = self.scheduler.kv_capacity_tokens
         return reply
 
     async def GetStats(self, request, context) -> scheduler_pb2.GetStatsResponse:

@@ -70,6 +70,13 @@ LORA_INFO = Gauge(
     "vllm:lora_requests_info", "Running and waiting LoRA adapters",
     ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
 )  # fmt: skip
+# The KV cache as the executor's layers make it (docs/kv_groups.md): one series per
+# model, its labels the groups and the KV bytes a token takes over all layers on one
+# rank (vLLM exports its cache config the same way, as an info gauge).
+KV_GROUPS_INFO = Gauge(
+    "flagstop:kv_cache_groups_info", "KV cache groups, KV bytes per token, tokens a sequence",
+    ["model_name", "groups", "kv_bytes_per_token", "capacity_tokens"],
+)  # fmt: skip
 STEP_SECONDS = Histogram(
     "flagstop:step_duration_seconds", "From planning a step to applying its tokens",
     ["model_name"], buckets=LATENCY_BUCKETS,
@@ -96,6 +103,10 @@ class SchedulerTelemetry:
         self.last_lora: tuple[str, str, str] | None = None
         # The core's KV connector, whose metrics exist only where there is one.
         self.kv_connector: KVConnector | None = None
+
+    def kv_cache_groups(self, groups: str, kv_bytes_per_token: int, capacity: int) -> None:
+        KV_GROUPS_INFO.labels(self._model_name, groups, str(kv_bytes_per_token),
+                              str(capacity)).set(1)  # fmt: skip
 
     def lora_requests(self, running: list[str], waiting: list[str], max_loras: int) -> None:
         """vllm:lora_requests_info: a new series when the adapters change (the old one

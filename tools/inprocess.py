@@ -37,10 +37,10 @@ class EngineRun:
 def run_engine(
     runner, jobs: list[Job], config: SchedulerConfig, steps_in_flight: int = 2,
     num_blocks: int | None = None, eos_token_ids: frozenset[int] = frozenset(),
-    timestamps: bool = False,
+    timestamps: bool = False, on_step=None,
 ) -> EngineRun:  # fmt: skip
     """Every job to its end; outputs in job order. The runner starts from an empty
-    batch (as on a new scheduler stream)."""
+    batch (as on a new scheduler stream). on_step(scheduler): after each plan."""
     runner.reset()
     scheduler = Scheduler(config, num_blocks or runner.num_blocks, kv_groups=runner.kv_groups)
     adapters = runner.lora_adapters()
@@ -61,6 +61,8 @@ def run_engine(
     started = time.perf_counter()
     while scheduler.has_unfinished_requests() or in_flight:
         plan = scheduler.schedule()
+        if on_step is not None:
+            on_step(scheduler)
         if not plan.is_empty:
             in_flight.append((plan, runner.execute(plan)))
             run.num_steps += 1

@@ -252,8 +252,14 @@ class ModelConfig:
             attention_sinks=architecture in SINKS,
         )
 
-    def layer_specs(self, num_kv_heads: int, kv_dtype_bytes: int) -> list[LayerSpec]:
-        """Each layer as the KV cache holds it (num_kv_heads: one rank's)."""
+    def layer_specs(
+        self, num_kv_heads: int, kv_dtype_bytes: int, all_full: bool = False
+    ) -> list[LayerSpec]:
+        """Each layer as the KV cache holds it (num_kv_heads: one rank's); all_full: as
+        full attention (--disable-hybrid-kv-cache-manager: one group)."""
         kv_bytes = 2 * num_kv_heads * self.head_dim * kv_dtype_bytes
         return [LayerSpec(t, self.sliding_window if t == SLIDING_ATTENTION else 0,
-                          self.attention_sinks, kv_bytes) for t in self.layer_types]  # fmt: skip
+                          self.attention_sinks, kv_bytes)
+                if not all_full else LayerSpec(sinks=self.attention_sinks,
+                                               kv_bytes_per_token=kv_bytes)
+                for t in self.layer_types]  # fmt: skip

@@ -29,7 +29,12 @@ from flagstop.executor.models.onednn import Linear
 from flagstop.executor.models.quantization import ConfigError
 from flagstop.executor.parallel import SINGLE, TensorParallel
 from flagstop.kernels import torch_attention
-from flagstop.scheduler_svc.core.kv_groups import SLIDING_ATTENTION, kv_cache_groups, layer_slots
+from flagstop.scheduler_svc.core.kv_groups import (
+    SLIDING_ATTENTION,
+    KVCacheGroup,
+    kv_cache_groups,
+    layer_slots,
+)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -166,8 +171,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(config, tp, i) for i in range(config.num_layers))
         # Each layer's KV cache group: the step's metadata has a block table per group.
-        groups = kv_cache_groups(config.layer_specs(1, 1))
-        self.layer_groups = [g for g, _ in layer_slots(groups, config.num_layers)]
+        self.set_kv_groups(kv_cache_groups(config.layer_specs(1, 1)))
         mlps = (layer.mlp for layer in self.layers)
         self.moe_blocks = [mlp for mlp in mlps if isinstance(mlp, SparseMoeBlock)]
         self.norm = _norm(config)(config.hidden_size, config.rms_norm_eps)
@@ -181,6 +185,10 @@ class LlamaForCausalLM(nn.Module):
                               "list lm_head in its ignore")  # fmt: skip
         self.lm_head = Linear(config.hidden_size, rows, bias=False)
         self.tie_weights()
+
+    def set_kv_groups(self, groups: list[KVCacheGroup]) -> None:
+        """The KV cache groups the runner holds (its own when the hybrid manager is off)."""
+        self.layer_groups = [g for g, _ in layer_slots(groups, self.config.num_layers)]
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:

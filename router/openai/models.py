@@ -10,6 +10,8 @@ from flagstop.router.openai.errors import from_failure, json_response
 from flagstop.router.openai.front import Front, OpenAIFront, authorized
 from flagstop.router.openai.protocol import EncodableText
 from flagstop.router.output import RequestFailed
+from flagstop.scheduler_svc.convert import layer_specs
+from flagstop.scheduler_svc.core.kv_groups import describe_groups, kv_cache_groups
 
 api = APIRouter(dependencies=[Depends(authorized)])
 
@@ -37,11 +39,20 @@ def model_cards(front: OpenAIFront) -> dict[str, dict]:
     front.check_model(info.model_name)
     base = {"id": info.model_name, "object": "model", "created": 0, "owned_by": "flagstop",
             "root": info.model_name, "parent": None,
-            "max_model_len": info.max_model_len}  # fmt: skip
+            "max_model_len": info.max_model_len, **kv_cache_card(info)}  # fmt: skip
     cards = {info.model_name: base}
     for name, adapter in sorted(front.engine.replicas.adapters().items()):
         cards[name] = {**base, "id": name, "root": adapter.path, "parent": info.model_name}
     return cards
+
+
+def kv_cache_card(info) -> dict:
+    """The KV cache as the model's layers make it (docs/kv_groups.md): its groups, the
+    bytes a token takes over every layer on one rank, and the longest sequence it holds."""
+    groups = kv_cache_groups(layer_specs(info))
+    return {"kv_cache_groups": describe_groups(groups),
+            "kv_bytes_per_token": sum(x.kv_bytes_per_token for x in info.kv_layers),
+            "kv_capacity_tokens": info.kv_capacity_tokens}  # fmt: skip
 
 
 @api.get("/v1/models")

@@ -180,8 +180,13 @@ class KVCacheManager:
             if self.window_groups:
                 self._skip_blocks(request, state)
             if num_total <= len(state.blocks[0]) * self.block_size:
-                # The decode fast path: room was already allocated, at most a block to cache.
-                self._cache_full_blocks(request, state, num_total)
+                # The decode fast path: room was already allocated, at most a block to
+                # cache (the check inlined: it runs per running request per step).
+                if self.enable_caching and (
+                    min(num_total, len(request.all_token_ids)) // self.block_size
+                    > state.num_cached_blocks
+                ):
+                    self._cache_full_blocks(request, state, num_total)
                 return NO_NEW_BLOCKS
         hits = new_computed_blocks.groups if new_computed_blocks else None
         num_hits = len(hits[0]) if hits else 0
@@ -190,28 +195,28 @@ class KVCacheManager:
         num_needed = cdiv(num_total, self.block_size) - num_allocated - num_hits
         # Hits sitting in the free queue (ref 0) are taken from the same free pool.
         null = self.pool.null_block
-        revived = [b for group in hits or () for b in group if b.ref_cnt == 0 and b is not null]
-        if num_needed * self.num_groups + len(revived) > self.pool.free_queue.num_free_blocks:
+        num_revived = sum(b.ref_cnt == 0 and b is not null for g in hits for b in g) if hits else 0
+        if num_needed * self.num_groups + num_revived > self.pool.free_queue.num_free_blocks:
             return None
         if state is None:
             state = self.req_blocks[request.request_id] = self._new_state()
-        # Every group's hits taken before any new block: a hit of one group may sit in
-        # the free queue, where another group's new block would evict it.
-        for group_hits in hits or ():
-            self.pool.touch(b for b in group_hits if b is not null)
-        new_ids: list[int] = []
-        for g, blocks in enumerate(state.blocks):
-            new_blocks = (hits[g] if hits else []) + self.pool.get_new_blocks(num_needed)
-            blocks.extend(new_blocks)
-            new_ids.extend(b.block_id for b in new_blocks)
+        if hits:
+            # Every group's hits taken before any new block: a hit of one group may sit
+            # in the free queue, where another group's new block would evict it.
+            for group_hits in hits:
+                self.pool.touch([b for b in group_hits if b is not null])
+        get_new_blocks = self.pool.get_new_blocks
+        new_blocks = [(hits[g] + get_new_blocks(num_needed)) if hits else get_new_blocks(num_needed)
+                      for g in range(self.num_groups)]  # fmt: skip
+        for blocks, new in zip(state.blocks, new_blocks, strict=True):
+            blocks.extend(new)
         if hits and self.window_groups:
             self._count_null_hits(state)
         if not delay_cache_blocks:
             self._cache_full_blocks(request, state, num_total)
         if self.num_groups == 1:
-            return new_ids
-        n = len(new_ids) // self.num_groups  # group-major -> position-major
-        return [new_ids[g * n + i] for i in range(n) for g in range(self.num_groups)]
+            return [b.block_id for b in new_blocks[0]]
+        return [b.block_id for position in zip(*new_blocks, strict=True) for b in position]
 
     def _new_state(self) -> _RequestBlocks:
         skipped = [0] * len(self.window_groups) if self.window_groups else None

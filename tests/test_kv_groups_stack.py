@@ -1,0 +1,74 @@
+"""A windowed model through the three processes (what `make serve ARCH=gpt_oss` runs):
+the executor describes its layers, the scheduler builds the groups from them and says
+so (Describe, /v1/models, its metrics), a prompt past the window comes back token-exact,
+and a host tier with groups stops start-up in one line."""
+
+import random
+import subprocess
+import sys
+import urllib.request
+
+import httpx
+import pytest
+
+from tests.helpers.checkpoints import load_reference, reference_generate
+from tools.make_model import write_model
+from tools.stack import ROOT, free_port, generate, start_stack
+
+pytestmark = pytest.mark.processes
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("gpt-oss") / "m", "tiny", arch="gpt_oss")
+
+
+@pytest.fixture(scope="module")
+def stack(gpt_oss, tmp_path_factory):
+    stack = start_stack(gpt_oss, tmp_path_factory.mktemp("logs"),
+                        executor_args=["--num-blocks", "201"])  # fmt: skip
+    yield stack
+    assert set(stack.stop().values()) == {0}
+
+
+def test_the_groups_are_described_and_a_long_prompt_is_token_exact(stack, gpt_oss):
+    [card] = httpx.get(f"{stack.base_url}/models", timeout=30).json()["data"]
+    assert card["kv_cache_groups"] == "full x2 + window 128 x2"
+    # fp32, 2 KV heads of 64 on 4 layers: 2 x 4 x 2 x 64 x 4 bytes.
+    assert card["kv_bytes_per_token"] == 4096
+    # 200 usable blocks: the window group's window and a chunk, the rest full attention.
+    assert 0 < card["kv_capacity_tokens"] < 200 * 16
+    rng = random.Random(3)
+    prompt = [1, *(rng.randrange(3, 500) for _ in range(299))]  # past the 128-token window
+    tokens, _, _ = generate(stack, prompt_token_ids=prompt, max_tokens=24, temperature=0,
+                            ignore_eos=True)  # fmt: skip
+    assert tokens == reference_generate(load_reference(gpt_oss), prompt, 24)
+    metrics = (
+        urllib.request.urlopen(
+            f"http://127.0.0.1:{stack.metrics_ports['scheduler']}/metrics", timeout=30
+        )
+        .read()
+        .decode()
+    )
+    assert 'groups="full x2 + window 128 x2"' in metrics and 'kv_bytes_per_token="4096"' in metrics
+
+
+def test_a_host_tier_with_groups_stops_start_up_naming_the_way_out(gpt_oss, tmp_path):
+    executor_port, scheduler_port = free_port(), free_port()
+    executor = subprocess.Popen(
+        [sys.executable, "-m", "flagstop.executor", "--model", str(gpt_oss), "--port",
+         str(executor_port), "--metrics-port", str(free_port()), "--num-blocks", "64",
+         "--kv-offload-bytes", str(1 << 24)],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "flagstop.scheduler_svc", "--port", str(scheduler_port),
+             "--metrics-port", str(free_port()), "--executor", f"127.0.0.1:{executor_port}"],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    finally:
+        executor.kill()
+        executor.wait()
+    assert done.returncode != 0
+    assert "--disable-hybrid-kv-cache-manager" in done.stderr.strip().splitlines()[-1]
