@@ -68,7 +68,8 @@ def paged_attention(
     backend.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
     n = meta.num_decodes
     decode, prefill = backend.paged_attention_decode, backend.paged_attention_prefill
-    kwargs = {} if band is None else {"window": band.window, "sinks": band.sinks}
+    kwargs = {} if band is None else {"window": band.window, "sinks": band.sinks,
+                                      "softcap": band.softcap}  # fmt: skip
     if n == query.shape[0]:
         return decode(query, k_cache, v_cache, *meta.decode, scale, **kwargs)
     out = torch.empty_like(query)
@@ -82,16 +83,20 @@ def paged_attention(
 
 @dataclass(slots=True, frozen=True)
 class Band:
-    """What a layer's queries see beyond causality: a sliding window (0: all keys)
-    and per-head sink logits (gpt-oss; None: none). A layer without either passes
-    None and the backends take their plain kernels."""
+    """What a layer's queries see beyond causality: a sliding window (0: all keys),
+    per-head sink logits (gpt-oss; None: none), and the scores' soft cap (Gemma 2:
+    cap * tanh(score / cap); 0: none). A layer without any passes None and the
+    backends take their plain kernels."""
 
     window: int = 0
     sinks: torch.Tensor | None = None
+    softcap: float = 0.0
 
     @classmethod
-    def of(cls, window: int, sinks: torch.Tensor | None) -> "Band | None":
-        return cls(window, sinks) if window or sinks is not None else None
+    def of(cls, window: int, sinks: torch.Tensor | None, softcap: float = 0.0) -> "Band | None":
+        if window or sinks is not None or softcap:
+            return cls(window, sinks, softcap)
+        return None
 
 
 FP8 = torch.float8_e4m3fn

@@ -169,19 +169,21 @@ def paged_attention_decode(
     scale: float,
     window: int = 0,
     sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """One query token per sequence, attending to its seq_len cached tokens (its own
     included; with a window, the last window of them). query [num_seqs, num_heads,
     head_dim] -> same shape. sinks [num_heads]: learned logits that join each head's
-    softmax denominator (gpt-oss).
+    softmax denominator (gpt-oss); softcap: scores capped as cap * tanh(s / cap)
+    (Gemma 2).
 
     A batch gathers every sequence to the longest one's length, so sequences sorted by
     length (the model runner sorts them) run in a few groups of similar lengths. Small
     model, 16 decodes at 17-529 tokens: 64 ms in one group (what 16 at 529 cost), 58 ms
     in groups, 47 ms were they all at their mean length."""
-    if window or sinks is not None:
+    if window or sinks is not None or softcap:
         return _masked_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, window,
-                              sinks)  # fmt: skip
+                              sinks, softcap)  # fmt: skip
     groups = _memo.get("groups", (block_tables, seq_lens), length_groups)
     if len(groups) == 1:
         return _decode_group(query, k_cache, v_cache, *groups[0][1:], scale, 0)
@@ -255,18 +257,19 @@ def paged_attention_prefill(
     scale: float,
     window: int = 0,
     sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Varlen causal attention: sequence i's queries are query[query_start_loc[i]:
     query_start_loc[i+1]], the LAST tokens of its seq_lens[i] cached tokens (earlier
     ones are cached context: chunked prefill, prefix hits). query [T, H, D] -> same.
-    window and sinks: as paged_attention_decode's.
+    window, sinks and softcap: as paged_attention_decode's.
 
     Short queries after a context (speculative decoding's 1 + k verification rows, a
     short last chunk) attend together in one batched call (_short_queries); the rest
     one sequence at a time."""
-    if window or sinks is not None:
+    if window or sinks is not None or softcap:
         return _masked_prefill(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-                               scale, window, sinks)  # fmt: skip
+                               scale, window, sinks, softcap)  # fmt: skip
     out = torch.empty_like(query)
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     plan = _memo.get("short", (query_start_loc, seq_lens), short_queries)
@@ -379,18 +382,19 @@ def _causal_mask(num_context: int, seq_len: int, device: torch.device) -> torch.
 # the mask is explicit, and with sinks the scores are too (SDPA has no place for them).
 
 
-def _masked_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, window, sinks):
+def _masked_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, window, sinks,
+                   softcap):  # fmt: skip
     max_len = int(seq_lens.max())
     k = gather_kv(k_cache, block_tables, max_len)
     v = gather_kv(v_cache, block_tables, max_len)
     last = (seq_lens.long() - 1)[:, None]  # each query's position
     visible = _band(last, torch.arange(max_len, device=query.device)[None, :], window)
-    out = _attend(query[:, :, None], k, v, visible[:, None, :], scale, sinks)
+    out = _attend(query[:, :, None], k, v, visible[:, None, :], scale, sinks, softcap)
     return out[:, :, 0].to(query.dtype)
 
 
 def _masked_prefill(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                    window, sinks):  # fmt: skip
+                    window, sinks, softcap):  # fmt: skip
     out = torch.empty_like(query)
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     for i, seq_len in enumerate(lens):
@@ -401,7 +405,7 @@ def _masked_prefill(query, k_cache, v_cache, block_tables, query_start_loc, seq_
         key_pos = torch.arange(seq_len, device=query.device)
         visible = _band(query_pos[:, None], key_pos[None], window)
         q = query[start:end].transpose(0, 1)[None]  # [1, H, n, D]
-        out[start:end] = _attend(q, k, v, visible[None], scale, sinks)[0].transpose(0, 1)
+        out[start:end] = _attend(q, k, v, visible[None], scale, sinks, softcap)[0].transpose(0, 1)
     return out
 
 
@@ -411,16 +415,20 @@ def _band(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int) -> torch.
     return visible & (key_pos > query_pos - window) if window else visible
 
 
-def _attend(q, k, v, visible, scale: float, sinks: torch.Tensor | None) -> torch.Tensor:
+def _attend(q, k, v, visible, scale: float, sinks: torch.Tensor | None, softcap: float = 0.0):
     """q [S, H, Q, D], k/v [S, KVH, L, D], visible [S, Q, L] -> [S, H, Q, D] float32."""
-    if sinks is None:
+    if sinks is None and not softcap:
         return F.scaled_dot_product_attention(q.float(), k.float(), v.float(),
                                               attn_mask=visible[:, None], scale=scale,
                                               enable_gqa=True)  # fmt: skip
     group = q.shape[1] // k.shape[1]
     k, v = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
     scores = (q.float() @ k.transpose(-1, -2)) * scale
+    if softcap:  # before the mask, as transformers' eager Gemma 2 attention
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    if sinks is None:
+        return torch.softmax(scores, dim=-1) @ v
     sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
     probs = torch.softmax(torch.cat((scores, sink), -1), dim=-1)[..., :-1]
     return probs @ v

@@ -5,7 +5,8 @@ blocks, the tests hand them a transposed copy.
 
 A window layer's loop starts at its first query's window, so the blocks wholly before
 it (a window group's null block) are never read; a sink is one more logit in the
-softmax's denominator, added where the output is normalised.
+softmax's denominator, added where the output is normalised; a soft cap bounds each
+score before the softmax (Gemma 2).
 
 Imported only when the triton backend is chosen; on a CPU they run under
 TRITON_INTERPRET=1, which is how the tests hold them to their torch twins."""
@@ -92,13 +93,20 @@ def _kv_offsets(
 
 
 @triton.jit
-def _attend_block(q, k_cache, v_cache, kv_offsets, visible, scale, m, l, acc, IEEE: tl.constexpr):  # noqa: E741
+def _attend_block(
+    q, k_cache, v_cache, kv_offsets, visible, scale, m, l, acc, IEEE: tl.constexpr,  # noqa: E741
+    softcap=0.0, HAS_SOFTCAP: tl.constexpr = False,
+):  # fmt: skip
     """One KV block into an online softmax: returns the updated running max m, sum l
-    and unnormalised output acc of the query rows."""
+    and unnormalised output acc of the query rows. With a soft cap (Gemma 2), the
+    scores are cap * tanh(s / cap) (tanh as 2 sigmoid(2x) - 1)."""
     # An FP8 cache's values in the query's dtype (a no-op for a cache in it).
     k = tl.load(k_cache + kv_offsets).to(q.dtype)
     v = tl.load(v_cache + kv_offsets).to(q.dtype)
-    s = tl.where(visible, _dot(q, tl.trans(k), IEEE) * scale, float("-inf"))
+    s = _dot(q, tl.trans(k), IEEE) * scale
+    if HAS_SOFTCAP:
+        s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
+    s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     # Rows with nothing visible yet keep m = -inf: guard exp(-inf - -inf).
     alpha = tl.where(m_new == float("-inf"), 1.0, tl.exp(m - m_new))
@@ -126,6 +134,7 @@ def _decode_partition_kernel(
     stride_cache_token,
     num_partitions,
     window,
+    softcap,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -133,6 +142,7 @@ def _decode_partition_kernel(
     PARTITION: tl.constexpr,
     IEEE: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     """One sequence, one KV head (its GROUP query heads), one partition of the context:
     an online softmax over the partition's blocks, left unnormalised for the merge.
@@ -171,7 +181,7 @@ def _decode_partition_kernel(
         key_pos = (block_start + offsets)[None, :]
         visible = (key_pos < seq_len) & (key_pos >= first_key)
         m, l, acc = _attend_block(  # noqa: E741
-            q, k_cache, v_cache, kv_offsets, visible, scale, m, l, acc, IEEE
+            q, k_cache, v_cache, kv_offsets, visible, scale, m, l, acc, IEEE, softcap, HAS_SOFTCAP
         )
     out_row = (seq * tl.num_programs(1) * GROUP + heads) * num_partitions + part
     tl.store(partial_max + out_row, m, mask=rows < GROUP)
@@ -226,7 +236,7 @@ def _decode_merge_kernel(
 
 
 def paged_attention_decode(
-    query, k_cache, v_cache, block_tables, seq_lens, scale, window=0, sinks=None
+    query, k_cache, v_cache, block_tables, seq_lens, scale, window=0, sinks=None, softcap=0.0
 ):
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -254,6 +264,7 @@ def paged_attention_decode(
         k_cache.stride(1),
         num_partitions,
         window,
+        float(softcap),
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
@@ -261,6 +272,7 @@ def paged_attention_decode(
         PARTITION=DECODE_PARTITION,
         IEEE=ieee,
         HAS_WINDOW=window > 0,
+        HAS_SOFTCAP=bool(softcap),
     )
     out = torch.empty_like(query)
     _decode_merge_kernel[(num_seqs, num_heads)](
@@ -293,6 +305,7 @@ def _prefill_kernel(
     sinks,
     scale,
     window,
+    softcap,
     stride_q_token,
     stride_q_head,
     stride_bt,
@@ -305,6 +318,7 @@ def _prefill_kernel(
     IEEE: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     """BLOCK_M queries of one sequence and one head against its cached context and
     the new tokens, causally (and within the window), one KV block at a time."""
@@ -349,8 +363,9 @@ def _prefill_kernel(
             if HAS_WINDOW:
                 visible = visible & (key_pos[None, :] > query_pos[:, None] - window)
             m, l, acc = _attend_block(  # noqa: E741
-                q, k_cache, v_cache, kv_offsets, visible, scale, m, l, acc, IEEE
-            )
+                q, k_cache, v_cache, kv_offsets, visible, scale, m, l, acc, IEEE, softcap,
+                HAS_SOFTCAP,
+            )  # fmt: skip
         if HAS_SINKS:  # one more logit in the denominator, with no value
             l += tl.exp(tl.load(sinks + head).to(tl.float32) - m)  # noqa: E741
         result = acc / tl.where(l == 0.0, 1.0, l)[:, None]
@@ -358,8 +373,9 @@ def _prefill_kernel(
 
 
 def paged_attention_prefill(
-    query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, window=0, sinks=None
-):
+    query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, window=0, sinks=None,
+    softcap=0.0,
+):  # fmt: skip
     _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -381,6 +397,7 @@ def paged_attention_prefill(
         seq_lens if sinks is None else sinks,  # not read without sinks
         scale,
         window,
+        float(softcap),
         query.stride(0),
         query.stride(1),
         block_tables.stride(0),
@@ -393,6 +410,7 @@ def paged_attention_prefill(
         IEEE=query.dtype == torch.float32,
         HAS_WINDOW=window > 0,
         HAS_SINKS=sinks is not None,
+        HAS_SOFTCAP=bool(softcap),
         num_warps=num_warps,
     )
     return out

@@ -147,14 +147,16 @@ def _null_before_window(tables: torch.Tensor, first_keys: list[int], block_size:
 BAND_SHAPES = [SHAPES[0], SHAPES[5], SHAPES[-2]]
 
 
+@pytest.mark.parametrize("softcap", [0.0, 2.0], ids=["", "capped"])
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["window", "window-sinks"])
 @pytest.mark.parametrize("window", [0, 20, 37])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"), BAND_SHAPES)
 def test_paged_attention_decode_in_a_window_with_sinks(
-    num_heads, num_kv_heads, head_dim, block_size, dtype, window, with_sinks, monkeypatch
+    num_heads, num_kv_heads, head_dim, block_size, dtype, window, with_sinks, softcap,
+    monkeypatch,
 ):  # fmt: skip
-    if not window and not with_sinks:
+    if not window and not with_sinks and not softcap:
         pytest.skip("the plain kernels: test_paged_attention_decode")
     seq_lens = [1, block_size + 1, 40, 150]
     monkeypatch.setattr(triton_attention, "DECODE_PARTITION", 64)
@@ -169,27 +171,28 @@ def test_paged_attention_decode_in_a_window_with_sinks(
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     scale = head_dim**-0.5
     expected = torch_attention.paged_attention_decode(
-        query, *head_major(k_cache, v_cache), tables, lens, scale, window, sinks
+        query, *head_major(k_cache, v_cache), tables, lens, scale, window, sinks, softcap
     )
     got = triton_attention.paged_attention_decode(
-        query, k_cache, v_cache, tables, lens, scale, window, sinks
+        query, k_cache, v_cache, tables, lens, scale, window, sinks, softcap
     )
     assert_close(got, expected, dtype)
     if window:  # the band matters: the plain kernel differs
         plain = torch_attention.paged_attention_decode(
-            query, *head_major(k_cache, v_cache), tables, lens, scale, 0, sinks
+            query, *head_major(k_cache, v_cache), tables, lens, scale, 0, sinks, softcap
         )
         assert not torch.allclose(plain[-1].float(), expected[-1].float(), atol=1e-2)
 
 
+@pytest.mark.parametrize("softcap", [0.0, 2.0], ids=["", "capped"])
 @pytest.mark.parametrize("with_sinks", [False, True], ids=["window", "window-sinks"])
 @pytest.mark.parametrize("window", [0, 20, 37])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"), BAND_SHAPES)
 def test_paged_attention_prefill_in_a_window_with_sinks(
-    num_heads, num_kv_heads, head_dim, block_size, dtype, window, with_sinks
+    num_heads, num_kv_heads, head_dim, block_size, dtype, window, with_sinks, softcap
 ):  # fmt: skip
-    if not window and not with_sinks:
+    if not window and not with_sinks and not softcap:
         pytest.skip("the plain kernels: test_paged_attention_prefill")
     # (new tokens, cached context): fresh, chunks after long contexts, a 64-query tile.
     shapes = [(1, 5), (17, 0), (9, 2 * block_size + 1), (70, 45)]
@@ -205,15 +208,15 @@ def test_paged_attention_prefill_in_a_window_with_sinks(
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     starts, scale = starts.to(DEVICE), head_dim**-0.5
     expected = torch_attention.paged_attention_prefill(
-        query, *head_major(k_cache, v_cache), tables, starts, lens, scale, window, sinks
+        query, *head_major(k_cache, v_cache), tables, starts, lens, scale, window, sinks, softcap
     )
     got = triton_attention.paged_attention_prefill(
-        query, k_cache, v_cache, tables, starts, lens, scale, window, sinks
+        query, k_cache, v_cache, tables, starts, lens, scale, window, sinks, softcap
     )
     assert_close(got, expected, dtype)
 
 
-@pytest.mark.parametrize("checkpoint", ["llama", "qwen2-moe", "qwen2-window", "gpt-oss"])
+@pytest.mark.parametrize("checkpoint", ["llama", "qwen2-moe", "qwen2-window", "gpt-oss", "gemma2"])
 def test_the_model_on_triton_kernels_matches_transformers(tmp_path, checkpoint):
     from flagstop.executor.config import ExecutorConfig
     from flagstop.executor.model_runner import ModelRunner

@@ -23,7 +23,9 @@ from tools.inprocess import Job, run_engine
 WINDOW = 8  # the checkpoints' (tests/helpers/checkpoints.py WINDOW_VARIANTS)
 
 
-@pytest.fixture(scope="module", params=["mistral-window", "qwen2-window", "gemma3", "gpt-oss"])
+@pytest.fixture(
+    scope="module", params=["mistral-window", "qwen2-window", "gemma2", "gemma3", "gpt-oss"]
+)
 def windowed(request, tmp_path_factory):
     path = write_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
     return path, load_reference(path)

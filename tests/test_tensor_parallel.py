@@ -45,7 +45,7 @@ DENSE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size"
 # And windowed models: KV cache groups, each rank on the same block ids.
 CHECKPOINTS = [("llama", False), ("qwen2", False), ("qwen2-tied-odd-vocab", False),
                ("llama-1kv", False), ("qwen2-moe", False), ("qwen3-moe", True),
-               ("qwen2-window", False), ("gemma3", False), ("gpt-oss", False),
+               ("qwen2-window", False), ("gemma2", False), ("gemma3", False), ("gpt-oss", False),
                ("gpt-oss", True)]  # fmt: skip
 
 

@@ -22,11 +22,12 @@ ARCHITECTURES = {
     "MixtralForCausalLM": (False, False, "mixtral"),
     "Qwen2MoeForCausalLM": (True, False, "qwen2_moe"),
     "Qwen3MoeForCausalLM": (False, True, "qwen3_moe"),
+    "Gemma2ForCausalLM": (False, False, None),  # and GemmaStyle, with soft-capping
     "Gemma3ForCausalLM": (False, True, None),  # and GemmaStyle
     "GptOssForCausalLM": (False, False, "gpt_oss"),  # and attention sinks
 }
 SINKS = {"GptOssForCausalLM"}
-GEMMA = {"Gemma3ForCausalLM"}
+GEMMA = {"Gemma2ForCausalLM", "Gemma3ForCausalLM"}
 # Routing fields of other MoE families (DeepSeek's grouped top-k and scaling, sigmoid
 # scoring) with the value that means "the plain softmax top-k we run":
 # a config that sets one otherwise names a routing scheme we do not know.
@@ -138,28 +139,32 @@ def _layer_types(hf: dict[str, Any], num_layers: int) -> tuple[tuple[str, ...], 
 
 @dataclass(slots=True, frozen=True)
 class GemmaStyle:
-    """Where Gemma 3 leaves the Llama block: norms of (1 + w) around both the
+    """Where Gemma 2 and 3 leave the Llama block: norms of (1 + w) around both the
     attention and the MLP (pre and post: "sandwich"), the embedding scaled by
-    sqrt(hidden_size), a tanh-GELU MLP, queries scaled by query_pre_attn_scalar, and
-    the window layers' own RoPE base (rope_parameters["sliding_attention"])."""
+    sqrt(hidden_size), a tanh-GELU MLP, queries scaled by query_pre_attn_scalar, the
+    window layers' RoPE (Gemma 3: their own base, rope_parameters["sliding_attention"];
+    Gemma 2: the global one), and Gemma 2's soft-capping: cap * tanh(x / cap) of the
+    attention scores and of the final logits (0: none)."""
 
     query_pre_attn_scalar: float
     local_rope_theta: float
     local_rope_scaling: dict[str, Any] | None
+    attn_logit_softcapping: float = 0.0
+    final_logit_softcapping: float = 0.0
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], local_rope: dict[str, Any]) -> "GemmaStyle":
+        """local_rope: the window layers' RoPE parameters."""
         if (act := hf.get("hidden_activation", "gelu_pytorch_tanh")) != "gelu_pytorch_tanh":
             raise ConfigError(f"hidden_activation={act!r}: Gemma's MLP runs gelu_pytorch_tanh")
-        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if hf.get(name) is not None:
-                raise ConfigError(f"{name}={hf[name]!r}: soft-capping is not run (Gemma 3 sets "
-                                  "none; Gemma 2's is not supported)")  # fmt: skip
         rope_type = local_rope.get("rope_type", "default")
+        theta = local_rope.get("rope_theta", hf.get("rope_local_base_freq", hf.get("rope_theta")))
         return cls(
             query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),
-            local_rope_theta=local_rope.get("rope_theta", hf.get("rope_local_base_freq", 10000.0)),
+            local_rope_theta=theta or 10000.0,
             local_rope_scaling=None if rope_type == "default" else dict(local_rope),
+            attn_logit_softcapping=float(hf.get("attn_logit_softcapping") or 0.0),
+            final_logit_softcapping=float(hf.get("final_logit_softcapping") or 0.0),
         )
 
 
@@ -216,8 +221,9 @@ class ModelConfig:
             qkv_bias = hf.get("qkv_bias", True)
         num_heads = hf["num_attention_heads"]
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        local_rope = rope.get(SLIDING_ATTENTION) or {}
-        rope = rope.get(FULL_ATTENTION, rope)  # by layer type: Gemma 3's
+        # By layer type (Gemma 3's), or one for every layer.
+        local_rope = rope.get(SLIDING_ATTENTION) or rope.get(FULL_ATTENTION, rope)
+        rope = rope.get(FULL_ATTENTION, rope)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         max_len = hf.get("max_position_embeddings", 2048)
         layer_types, window = _layer_types(hf, num_layers)

@@ -85,6 +85,7 @@ class Attention(nn.Module):
         self.window = config.sliding_window if sliding else 0
         # gpt-oss: this rank's heads' learned sink logits.
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if config.attention_sinks else None
+        self.softcap = gemma.attn_logit_softcapping if gemma else 0.0
         # Which of the model's RoPE tables (Gemma's window layers have their own base).
         self.rope_index = int(sliding and gemma is not None)
 
@@ -99,7 +100,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(rope, q, k)
-        band = Band.of(self.window, self.sinks)
+        band = Band.of(self.window, self.sinks, self.softcap)
         out = paged_attention(self.backend, q, k, v, kv_cache, meta, self.scale, self.fp8_scales,
                               band)  # fmt: skip
         return self.o_proj(out.flatten(1))
@@ -215,7 +216,12 @@ class LlamaForCausalLM(nn.Module):
         """[tokens, vocab] float32 on rank 0 (the ranks' vocabulary slices gathered,
         the padding cut off); None on the other ranks."""
         logits = self.tp.gather_to_first(self.lm_head(hidden).float())
-        return None if logits is None else logits[:, : self.config.vocab_size]
+        if logits is None:
+            return None
+        logits = logits[:, : self.config.vocab_size]
+        if (gemma := self.config.gemma) is not None and (cap := gemma.final_logit_softcapping):
+            logits = torch.tanh(logits / cap) * cap  # Gemma 2's final soft cap
+        return logits
 
     def set_attention_backend(self, backend: ModuleType) -> None:
         """The kernels module attention runs on; the experts run its fused_moe."""

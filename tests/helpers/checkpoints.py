@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
     Gemma3TextConfig,
     GenerationConfig,
     GptOssConfig,
@@ -96,6 +97,13 @@ WINDOW_VARIANTS = {
         **{**COMMON, "num_hidden_layers": 6}, head_dim=32, sliding_window=8,
         query_pre_attn_scalar=24, sliding_window_pattern=3,
         architectures=["Gemma3ForCausalLM"], tie_word_embeddings=False,
+    ),
+    # Gemma 2: Gemma 3's block without q/k norms, one RoPE base, and soft caps low
+    # enough to bend the random model's scores and logits.
+    "gemma2": lambda: Gemma2Config(
+        **{**COMMON, "num_hidden_layers": 4}, head_dim=32, sliding_window=8,
+        query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
+        architectures=["Gemma2ForCausalLM"], tie_word_embeddings=False,
     ),
     # gpt-oss: window and full layers alternating, sinks, q/k/v/o biases, YaRN, and 4
     # experts top-2 with router and expert biases and the clamped SwiGLU (stacked
