@@ -145,19 +145,18 @@ def _null_before_window(tables: torch.Tensor, first_keys: list[int], block_size:
 
 
 BAND_SHAPES = [SHAPES[0], SHAPES[5], SHAPES[-2]]
+# (window, sinks, soft cap): each alone, and together (the plain kernels have their own).
+BANDS = [(37, False, 0.0), (20, False, 0.0), (0, True, 0.0), (0, False, 2.0), (37, True, 2.0)]
+BAND_IDS = ["window37", "window20", "sinks", "capped", "all"]
 
 
-@pytest.mark.parametrize("softcap", [0.0, 2.0], ids=["", "capped"])
-@pytest.mark.parametrize("with_sinks", [False, True], ids=["window", "window-sinks"])
-@pytest.mark.parametrize("window", [0, 20, 37])
+@pytest.mark.parametrize(("window", "with_sinks", "softcap"), BANDS, ids=BAND_IDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"), BAND_SHAPES)
 def test_paged_attention_decode_in_a_window_with_sinks(
     num_heads, num_kv_heads, head_dim, block_size, dtype, window, with_sinks, softcap,
     monkeypatch,
 ):  # fmt: skip
-    if not window and not with_sinks and not softcap:
-        pytest.skip("the plain kernels: test_paged_attention_decode")
     seq_lens = [1, block_size + 1, 40, 150]
     monkeypatch.setattr(triton_attention, "DECODE_PARTITION", 64)
     num_blocks = sum(cdiv(n, block_size) for n in seq_lens) + 3
@@ -184,16 +183,12 @@ def test_paged_attention_decode_in_a_window_with_sinks(
         assert not torch.allclose(plain[-1].float(), expected[-1].float(), atol=1e-2)
 
 
-@pytest.mark.parametrize("softcap", [0.0, 2.0], ids=["", "capped"])
-@pytest.mark.parametrize("with_sinks", [False, True], ids=["window", "window-sinks"])
-@pytest.mark.parametrize("window", [0, 20, 37])
+@pytest.mark.parametrize(("window", "with_sinks", "softcap"), BANDS, ids=BAND_IDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"), BAND_SHAPES)
 def test_paged_attention_prefill_in_a_window_with_sinks(
     num_heads, num_kv_heads, head_dim, block_size, dtype, window, with_sinks, softcap
 ):  # fmt: skip
-    if not window and not with_sinks and not softcap:
-        pytest.skip("the plain kernels: test_paged_attention_prefill")
     # (new tokens, cached context): fresh, chunks after long contexts, a 64-query tile.
     shapes = [(1, 5), (17, 0), (9, 2 * block_size + 1), (70, 45)]
     seq_lens = [q + c for q, c in shapes]
