@@ -103,22 +103,18 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def _connector(info: executor_pb2.DescribeExecutorResponse, config, groups):
         """The KV connector the executor calls for: a host tier, a prefill or a decode
         replica's side of disaggregation, or none."""
-        wants = (
-            "a host tier (--kv-offload-bytes)"
-            if info.model.num_host_blocks
-            else ("prefill/decode disaggregation (--kv-role)" if info.model.kv_role else "")
-        )
-        if wants and (len(groups) > 1 or groups[0].is_window):
-            raise StartupError(f"{wants} moves one full-attention block table; this model's "
-                               f"layers make KV cache groups {describe_groups(groups)}: "
-                               "start the executor with --disable-hybrid-kv-cache-manager "
-                               "(one group, every layer's KV kept) or without it")  # fmt: skip
+        if info.model.kv_role and (len(groups) > 1 or groups[0].is_window):
+            raise StartupError("prefill/decode disaggregation (--kv-role) moves one "
+                               "full-attention block table; this model's layers make KV "
+                               f"cache groups {describe_groups(groups)}: start its executors "
+                               "with --disable-hybrid-kv-cache-manager (one group, every "
+                               "layer's KV kept) or without --kv-role")  # fmt: skip
         if info.model.num_host_blocks:
             if config.no_prefix_caching:
                 raise StartupError("--no-prefix-caching: the executor's host tier "
                                    "(--kv-offload-bytes) is keyed by the prefix cache; "
                                    "drop one of them")  # fmt: skip
-            return HostTierConnector(info.model.num_host_blocks, config.block_size)
+            return HostTierConnector(info.model.num_host_blocks, config.block_size, len(groups))
         if info.model.kv_role == generation_pb2.KV_ROLE_PREFILL:
             return PrefillConnector(info.kv_endpoint, info.kv_engine_id, uuid.uuid4().hex[:12])
         if info.model.kv_role == generation_pb2.KV_ROLE_DECODE:

@@ -92,8 +92,12 @@ def test_an_8k_request_holds_a_window_of_blocks_in_its_window_layers():
 
 def test_the_pool_holds_what_the_full_groups_need():
     scheduler = _gpt_oss_scheduler(num_blocks=1 + 300)
-    window = cdiv(128 + 2048, 16) + 1
+    window = cdiv(128 + 2048, 16) + 1  # a window and a whole chunk
     assert scheduler.kv_capacity_tokens == (300 - window) * 16
+    # A pool smaller than a window and a chunk still holds what fits whole in it: a
+    # sequence shorter than the chunk holds no more window blocks than positions.
+    small = _gpt_oss_scheduler(num_blocks=1 + 47)
+    assert small.kv_capacity_tokens == 23 * 16
 
 
 def test_a_prefix_hit_is_what_every_group_can_serve():

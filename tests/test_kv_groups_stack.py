@@ -53,12 +53,41 @@ def test_the_groups_are_described_and_a_long_prompt_is_token_exact(stack, gpt_os
     assert 'groups="full x2 + window 128 x2"' in metrics and 'kv_bytes_per_token="4096"' in metrics
 
 
-def test_a_host_tier_with_groups_stops_start_up_naming_the_way_out(gpt_oss, tmp_path):
+def test_a_prefix_the_pool_evicted_loads_back_from_the_host_tier_in_every_group(
+    gpt_oss, tmp_path
+):  # fmt: skip
+    # 48 blocks, two groups: a 300-token prompt holds 19 full and ~10 window blocks.
+    args = ["--num-blocks", "48", "--kv-offload-bytes", str(64 << 20)]
+    stack = start_stack(gpt_oss, tmp_path, executor_args=args)
+    try:
+        rng = random.Random(11)
+        first = [1, *(rng.randrange(3, 500) for _ in range(299))]
+        answer = _greedy(stack, first, 8)
+        for _ in range(3):  # evict it from the pool (the tier keeps every group's blocks)
+            _greedy(stack, [1, *(rng.randrange(3, 500) for _ in range(250))], 2)
+        before = stack.stats()
+        follow_up = [*first, *answer, 5, 6, 7]
+        assert _greedy(stack, follow_up, 10) == reference_generate(
+            load_reference(gpt_oss), follow_up, 10)  # fmt: skip
+        stats = stack.wait_idle()
+        assert stats.external_prefix_cache_hits - before.external_prefix_cache_hits >= 256
+        assert stats.num_free_blocks == stats.num_total_blocks
+    finally:
+        stack.stop(10)
+
+
+def _greedy(stack, prompt: list[int], max_tokens: int) -> list[int]:
+    tokens, _, _ = generate(stack, prompt_token_ids=prompt, max_tokens=max_tokens,
+                            temperature=0, ignore_eos=True)  # fmt: skip
+    return tokens
+
+
+def test_disaggregation_with_groups_stops_start_up_naming_the_way_out(gpt_oss, tmp_path):
     executor_port, scheduler_port = free_port(), free_port()
     executor = subprocess.Popen(
         [sys.executable, "-m", "flagstop.executor", "--model", str(gpt_oss), "--port",
          str(executor_port), "--metrics-port", str(free_port()), "--num-blocks", "64",
-         "--kv-offload-bytes", str(1 << 24)],
+         "--kv-role", "prefill", "--kv-transfer-host", "127.0.0.1"],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:

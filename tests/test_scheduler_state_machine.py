@@ -93,8 +93,8 @@ class SchedulerMachine(RuleBasedStateMachine):
               num_spec, draft_error_rate, max_loras, tier_slots, max_delay, fail_rate,
               defer_rate, delayed_free_rate, kv_role, layout, window, seed):  # fmt: skip
         self.groups = kv_cache_groups(LAYOUTS[layout](window))
-        if layout != "full":  # a KV connector with window groups is refused at start-up
-            tier_slots, kv_role = 0, ""
+        if layout != "full":  # disaggregation with window groups is refused at start-up
+            kv_role = ""
             num_blocks *= len(self.groups)
         self.config = SchedulerConfig(
             max_num_batched_tokens=budget if chunked else MAX_MODEL_LEN,
@@ -119,7 +119,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.connector = DecodeConnector(BLOCK_SIZE)
         elif tier_slots and caching:
             self.connector = FlakyHostTier(tier_slots, BLOCK_SIZE, self.rng, defer_rate,
-                                           delayed_free_rate)  # fmt: skip
+                                           delayed_free_rate, len(self.groups))  # fmt: skip
         self.scheduler = RecordingScheduler(self.config, num_blocks, connector=self.connector,
                                             kv_groups=self.groups)  # fmt: skip
         self.admission_order = self.scheduler.admission_order

@@ -13,7 +13,12 @@ The executor holds the bytes (executor/kv_transfers/host_tier.py) and executes t
 order: a step's saves run after its forward and before any later step's loads, so a
 load never reads a slot before the save that fills it. Only a load planned in the same
 step as the slot's save could: the scheduler tells the tier of a step's cached blocks
-after its lookups, and the lookup stops at a slot saved this step regardless."""
+after its lookups, and the lookup stops at a slot saved this step regardless.
+
+With KV cache groups (kv_groups.py) a slot holds one group's block, keyed as the pool
+keys it (hash and group); a position counts as a tier hit only when every group's
+block of it is there, and its loads fill every group's block of each position
+(position-major, as the plan's block ids)."""
 
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
@@ -24,14 +29,16 @@ from flagstop.scheduler_svc.core.kv_connector import (
     KVLoad,
     KVTransferResult,
 )
+from flagstop.scheduler_svc.core.kv_groups import group_key
 from flagstop.scheduler_svc.core.request import Request
 
 
 class HostTierConnector:
     hands_off = False
 
-    def __init__(self, num_host_blocks: int, block_size: int) -> None:
+    def __init__(self, num_host_blocks: int, block_size: int, num_groups: int = 1) -> None:
         self.block_size = block_size
+        self.group_keys = [group_key(g) for g in range(num_groups)]
         self.reset(num_host_blocks)
 
     def reset(self, num_host_blocks: int) -> None:
@@ -51,10 +58,10 @@ class HostTierConnector:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         first = num_computed_tokens // self.block_size
         last = (request.num_tokens - 1) // self.block_size  # never the last token
-        num_blocks = 0
+        num_blocks, slots, saving = 0, self.slots, self.saving
         for block_hash in request.block_hashes[first:last]:
-            slot = self.slots.get(block_hash)
-            if slot is None or slot in self.saving:
+            found = [slots.get(block_hash + key) for key in self.group_keys]
+            if any(slot is None or slot in saving for slot in found):
                 break
             num_blocks += 1
         return num_blocks * self.block_size
@@ -66,9 +73,10 @@ class HostTierConnector:
             return
         first = request.num_computed_tokens // self.block_size
         hashes = request.block_hashes[first : first + num_external_tokens // self.block_size]
-        slots = [self.slots[h] for h in hashes]
-        for block_hash in hashes:
-            self.slots.move_to_end(block_hash)
+        keys = [h + key for h in hashes for key in self.group_keys]  # position-major
+        slots = [self.slots[k] for k in keys]
+        for key in keys:
+            self.slots.move_to_end(key)
         self.pinned.update(slots)
         self.loads_of[request.request_id] = slots
         self.meta.loads.append(KVLoad(request.request_id, block_ids, slots))

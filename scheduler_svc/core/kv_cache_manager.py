@@ -4,7 +4,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from flagstop.scheduler_svc.core.block_pool import BlockPool, KVCacheBlock
-from flagstop.scheduler_svc.core.kv_groups import KVCacheGroup, kv_cache_groups
+from flagstop.scheduler_svc.core.kv_groups import KVCacheGroup, group_key, kv_cache_groups
 from flagstop.scheduler_svc.core.request import Request
 from flagstop.utils import cdiv
 
@@ -93,7 +93,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, null_block=bool(self.window_groups))
         # A group's cached blocks are keyed by its hashes and its index: the same tokens
         # are different KV in each group's layers.
-        self.group_keys = [bytes([g]) if g else b"" for g in range(self.num_groups)]
+        self.group_keys = [group_key(g) for g in range(self.num_groups)]
         self.req_blocks: dict[str, _RequestBlocks] = {}
         self.prefix_stats = PrefixCacheStats()
         # Blocks cached since the last take_newly_cached (kept only for a KV connector's
@@ -327,19 +327,25 @@ class KVCacheManager:
         return [b.block_id for position in zip(*state.blocks, strict=True) for b in position]
 
     def max_num_tokens(self, max_chunk_tokens: int) -> int:
-        """The longest sequence the pool could hold alone: every full group's blocks
-        for all of it, each window group's for its window and a chunk of new tokens
-        (the most it holds at once); unbounded by the pool without a full group."""
+        """The longest sequence the pool could hold alone (num_blocks_for's inverse);
+        unbounded by the pool when no group holds every token and the windows fit."""
         usable = self.pool.num_usable_blocks
-        if not self.window_groups:
-            return usable // self.num_groups * self.block_size
-        usable -= sum(cdiv(w + max_chunk_tokens, self.block_size) + 1
-                      for _, w in self.window_groups)  # fmt: skip
-        if usable < 0:
-            return 0
         if not self.full_groups:
-            return UNBOUNDED
-        return usable // len(self.full_groups) * self.block_size
+            return UNBOUNDED if self.num_blocks_for(UNBOUNDED, max_chunk_tokens) <= usable else 0
+        low, high = 0, usable * self.block_size  # num_blocks_for grows with the length
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if self.num_blocks_for(mid, max_chunk_tokens) <= usable else (
+                low, mid - 1)  # fmt: skip
+        return low
+
+    def num_blocks_for(self, num_tokens: int, max_chunk_tokens: int) -> int:
+        """The most blocks a sequence of num_tokens holds at once: every full group's
+        for all of it, each window group's for its window and a chunk of new tokens."""
+        bs, positions = self.block_size, cdiv(num_tokens, self.block_size)
+        chunk = min(max_chunk_tokens, num_tokens)
+        windows = sum(min(positions, cdiv(w + chunk, bs) + 1) for _, w in self.window_groups)
+        return len(self.full_groups) * positions + windows
 
 
 UNBOUNDED = 2**31 - 1

@@ -97,6 +97,13 @@ def layer_slots(groups: Sequence[KVCacheGroup], num_layers: int) -> list[tuple[i
     return slots
 
 
+def group_key(g: int) -> bytes:
+    """What a block's hash is suffixed with in group g's prefix-cache entries (and a
+    host tier's): the same tokens are different KV in each group's layers. Group 0's
+    is empty, so a model of one group keys its blocks by their hashes alone."""
+    return bytes([g]) if g else b""
+
+
 def describe_groups(groups: Sequence[KVCacheGroup]) -> str:
     """One line for logs and /v1/models: "full x12 + window 128 x12"."""
     return " + ".join(g.describe() for g in groups)

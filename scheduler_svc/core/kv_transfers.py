@@ -94,8 +94,9 @@ class KVTransfers:
         self.loading[request.request_id] = request
         # A fresh block table: the hits, then the new blocks, the loaded ones first (a
         # prefill replica's last one may be partly filled).
-        first = len(hits) if hits else 0
-        loaded_ids = block_ids[first : first + cdiv(num_external, kv.block_size)]
+        first, num_groups = len(hits) if hits else 0, kv.num_groups  # ids position-major
+        loaded_ids = block_ids[first * num_groups : (first + cdiv(num_external, kv.block_size))
+                               * num_groups]  # fmt: skip
         self.connector.update_state_after_alloc(request, loaded_ids, num_external)
         return True
 

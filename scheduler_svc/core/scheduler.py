@@ -436,7 +436,8 @@ class Scheduler:
 
     @property
     def num_total_blocks(self) -> int:
-        return self.kv.pool.num_blocks
+        """The blocks requests can hold (a window group's null block is not one)."""
+        return self.kv.pool.num_usable_blocks
 
     @property
     def kv_cache_usage(self) -> float:

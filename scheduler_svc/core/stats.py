@@ -36,7 +36,7 @@ def make_stats(scheduler: "Scheduler") -> SchedulerStats:
     return SchedulerStats(
         step_id=scheduler.step_id, num_running=len(scheduler.running),
         num_waiting=len(scheduler.waiting) + len(transfers.loaded),
-        num_free_blocks=pool.num_free_blocks, num_total_blocks=pool.num_blocks,
+        num_free_blocks=pool.num_free_blocks, num_total_blocks=pool.num_usable_blocks,
         kv_cache_usage=pool.usage(), prefix_cache_queries=prefix.num_queries,
         prefix_cache_hits=prefix.num_hits, num_preemptions=scheduler.num_preemptions,
         num_loading=len(transfers.loading),

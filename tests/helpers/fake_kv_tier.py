@@ -28,8 +28,9 @@ class FlakyHostTier(HostTierConnector):
     finished request's blocks are sometimes still read by a transfer."""
 
     def __init__(self, num_host_blocks: int, block_size: int, rng: random.Random,
-                 defer_rate: float, delayed_free_rate: float) -> None:  # fmt: skip
-        super().__init__(num_host_blocks, block_size)
+                 defer_rate: float, delayed_free_rate: float,
+                 num_groups: int = 1) -> None:  # fmt: skip
+        super().__init__(num_host_blocks, block_size, num_groups)
         self.rng, self.defer_rate, self.delayed_free_rate = rng, defer_rate, delayed_free_rate
         self.deferred_ids: set[str] = set()
 
