@@ -91,7 +91,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             role = generation_pb2.KVRole.Name(info.model.kv_role).removeprefix("KV_ROLE_")
             extras += f", KV role {role.lower()}"
         if len(groups) > 1 or groups[0].is_window:
-            extras += f", KV cache groups {describe_groups(groups)}"
+            # Each group's share of the pool, were every group's table as long (vLLM's
+            # "GPU KV cache size" of a hybrid model); a window group holds far less.
+            per_group = self.scheduler.num_total_blocks // len(groups) * config.block_size
+            extras += f", KV cache groups {describe_groups(groups)} ({per_group} tokens a group)"
         kv_bytes = sum(x.kv_bytes_per_token for x in info.model.kv_layers)
         self.telemetry.kv_cache_groups(describe_groups(groups), kv_bytes,
                                        self.scheduler.kv_capacity_tokens)  # fmt: skip

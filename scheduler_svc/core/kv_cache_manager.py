@@ -54,6 +54,9 @@ class _RequestBlocks:
     num_cached_blocks: int = 0
     # Per window group (in window_groups order): how many leading blocks are null.
     num_skipped_blocks: list[int] | None = None
+    # Tokens the tables have room for (block_size x their length): read per running
+    # request per step, so kept rather than computed.
+    num_slots: int = 0
 
 
 class ComputedBlocks:
@@ -135,8 +138,11 @@ class KVCacheManager:
         return self.pool.get_cached_block(block_hash + self.group_keys[g])
 
     def _full_hit(self, hashes: list[bytes], g: int, num_hit: int) -> int:
+        # Group 0's keys are the hashes themselves: no concatenation per block there
+        # (every admission scans its prompt).
+        get, key = self.pool.cached_blocks.get, self.group_keys[g]
         for i in range(num_hit):
-            if self._cached(hashes[i], g) is None:
+            if get(hashes[i] + key if key else hashes[i]) is None:
                 return i
         return num_hit
 
@@ -153,12 +159,13 @@ class KVCacheManager:
         return top
 
     def _hit_blocks(self, hashes: list[bytes], g: int, num_hit: int) -> list[KVCacheBlock]:
-        group, cached = self.groups[g], self._cached
+        group, key = self.groups[g], self.group_keys[g]
         first = 0
         if group.is_window:  # the blocks before its window are not needed: null
             first = max(0, num_hit - cdiv(group.sliding_window - 1, self.block_size))
-        null = self.pool.null_block
-        return [null] * first + [cached(hashes[i], g) for i in range(first, num_hit)]  # type: ignore[misc]
+        get = self.pool.cached_blocks.__getitem__
+        hits = [get(h + key if key else h) for h in hashes[first:num_hit]]
+        return [self.pool.null_block] * first + hits if first else hits  # type: ignore[list-item]
 
     # -- slots ----------------------------------------------------------------------
 
@@ -179,7 +186,7 @@ class KVCacheManager:
         if state is not None:
             if self.window_groups:
                 self._skip_blocks(request, state)
-            if num_total <= len(state.blocks[0]) * self.block_size:
+            if num_total <= state.num_slots:
                 # The decode fast path: room was already allocated, at most a block to
                 # cache (the check inlined: it runs per running request per step).
                 if self.enable_caching and (
@@ -210,6 +217,7 @@ class KVCacheManager:
                       for g in range(self.num_groups)]  # fmt: skip
         for blocks, new in zip(state.blocks, new_blocks, strict=True):
             blocks.extend(new)
+        state.num_slots = len(state.blocks[0]) * self.block_size
         if hits and self.window_groups:
             self._count_null_hits(state)
         if not delay_cache_blocks:
@@ -290,6 +298,7 @@ class KVCacheManager:
         for blocks in state.blocks:
             self.pool.free_blocks(reversed(blocks[num_kept:]))
             del blocks[num_kept:]
+        state.num_slots = num_kept * self.block_size
         return num_kept
 
     def hold(self, request_id: str, key: str) -> None:
