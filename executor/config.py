@@ -42,8 +42,9 @@ class ExecutorConfig(BaseModel):
     bytes hold 2x the blocks of bfloat16 (docs/quantization.md)"""
     disable_hybrid_kv_cache_manager: bool = False
     """describe every layer as full attention: one KV cache group, window layers keeping
-    every token's KV as full ones do (vLLM's flag of the same name); for a host tier or
-    disaggregation with a windowed model, which move one block table (docs/kv_groups.md)"""
+    every token's KV as full ones do (vLLM's flag of the same name); for prefill/decode
+    disaggregation with a windowed model, whose transfers move one block table
+    (docs/kv_groups.md)"""
     kv_offload_bytes: NonNegativeInt = 0
     """the prefix cache's host-memory tier: full blocks are written through to this
     many bytes of host memory (pinned on CUDA) and loaded back on a prefix hit there;

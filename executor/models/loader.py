@@ -142,11 +142,13 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
                     _take_kv_scale(model, int(kv[1]), kv[2], f.get_tensor(hf_name))
                     continue
                 if (stacked := STACKED.match(hf_name)) is not None:
-                    loaded |= _take_stacked(model, params, stacked, f.get_tensor(hf_name))
+                    tensor = f.get_slice(hf_name)[first_expert : first_expert + num_experts]
+                    loaded |= _take_stacked(model, params, stacked, tensor)
                     continue
                 if (mx := MXFP4.match(hf_name)) is not None:
                     if mx[2] == "blocks":  # with its scales, from the same file
-                        tensor = _dequantized(f, mx[1], model.norm.weight.dtype)
+                        experts = slice(first_expert, first_expert + num_experts)
+                        tensor = _dequantized(f, mx[1], experts, model.norm.weight.dtype)
                         loaded |= _take_stacked(model, params, STACKED.match(mx[1]), tensor)
                     continue
                 t = target(hf_name)
@@ -268,23 +270,24 @@ def quantized_slice(tensor: torch.Tensor, region, columns: int, name: str) -> to
     return tensor[:, start // per_column : (start + length) // per_column]
 
 
-def _dequantized(f, name: str, dtype: torch.dtype) -> torch.Tensor:
-    """An MXFP4 expert tensor in the layout of its unquantized twin ([E, in, out])."""
+def _dequantized(f, name: str, experts: slice, dtype: torch.dtype) -> torch.Tensor:
+    """This rank's experts of an MXFP4 expert tensor, in the layout of its unquantized
+    twin ([E, in, out])."""
     if f"{name}_scales" not in f.keys():  # noqa: SIM118 (safe_open is not a dict)
         raise ValueError(f"{name}_blocks without {name}_scales in the same file")
-    blocks, scales = f.get_tensor(f"{name}_blocks"), f.get_tensor(f"{name}_scales")
+    blocks = f.get_slice(f"{name}_blocks")[experts]
+    scales = f.get_slice(f"{name}_scales")[experts]
     return quant_formats.dequantize_mxfp4(blocks, scales, dtype).transpose(1, 2)
 
 
 def _take_stacked(model: LlamaForCausalLM, params: dict, match, tensor: torch.Tensor) -> set:
-    """A gpt-oss expert tensor (all of a layer's experts) in our layout: w13 [E, 2I, H]
-    with the gate rows, then the up rows; w2 [E, H, I]; this rank's experts and its
-    slice of their inner size."""
+    """A gpt-oss expert tensor of this rank's experts (the loader reads only those) in
+    our layout: w13 [E, 2I, H] with the gate rows, then the up rows; w2 [E, H, I];
+    this rank's slice of their inner size."""
     layer, which, bias = match[1], match[2], bool(match[3])
     config, shard = model.config, model.tp.shard
-    first, count = shard.experts(config.moe.num_experts)
+    count = shard.experts(config.moe.num_experts)[1]
     start, length = shard.expert_inner(config.moe.intermediate_size)
-    tensor = tensor[first : first + count]
     if which == "gate_up_proj":
         gate_up = tensor if bias else tensor.transpose(1, 2)  # [E, 2I(, H)], interleaved
         gate, up = gate_up[:, 0::2], gate_up[:, 1::2]
