@@ -4,11 +4,18 @@ PY := $(VENV)/bin/python
 # Re-install when the pinned dependencies change.
 STAMP := $(VENV)/.installed
 
-SIZE ?= tiny
+# `make model THINKING=1` writes the embedded model as a thinking one (<think> tokens,
+# Qwen3's enable_thinking switch; served with --reasoning-parser qwen3); `make model
+# ARCH=gpt_oss HARMONY=1` a gpt-oss-shaped one with gpt-oss' own tokenizer, served in
+# the harmony format (docs/openai.md, "Reasoning"). `make serve` with the same serves it.
+THINKING ?=
+HARMONY ?=
+SIZE ?= $(if $(HARMONY),nano,tiny)
 # `make model ARCH=qwen3_moe` (or mixtral) writes a Mixture-of-Experts one of the size;
 # `make serve ARCH=qwen3_moe` serves it.
 ARCH ?= llama
-MODEL_DIR := models/flagstop-$(SIZE)$(if $(filter-out llama,$(ARCH)),-$(ARCH))
+MODEL_DIR := models/flagstop-$(SIZE)$(if $(filter-out llama,$(ARCH)),-$(ARCH))$(if \
+	$(THINKING),-thinking)$(if $(HARMONY),-harmony)
 # `make serve MODEL=DIR` serves any local checkpoint of a supported architecture;
 # `make serve TP=2` splits it over two tensor-parallel ranks (gloo on the CPU), and
 # `make serve TP=2 EP=1` places an MoE model's whole experts on them (--expert-parallel);
@@ -37,9 +44,12 @@ PD_THRESHOLD ?= 512
 # The router's client-facing gRPC server: `make serve GRPC_SERVER=native` (pygrpc-native,
 # plaintext only; docs/load_testing.md). `make up GRPC_SERVER=native` too.
 GRPC_SERVER ?= grpcio
-# tool_choice "auto": the embedded model's template writes Hermes tool calls; for
-# another model, TOOL_CALL_PARSER=hermes where its template does too.
-TOOL_CALL_PARSER ?= $(if $(filter $(MODEL_DIR),$(MODEL)),hermes)
+# tool_choice "auto": the embedded model's template writes Hermes tool calls (harmony's
+# for HARMONY=1); for another model, TOOL_CALL_PARSER=<its family's> (docs/openai.md),
+# and REASONING_PARSER=<its family's> for a thinking model.
+TOOL_CALL_PARSER ?= $(if $(filter $(MODEL_DIR),$(MODEL)),$(if $(HARMONY),openai,hermes))
+REASONING_PARSER ?= $(if $(filter $(MODEL_DIR),$(MODEL)),$(if \
+	$(HARMONY),openai_gptoss,$(if $(THINKING),qwen3)))
 # Nothing is ever fetched from a model hub.
 export HF_HUB_OFFLINE := 1
 
@@ -112,7 +122,8 @@ proto: $(STAMP)
 model: $(MODEL_DIR)/config.json
 
 $(MODEL_DIR)/config.json: $(STAMP) tools/make_model.py
-	$(PY) -m tools.make_model --size $(SIZE) --arch $(ARCH) --out $(MODEL_DIR)
+	$(PY) -m tools.make_model --size $(SIZE) --arch $(ARCH) --out $(MODEL_DIR) \
+		$(if $(THINKING),--thinking) $(if $(HARMONY),--harmony)
 
 # tools/supervise.py runs them: a process that dies is started again (with backoff,
 # logged), as compose and Kubernetes do; `make serve RESTART=0` leaves it dead (fault
@@ -138,6 +149,7 @@ serve: $(STAMP) $(if $(filter $(MODEL_DIR),$(MODEL)),$(MODEL_DIR)/config.json)
 	:: router $(VENV)/bin/flagstop-router --model $(MODEL) --port 50051 \
 		--scheduler 127.0.0.1:50052$(if $(PD),$(comma)127.0.0.1:50054 --pd-threshold $(PD_THRESHOLD)) \
 		--processes $(ROUTERS) $(if $(TOOL_CALL_PARSER),--tool-call-parser $(TOOL_CALL_PARSER)) \
+		$(if $(REASONING_PARSER),--reasoning-parser $(REASONING_PARSER)) \
 		--grpc-server $(GRPC_SERVER)
 
 up:

@@ -9,6 +9,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import llguidance
@@ -38,6 +39,7 @@ class GrammarBook:
         self.compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self.lock = threading.Lock()  # compiles run on threads beside the step loop
         self.matchers: dict[int, llguidance.LLMatcher] = {}  # by batch row
+        self.waiting: dict[int, Waiting] = {}  # by batch row: constraints not started yet
         self.bitmask = llguidance.torch.allocate_token_bitmask(max_num_reqs, vocab_size)
         # Bit b of a mask word is token 32 * word + b.
         self.bits = torch.arange(32, dtype=torch.int32)
@@ -72,9 +74,21 @@ class GrammarBook:
 
     def add(self, row: int, spec: GrammarSpec, output_token_ids: Sequence[int]) -> None:
         """A constrained request took a row: its matcher, brought up to date by
-        replaying the tokens it already generated (a resumed or resubmitted request).
-        Compiles here if nothing did before (an executor restarted under running
-        requests): the one case where the step waits for a grammar."""
+        replaying the tokens it already generated (a resumed or resubmitted request);
+        or, while its trigger (the end of its reasoning) has not appeared, a Waiting
+        that starts the matcher when it does. Compiles here if nothing did before (an
+        executor restarted under running requests): the one case where the step waits
+        for a grammar."""
+        if spec.after_token_ids:
+            waiting = Waiting(row, spec, spec.after_token_ids)
+            constrained = waiting.feed(list(output_token_ids))
+            if constrained is None:
+                self.waiting[row] = waiting
+                return
+            output_token_ids = constrained
+        self.matchers[row] = self._matcher(spec, output_token_ids)
+
+    def _matcher(self, spec: GrammarSpec, output_token_ids: Sequence[int]):
         compiled = self._cached(spec.key)
         if compiled is None:
             self.compile(spec)
@@ -82,10 +96,19 @@ class GrammarBook:
         matcher = compiled.deep_copy()
         if output_token_ids and not matcher.consume_tokens(list(output_token_ids)):
             raise GrammarError(f"the request's output breaks its grammar: {matcher.get_error()}")
-        self.matchers[row] = matcher
+        return matcher
 
     def remove(self, row: int) -> None:
         self.matchers.pop(row, None)
+        self.waiting.pop(row, None)
+
+    def _waiting_rows(self, sampling_rows: np.ndarray) -> list[tuple[int, "Waiting"]]:
+        """(logits row, Waiting) of the rows whose constraint has not started: unmasked,
+        their tokens watched for the trigger by accept()."""
+        waiting = self.waiting
+        if not waiting:
+            return []
+        return [(i, w) for i, row in enumerate(sampling_rows.tolist()) if (w := waiting.get(row))]
 
     def mask(self, logits: torch.Tensor, sampling_rows: np.ndarray) -> list[tuple[int, Any]]:
         """Forbid what each constrained row's grammar does not allow next: logits
@@ -96,7 +119,7 @@ class GrammarBook:
             (i, m) for i, row in enumerate(sampling_rows.tolist()) if (m := matchers.get(row))
         ]
         if not constrained:
-            return constrained
+            return self._waiting_rows(sampling_rows)
         n = len(constrained)
         bitmask = self.bitmask[:n]
         if self.executor is not None:
@@ -115,7 +138,7 @@ class GrammarBook:
         else:
             rows = torch.tensor([i for i, _ in constrained], device=logits.device)
             logits[rows] = logits[rows].masked_fill(forbidden, float("-inf"))
-        return constrained
+        return constrained + self._waiting_rows(sampling_rows)
 
     def valid_drafts(
         self, rows: np.ndarray, drafts: list[np.ndarray]
@@ -144,7 +167,7 @@ class GrammarBook:
             (i, m) for i, row in enumerate(sampling_rows.tolist()) if (m := matchers.get(row))
         ]
         if not constrained:
-            return constrained
+            return self._waiting_rows(sampling_rows)
         n = sum(int(num_rows[i]) for i, _ in constrained)
         bitmask = llguidance.torch.allocate_token_bitmask(n, self.vocab_size)
         logit_rows, k = [], 0
@@ -162,7 +185,7 @@ class GrammarBook:
         forbidden = (allowed.view(n, -1)[:, : logits.shape[1]] == 0).to(logits.device)
         index = torch.tensor(logit_rows, device=logits.device)
         logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
-        return constrained
+        return constrained + self._waiting_rows(sampling_rows)
 
     def accept(
         self, constrained: list[tuple[int, Any]], token_ids: list[int],
@@ -177,11 +200,42 @@ class GrammarBook:
             ends = np.cumsum(num_sampled).tolist()
             by_request = [token_ids[e - n : e] for e, n in zip(ends, num_sampled, strict=True)]
         for i, matcher in constrained:
-            for token in by_request[i]:
+            tokens = by_request[i]
+            if isinstance(matcher, Waiting):
+                if (after := matcher.feed(tokens)) is None:
+                    continue
+                row = matcher.row  # its trigger came: the constraint starts
+                del self.waiting[row]
+                matcher = self.matchers[row] = self._matcher(matcher.spec, [])
+                tokens = after
+            for token in tokens:
                 if matcher.is_stopped():
                     break
                 if not matcher.consume_token(token):
                     log.error("sampled token %d is outside its grammar", token)
+
+
+@dataclass(slots=True)
+class Waiting:
+    """A row whose constraint applies after its trigger tokens first appear in its
+    output (a reasoning model's end of thinking: the answer is constrained, the
+    reasoning before it is free, as vLLM has it)."""
+
+    row: int
+    spec: GrammarSpec
+    trigger: tuple[int, ...]
+    seen: list[int] = field(default_factory=list)  # the output's last tokens, for a match
+
+    def feed(self, tokens: list[int]) -> list[int] | None:
+        """The tokens after the trigger, once it has appeared (possibly none); None
+        while it has not."""
+        n = len(self.trigger)
+        seen = self.seen + tokens
+        for end in range(n, len(seen) + 1):
+            if tuple(seen[end - n : end]) == self.trigger:
+                return seen[end:]
+        self.seen = seen[len(seen) - n + 1 :] if n > 1 else []
+        return None
 
 
 def _tokenizer(model_dir: str, vocab_size: int, eos_token_ids: Sequence[int]):

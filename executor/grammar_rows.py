@@ -43,7 +43,8 @@ class GrammarRows:
     @property
     def active(self) -> bool:
         """Whether any row is constrained (one attribute read a step without)."""
-        return self._book is not None and bool(self._book.matchers)
+        book = self._book
+        return book is not None and bool(book.matchers or book.waiting)
 
     def prepare(self, spec: GrammarSpec) -> float:
         """Compile a constraint ahead of its request (on a thread): seconds taken."""
@@ -101,3 +102,4 @@ class GrammarRows:
     def reset(self) -> None:
         if self._book is not None:
             self._book.matchers.clear()
+            self._book.waiting.clear()

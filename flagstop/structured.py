@@ -14,6 +14,7 @@ The router checks a spec (no tokenizer needed: 0.2-1.7 ms, once per spec) to
 refuse a bad one before admission; the executor compiles it against the model's
 vocabulary (executor/grammar_book.py). The engine is imported on first use."""
 
+import dataclasses
 import functools
 import json
 from dataclasses import dataclass
@@ -35,15 +36,25 @@ class GrammarSpec:
     kind: str  # JSON_SCHEMA, REGEX, EBNF or LARK
     text: str  # canonical: a JSON schema is re-serialized compactly
     strict: bool = True  # json_schema: only the listed properties and items
+    # The tokens after whose first appearance the constraint applies (the end of the
+    # model's reasoning); empty: from the first token.
+    after_token_ids: tuple[int, ...] = ()
 
     @property
     def key(self) -> str:
-        """What compiled grammars are cached by."""
+        """What compiled grammars are cached by (the trigger is not part of them)."""
         return f"{self.kind}:{int(self.strict)}:{self.text}"
 
 
 def spec_from_proto(message: generation_pb2.StructuredOutputs) -> GrammarSpec:
     """The canonical spec of a request's constraint. Raises GrammarError."""
+    spec = _spec_of_kind(message)
+    if message.after_token_ids:
+        return dataclasses.replace(spec, after_token_ids=tuple(message.after_token_ids))
+    return spec
+
+
+def _spec_of_kind(message: generation_pb2.StructuredOutputs) -> GrammarSpec:
     kind = message.WhichOneof("kind")
     if kind == "json_schema":
         return GrammarSpec(JSON_SCHEMA, _canonical_schema(message.json_schema), message.strict)
@@ -60,11 +71,12 @@ def spec_from_proto(message: generation_pb2.StructuredOutputs) -> GrammarSpec:
 
 
 def spec_to_proto(spec: GrammarSpec) -> generation_pb2.StructuredOutputs:
+    after = {"after_token_ids": spec.after_token_ids}
     if spec.kind == JSON_SCHEMA:
-        return generation_pb2.StructuredOutputs(json_schema=spec.text, strict=spec.strict)
+        return generation_pb2.StructuredOutputs(json_schema=spec.text, strict=spec.strict, **after)
     if spec.kind == REGEX:
-        return generation_pb2.StructuredOutputs(regex=spec.text)
-    return generation_pb2.StructuredOutputs(grammar=spec.text)
+        return generation_pb2.StructuredOutputs(regex=spec.text, **after)
+    return generation_pb2.StructuredOutputs(grammar=spec.text, **after)
 
 
 def _bounded(text: str, name: str) -> str:

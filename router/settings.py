@@ -2,7 +2,7 @@
 
 import uuid
 from pathlib import Path
-from typing import Literal, Self
+from typing import Any, Literal, Self
 
 from pydantic import (
     Field,
@@ -21,6 +21,20 @@ from flagstop.router.routing import Routing
 from flagstop.server import GrpcServerKind
 from flagstop.settings import Port, ServiceSettings
 
+ToolCallParser = Literal[
+    "hermes",
+    "qwen3_coder",
+    "llama3_json",
+    "mistral",
+    "deepseek_v3",
+    "kimi_k2",
+    "glm45",
+    "openai",
+]
+ReasoningParserName = Literal[
+    "deepseek_r1", "deepseek_v3", "qwen3", "glm45", "kimi_k2", "openai_gptoss"
+]
+
 
 class RouterSettings(ServiceSettings):
     """python -m flagstop.router: the client-facing gRPC server (flagstop.v1.Generation)."""
@@ -38,11 +52,25 @@ class RouterSettings(ServiceSettings):
     """Prometheus /metrics; 0: off"""
     chat_template: Path | None = None
     """a Jinja chat template to use instead of the model's own"""
-    tool_call_parser: Literal["hermes"] | None = None
-    """how tool calls are read out of what the model writes, for tool_choice "auto":
-    hermes (<tool_call>{"name": ..., "arguments": ...}</tool_call>, Qwen's and
-    Hermes' templates, and the embedded model's). Unset: "auto" is refused (required
-    and named calls need none: the output is constrained to the call)"""
+    tool_call_parser: ToolCallParser | None = None
+    """how tool calls are read out of what the model writes, for tool_choice "auto",
+    by the model family's format (vLLM's names): hermes (<tool_call>{"name",
+    "arguments"}</tool_call>: Hermes, Qwen2.5, Qwen3 and the embedded model),
+    qwen3_coder, llama3_json, mistral, deepseek_v3, kimi_k2, glm45, openai (gpt-oss's
+    harmony; set with --reasoning-parser openai_gptoss). Unset: "auto" is refused
+    (required and named calls need none: the output is constrained to the call)"""
+    reasoning_parser: ReasoningParserName | None = None
+    """split a thinking model's reasoning from its answer (vLLM's names): deepseek_r1,
+    deepseek_v3, qwen3, glm45, kimi_k2 (<think>...</think>), openai_gptoss (gpt-oss's
+    harmony format: the conversation rendered and the output read by openai-harmony).
+    The reasoning comes back as the message's `reasoning` (and `reasoning_content`);
+    tool calls and output constraints apply to the answer after it"""
+    structured_outputs_in_reasoning: bool = False
+    """apply output constraints to the reasoning too (vLLM's enable_in_reasoning);
+    default: only to the answer after it"""
+    default_chat_template_kwargs: dict[str, Any] | None = None
+    """JSON: variables every chat template renders with unless a request's
+    chat_template_kwargs says otherwise, e.g. '{"enable_thinking": false}'"""
     scheduler: str = "127.0.0.1:50052"
     """the replicas' schedulers, comma-separated: HOST:PORT, or dns:NAME:PORT for every
     address a name resolves to (a Kubernetes headless Service). SIGHUP reads the list
@@ -114,6 +142,14 @@ class RouterSettings(ServiceSettings):
     def _targets(cls, value: str) -> str:
         parse_targets(value)
         return value
+
+    @model_validator(mode="after")
+    def _harmony_goes_together(self) -> Self:
+        harmony = (self.tool_call_parser == "openai", self.reasoning_parser == "openai_gptoss")
+        if harmony == (True, False):
+            raise ValueError("--tool-call-parser openai reads gpt-oss's harmony format: set "
+                             "--reasoning-parser openai_gptoss with it")  # fmt: skip
+        return self
 
     @model_validator(mode="after")
     def _shared_ports_are_known(self) -> Self:

@@ -5,7 +5,8 @@ import time
 
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
-from prometheus_client import Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 from flagstop.scheduler_svc.core.request import FinishReason
 from flagstop.telemetry import LATENCY_BUCKETS, extract_metadata, inject
@@ -27,6 +28,39 @@ ROUTED = Counter(
     "round-robin, moved, lora-warm, lora-room)",
     ["replica", "reason"],
 )
+
+
+class EngineLoad:
+    """The engine's load as a vLLM server shows it beside its request metrics on its one
+    port (aiperf and dashboards scrape :8000/metrics): each replica's last reported
+    running and waiting requests and KV cache usage, labelled by model and engine (the
+    replica's place, vLLM's data-parallel rank label). Read at scrape time, so it costs
+    the step loop nothing."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        labels = ["model_name", "engine"]
+        running = GaugeMetricFamily("vllm:num_requests_running",
+                                    "Requests in the running batch", labels=labels)  # fmt: skip
+        waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting",
+                                    labels=labels)  # fmt: skip
+        usage = GaugeMetricFamily("vllm:kv_cache_usage_perc",
+                                  "Fraction of KV blocks in use (0-1)", labels=labels)  # fmt: skip
+        model = self.engine.model_info.model_name
+        for rank, replica in enumerate(self.engine.replicas):
+            load, where = replica.reported, [model, str(rank)]
+            running.add_metric(where, load.num_running)
+            waiting.add_metric(where, load.num_waiting)
+            usage.add_metric(where, load.kv_cache_usage)
+        return [running, waiting, usage]
+
+
+def engine_registry(engine) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineLoad(engine))
+    return registry
 
 
 def export_model(model: str) -> None:

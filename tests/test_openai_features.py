@@ -122,8 +122,10 @@ def test_auto_reads_the_calls_a_model_writes(client, stream):
             content += delta.content or ""
             calls += delta.tool_calls or []
             finish = chunk.choices[0].finish_reason or finish
-        names = [c.function.name for c in calls]
-        arguments = [json.loads(c.function.arguments) for c in calls]
+        names = [c.function.name for c in calls if c.id]  # a call's first delta names it
+        pieces = ["".join(c.function.arguments or "" for c in calls if c.index == i)
+                  for i in range(len(names))]  # fmt: skip
+        arguments = [json.loads(piece) for piece in pieces]
     else:
         message, finish = reply.choices[0].message, reply.choices[0].finish_reason
         content = message.content

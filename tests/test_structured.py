@@ -226,6 +226,33 @@ def test_only_constrained_rows_are_masked_and_a_replay_that_breaks_fails_one_req
     assert not unconstrained.isdigit(), "the free row was masked too"
 
 
+def test_a_constraint_after_a_trigger_starts_when_the_trigger_is_sampled(model_dir):
+    """A reasoning model's answer is constrained, its reasoning before is free: the row
+    is unmasked until its trigger tokens appear, then the grammar sees what follows."""
+    import numpy as np
+    import torch
+
+    from flagstop.executor.grammar_book import GrammarBook
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    trigger = tokenizer("</x>", add_special_tokens=False).input_ids
+    digit, letter = tokenizer("7", add_special_tokens=False).input_ids[-1], trigger[0]
+    book = GrammarBook(str(model_dir), len(tokenizer), [tokenizer.eos_token_id], 4)
+    spec = GrammarSpec("regex", "[0-9]{3}", after_token_ids=tuple(trigger))
+    book.add(0, spec, [letter, *trigger[:-1]])  # a resumed row: the trigger half sampled
+
+    def step(token: int) -> torch.Tensor:
+        logits = torch.zeros(1, len(tokenizer))
+        book.accept(book.mask(logits, np.array([0])), [token])
+        return logits
+
+    assert torch.isfinite(step(trigger[-1])).all(), "free until the trigger completes"
+    masked = step(digit)
+    assert torch.isinf(masked[0, letter]) and torch.isfinite(masked[0, digit])
+    assert list(spec_from_proto(generation_pb2.StructuredOutputs(
+        regex="a", after_token_ids=trigger)).after_token_ids) == trigger  # fmt: skip
+
+
 # -- 50 sampled completions per case, through both APIs --------------------------------
 
 

@@ -34,7 +34,7 @@ from tests.helpers.streams import (
 from tests.helpers.streams import long_greedy_workload as fault_workload
 from tests.helpers.streams import short_greedy_workload as workload
 from tests.helpers.tp_scenarios import config, run_group, run_scenarios
-from tools.make_model import model_config, train_tokenizer
+from tools.make_model import embedded_vocabulary, model_config
 from tools.stack import free_port, generate, spawn, start_stack, wait_serving
 
 # (checkpoint, --expert-parallel): MoE experts sliced over the ranks (with a shared
@@ -264,7 +264,7 @@ def test_heads_that_do_not_split_stop_start_up(model_dir, tmp_path):
 def test_moe_configs_the_executor_cannot_run_stop_start_up_naming_the_field(tmp_path):
     """Only config.json is read before the refusal: no weights are needed. (Each
     refusal's message: test_model_loading and the check_divisible tests here.)"""
-    moe = json.loads(json.dumps(model_config("tiny", train_tokenizer(), "qwen3_moe")))
+    moe = json.loads(json.dumps(model_config("tiny", embedded_vocabulary(), "qwen3_moe")))
     cases = [
         ({"num_experts": 3}, ["--tensor-parallel-size", "2", "--expert-parallel"],
          "--tensor-parallel-size 2: num_experts=3 does not split into 2 ranks (--expert-parallel)"),

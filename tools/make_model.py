@@ -4,8 +4,9 @@ locally trained byte-level BPE tokenizer, in the normal Hugging Face layout; wit
 tests and benches of the sparse path, or one of mixed attention (Gemma 3: sliding-window
 layers beside full ones), gpt-oss (sinks, YaRN, biased experts).
 
-    python -m tools.make_model [--size tiny|small] [--arch llama|qwen3_moe|mixtral|gemma3|gpt_oss]
-                               [--out DIR] [--seed N]
+    python -m tools.make_model [--size nano|tiny|small]
+                               [--arch llama|qwen3_moe|mixtral|gemma3|gpt_oss]
+                               [--out DIR] [--seed N] [--thinking] [--harmony]
 
 The default initialisation (std 0.02) makes greedy continuations collapse into short
 loops, which a broken KV cache can still reproduce; the 2-D weights are therefore drawn
@@ -14,11 +15,20 @@ and wide top-1/top-2 logit gaps: a discriminating test subject."""
 
 import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import (
+    AddedToken,
+    Tokenizer,
+    decoders,
+    models,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
 
 WEIGHT_SCALE = 6.0
 VOCAB_SIZE = 512
@@ -45,8 +55,27 @@ CHAT_TEMPLATE = (
     "{{ '\\n' }}{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
+# --thinking: the model writes its reasoning between <think> and </think> (added tokens,
+# not special ones, as Qwen3's are), and its template takes Qwen3's switch: with
+# enable_thinking false it writes an empty reasoning block after the assistant's turn
+# opens, so that the model answers at once. Served with --reasoning-parser qwen3.
+THINK, END_THINK = "<think>", "</think>"
+THINKING_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{{ '<|assistant|>\\n' }}{% endif %}",
+    "{{ '<|assistant|>\\n' }}{% if enable_thinking is defined and not enable_thinking %}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{% endif %}",
+)
 
 SIZES = {
+    # For a 201,088-token vocabulary (gpt-oss' own, --harmony): its embeddings and head
+    # are most of the model, 26M parameters at this width.
+    "nano": dict(
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    ),
     "tiny": dict(
         hidden_size=256,
         intermediate_size=768,
@@ -138,10 +167,10 @@ def train_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def model_config(size: str, tokenizer: Tokenizer, arch: str = "llama") -> dict:
+def model_config(size: str, vocab: "Vocabulary", arch: str = "llama") -> dict:
     dims = SIZES[size]
     return {
-        "vocab_size": tokenizer.get_vocab_size(),
+        "vocab_size": vocab.tokenizer.get_vocab_size(),
         **dims,
         **moe_fields(arch, dims["intermediate_size"] // 4),
         **gemma_fields(arch, dims),
@@ -152,9 +181,7 @@ def model_config(size: str, tokenizer: Tokenizer, arch: str = "llama") -> dict:
         "attention_bias": False,
         "mlp_bias": False,
         "tie_word_embeddings": False,
-        "bos_token_id": tokenizer.token_to_id(BOS),
-        "eos_token_id": tokenizer.token_to_id(EOS),
-        "pad_token_id": tokenizer.token_to_id(PAD),
+        **vocab.ids(),
         "torch_dtype": "float32",
         **ARCHS[arch],  # last: an architecture's own fields win
     }
@@ -260,32 +287,78 @@ def random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
     return weights
 
 
-def write_model(out: Path, size: str = "tiny", seed: int = 0, arch: str = "llama") -> Path:
-    out.mkdir(parents=True, exist_ok=True)
+@dataclass(slots=True)
+class Vocabulary:
+    """A checkpoint's tokenizer and what its configs say of it."""
+
+    tokenizer: Tokenizer
+    special: dict[str, str]  # bos_token, eos_token, pad_token
+    ends: list[str]  # the tokens that end a turn: generation_config's eos_token_id
+    template: str | None  # the chat template (None: the model has its own format)
+
+    def ids(self) -> dict[str, int | list[int]]:
+        ids: dict[str, int | list[int]] = {
+            f"{name.removesuffix('_token')}_token_id": self.tokenizer.token_to_id(text)
+            for name, text in self.special.items()
+        }
+        ends = [self.tokenizer.token_to_id(text) for text in self.ends]
+        ids["eos_token_id"] = ends[0] if len(ends) == 1 else ends
+        return ids
+
+
+def embedded_vocabulary(thinking: bool = False) -> Vocabulary:
     tokenizer = train_tokenizer()
-    config = model_config(size, tokenizer, arch)
+    if thinking:
+        tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)
+                              for t in (THINK, END_THINK)])  # fmt: skip
+    special = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}
+    return Vocabulary(tokenizer, special, [EOS], THINKING_TEMPLATE if thinking else CHAT_TEMPLATE)
+
+
+def harmony_vocabulary() -> Vocabulary:
+    """gpt-oss' own tokenizer (o200k_harmony: 201,088 ids), so that openai-harmony's
+    token ids are the model's; no chat template (the router renders harmony with
+    --reasoning-parser openai_gptoss). Needs the o200k_base vocabulary
+    (tools/harmony_vocab.py fetches it)."""
+    from openai_harmony import HarmonyEncodingName, load_harmony_encoding
+
+    from flagstop.router.openai.harmony_vocab import use_vocab
+    from tools.harmony_vocab import ensure_vocab
+    from tools.o200k_tokenizer import NUM_TOKENS, o200k_harmony
+
+    vocab_dir = use_vocab(ensure_vocab())
+    encoding = load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
+    first_special = NUM_TOKENS - 1090  # 199998, <|startoftext|>
+    specials = {i: encoding.decode([i]) for i in range(first_special, NUM_TOKENS)}
+    special = {"bos_token": "<|startoftext|>", "eos_token": "<|return|>",
+               "pad_token": "<|endoftext|>"}  # fmt: skip
+    ends = ["<|return|>", "<|endoftext|>", "<|call|>"]  # gpt-oss' generation_config
+    return Vocabulary(o200k_harmony(vocab_dir, specials), special, ends, None)
+
+
+def write_model(
+    out: Path, size: str = "tiny", seed: int = 0, arch: str = "llama", thinking: bool = False,
+    harmony: bool = False,
+) -> Path:  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = harmony_vocabulary() if harmony else embedded_vocabulary(thinking)
+    config = model_config(size, vocab, arch)
     save_file(
         random_weights(config, seed), str(out / "model.safetensors"), metadata={"format": "pt"}
     )
-    tokenizer.save(str(out / "tokenizer.json"))
-    special = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}
-    write_json(
-        out / "generation_config.json",
-        {
-            "bos_token_id": config["bos_token_id"],
-            "eos_token_id": config["eos_token_id"],
-            "pad_token_id": config["pad_token_id"],
-        },
-    )
-    write_json(out / "special_tokens_map.json", special)
-    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE + "\n")
+    vocab.tokenizer.save(str(out / "tokenizer.json"))
+    ids = vocab.ids()
+    write_json(out / "generation_config.json", ids)
+    write_json(out / "special_tokens_map.json", vocab.special)
+    if vocab.template is not None:
+        (out / "chat_template.jinja").write_text(vocab.template + "\n")
     write_json(
         out / "tokenizer_config.json",
         {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "model_max_length": 2048,
             "clean_up_tokenization_spaces": False,
-            **special,
+            **vocab.special,
         },
     )
     # Last: its presence is what marks a complete checkpoint (make model's target).
@@ -307,6 +380,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--out", type=Path, default=None, help="default: models/flagstop-SIZE[-ARCH]"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--thinking",
+        action="store_true",
+        help="a thinking model: <think> tokens and Qwen3's enable_thinking",
+    )
+    parser.add_argument(
+        "--harmony",
+        action="store_true",
+        help="gpt_oss: gpt-oss' own tokenizer (o200k_harmony), for harmony",
+    )
     parser.add_argument("--if-missing", action="store_true", help="keep a complete model as is")
     return parser.parse_args(argv)
 
@@ -317,7 +400,8 @@ def main() -> None:
     if args.if_missing and (out / "config.json").exists():
         print(f"{out} is there")
         return
-    print(f"wrote {write_model(out, args.size, args.seed, args.arch)}")
+    model = write_model(out, args.size, args.seed, args.arch, args.thinking, args.harmony)
+    print(f"wrote {model}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The router's HTTP server: the OpenAI app (each surface's routes in its own module:
-models.py, completions.py, responses.py, tokenize.py, ops.py), the API key, the body
+models.py, completions.py, responses.py, messages.py (Anthropic's), tokenize.py,
+ops.py), the API key, the body
 size limit and TLS, served by uvicorn on the router's own event loop."""
 
 import contextlib
@@ -12,10 +13,11 @@ from fastapi import FastAPI
 from flagstop.router.auth import BearerKey
 from flagstop.router.chat import ChatTemplate
 from flagstop.router.engine import RouterEngine
-from flagstop.router.openai import completions, models, ops, responses, tokenize
+from flagstop.router.openai import completions, messages, models, ops, responses, tokenize
 from flagstop.router.openai.errors import BodyLimit, Contained, add_error_handlers
 from flagstop.router.openai.front import OpenAIFront
 from flagstop.router.settings import RouterSettings
+from flagstop.router.telemetry import engine_registry
 from flagstop.server import StartupError
 from flagstop.telemetry import metrics_registry
 
@@ -27,10 +29,11 @@ def create_app(
     app = FastAPI(title="flagstop", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.front = OpenAIFront(engine, chat, settings, key)
     app.state.registry = metrics_registry()
+    app.state.engine_registry = engine_registry(engine)
     add_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
     app.add_middleware(Contained)
-    for surface in (models, completions, responses, tokenize, ops):
+    for surface in (models, completions, responses, messages, tokenize, ops):
         app.include_router(surface.api)
     return app
 

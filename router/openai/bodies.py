@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from flagstop.router.openai.tools import ToolParser
+from flagstop.router.openai.outputs import ChatOutput
 from flagstop.scheduler_svc.core.request import FinishReason
 from flagstop.v1 import generation_pb2
 
@@ -36,9 +36,11 @@ class Choice:
     counts_prompt: bool = True  # the first choice of its prompt: usage counts it
     echo: str | None = None  # completions' echo: the prompt text, until sent
     prompt_only: bool = False  # echo with max_tokens 0: the generated token is dropped
-    tools: ToolParser | None = None  # chat with tools: reads calls out of the text
-    text: str = ""
+    output: ChatOutput | None = None  # chat: reasoning, content and tool calls
+    text: str = ""  # completions: the text; chat: the content
+    reasoning: str = ""  # chat: the reasoning, when a parser split it off
     num_tokens: int = 0
+    num_reasoning_tokens: int = 0  # of the chunks that carried reasoning
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: Any = None  # the API's shape, grown chunk by chunk
@@ -50,13 +52,17 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    reasoning_tokens: int = 0  # of the completion tokens, those of the reasoning
 
     def as_dict(self) -> dict[str, Any]:
-        return {
+        usage = {
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }  # fmt: skip
+        if self.reasoning_tokens:
+            usage["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
+        return usage
 
 
 @dataclass(slots=True)
@@ -99,11 +105,7 @@ class ResponseBuilder:
             choice.echo = None
         piece: dict[str, Any] = {"index": choice.index}
         if self.kind == "chat":
-            content, calls = choice.tools.feed(text, final) if choice.tools else (text, [])
-            piece["delta"] = {"content": content} if content else {}
-            if calls:
-                piece["delta"]["tool_calls"] = calls
-            choice.text += content
+            piece["delta"] = self._delta(choice, token_ids, text, final)
         else:
             piece["text"] = text
             choice.text += text
@@ -118,9 +120,28 @@ class ResponseBuilder:
             return None
         return piece
 
+    def _delta(self, choice: Choice, token_ids, text: str, final: bool) -> dict[str, Any]:
+        """A chat chunk's delta: its reasoning (under vLLM's `reasoning`, and the older
+        `reasoning_content` that DeepSeek's API named and LiteLLM and chat UIs read),
+        content and tool-call deltas."""
+        output = choice.output
+        reasoning, content, calls = output.feed(token_ids, text, final)
+        delta: dict[str, Any] = {"content": content} if content else {}
+        if content:
+            choice.text += content
+        if reasoning or output.in_reasoning:
+            choice.num_reasoning_tokens += len(token_ids)
+            self.usage.reasoning_tokens += len(token_ids)
+            if reasoning:
+                delta["reasoning"] = delta["reasoning_content"] = reasoning
+                choice.reasoning += reasoning
+        if calls:
+            delta["tool_calls"] = calls
+        return delta
+
     def _finish(self, choice: Choice, chunk: generation_pb2.GenerateResponse) -> None:
         reason = FinishReason(chunk.finish_reason).label
-        if choice.tools is not None and choice.tools.calls and reason == "stop":
+        if choice.output is not None and choice.output.calls and reason == "stop":
             reason = "tool_calls"
         stop_reason = chunk.stop_reason or None
         if choice.prompt_only:
@@ -221,8 +242,10 @@ class ResponseBuilder:
 
 
 def _message(choice: Choice) -> dict[str, Any]:
-    calls = choice.tools.calls if choice.tools is not None else []
+    calls = choice.output.calls if choice.output is not None else []
     message: dict[str, Any] = {"role": "assistant", "content": choice.text or None}
+    if choice.reasoning:
+        message["reasoning"] = message["reasoning_content"] = choice.reasoning
     if calls:
         message["tool_calls"] = calls
     elif message["content"] is None:

@@ -79,14 +79,64 @@ class ChatMessage(BaseModel):
 def _arguments(call: ToolCall) -> Any:
     try:
         return json.loads(call.function.arguments)
-    except ValueError:
+    except ValueError:  # /tokenize renders what it is given; chat refused it already
         return call.function.arguments
 
 
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+# What the other chat-shaped APIs (Responses, Messages) pass through to chat as they
+# are, when a request sets them beside the API's own fields: vLLM's sampling extras
+# and chat fields (ignore_eos fixes output length in benchmarks; seed makes a run
+# repeat; structured_outputs constrains).
+SHARED_WITH_CHAT = (
+    "seed", "stop", "ignore_eos", "top_k", "min_p", "min_tokens", "repetition_penalty",
+    "frequency_penalty", "presence_penalty", "logit_bias", "stop_token_ids", "priority",
+    "user", "num_speculative_tokens", "structured_outputs", "chat_template_kwargs",
+    "include_reasoning", "reasoning_effort",
+)  # fmt: skip
 
 
-class ChatCompletionRequest(OpenAIRequest):
+def shared_with_chat(extra: dict[str, Any] | None) -> dict[str, Any]:
+    return {name: value for name in SHARED_WITH_CHAT
+            if (value := (extra or {}).get(name)) is not None}  # fmt: skip
+
+
+# apply_chat_template's own arguments: the request sets them by their own fields.
+RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "chat_template", "tokenize", "documents")
+
+
+class TemplateParams(BaseModel):
+    """How the messages become a prompt (vLLM's chat fields): variables the template
+    reads (chat_template_kwargs: a thinking switch, reasoning_effort), the generation
+    prompt, an assistant message to continue, a template of the request's own."""
+
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    add_generation_prompt: bool | None = None  # default: true, false when continuing
+    continue_final_message: bool = False
+    chat_template: str | None = Field(None, max_length=1 << 17)
+
+    def template_options(self, defaults: dict[str, Any] | None) -> dict[str, Any]:
+        """render_text's keyword arguments; defaults: --default-chat-template-kwargs.
+        Raises ValueError."""
+        variables = {**(defaults or {}), **(self.chat_template_kwargs or {})}
+        if reserved := [k for k in RESERVED_TEMPLATE_VARIABLES if k in variables]:
+            raise ValueError(f"chat_template_kwargs.{reserved[0]} is the request's own "
+                             f"field: send {reserved[0]} beside the messages")  # fmt: skip
+        if self.reasoning_effort is not None:
+            variables.setdefault("reasoning_effort", self.reasoning_effort)
+        # Inside chat_template_kwargs as vLLM's clients send them, or as fields.
+        go_on = bool(variables.pop("continue_final_message", self.continue_final_message))
+        generation_prompt = variables.pop("add_generation_prompt", self.add_generation_prompt)
+        if generation_prompt and go_on:
+            raise ValueError("continue_final_message continues the last message, "
+                             "add_generation_prompt opens a new one: set one of them")  # fmt: skip
+        return {"add_generation_prompt": not go_on if generation_prompt is None
+                else bool(generation_prompt), "continue_final_message": go_on,
+                "template": self.chat_template, "variables": variables}  # fmt: skip
+
+
+class ChatCompletionRequest(TemplateParams, OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Count | None = None
     logprobs: bool = False
@@ -94,6 +144,7 @@ class ChatCompletionRequest(OpenAIRequest):
     tools: list[ToolSpec] | None = Field(None, max_length=1024)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
+    include_reasoning: bool = True  # vLLM's: false leaves the reasoning out of the reply
     # The legacy function calling: refused, with what to send instead.
     functions: list[Any] | None = None
     function_call: Any = None
@@ -112,6 +163,29 @@ class ChatCompletionRequest(OpenAIRequest):
         choice = self.tool_choice
         if isinstance(choice, NamedToolChoice) and self.named_tool is None:
             raise ValueError(f"tool_choice names {choice.function.name!r}, which is not in tools")
+        return self
+
+    @model_validator(mode="after")
+    def _tool_history_valid(self) -> "ChatCompletionRequest":
+        """The history's calls and results checked as OpenAI checks them: a result
+        answers a call made before it, and a call's arguments are JSON."""
+        called: set[str] = set()
+        for i, message in enumerate(self.messages):
+            for call in message.tool_calls or ():
+                try:
+                    json.loads(call.function.arguments)
+                except ValueError:
+                    raise ValueError(f"messages.{i}.tool_calls: the arguments of call "
+                                     f"{call.id!r} are not JSON") from None  # fmt: skip
+                called.add(call.id)
+            if message.role != "tool":
+                continue
+            if message.tool_call_id is None:
+                raise ValueError(f"messages.{i}: a tool message needs tool_call_id, the id of "
+                                 "the call it answers")  # fmt: skip
+            if message.tool_call_id not in called:
+                raise ValueError(f"messages.{i}.tool_call_id: {message.tool_call_id!r} answers "
+                                 "no call of an assistant message before it")  # fmt: skip
         return self
 
     @property

@@ -8,7 +8,6 @@ from flagstop.router.openai.bodies import Choice
 from flagstop.router.openai.chat_request import ChatCompletionRequest
 from flagstop.router.openai.front import Front, authorized
 from flagstop.router.openai.protocol import CompletionRequest
-from flagstop.router.openai.tools import parser_factory
 
 api = APIRouter(dependencies=[Depends(authorized)])
 
@@ -33,9 +32,8 @@ async def completions(body: CompletionRequest, http: Request, front: Front) -> R
 @api.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, http: Request, front: Front) -> Response:
     front.check_model(body.model)
-    prompt = front.chat.render([m.as_template_input() for m in body.messages],
-                               body.template_tools())  # fmt: skip
-    requests = [body.choice_request(prompt, j) for j in range(body.n)]
-    parser = parser_factory(body, front.settings.tool_call_parser)
-    return await front.respond(http, body, "chat", requests,
-                               lambda i, pending: Choice(i, tools=parser()))  # fmt: skip
+    path = front.chat_path
+    prompt = path.render(body)
+    outputs = path.outputs(body, prompt)
+    return await front.respond(http, body, "chat", path.requests(body, prompt),
+                               lambda i, pending: Choice(i, output=outputs()))  # fmt: skip

@@ -41,6 +41,17 @@ class OpenAIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
+# Anthropic's error types, for the Messages API's routes.
+ANTHROPIC_TYPE = {400: "invalid_request_error", 401: "authentication_error",
+                  403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                  429: "rate_limit_error", 503: "overloaded_error"}  # fmt: skip
+ANTHROPIC_ROUTES = "/v1/messages"
+
+
+def anthropic_error(failure: "OpenAIError") -> dict[str, Any]:
+    return {"type": ANTHROPIC_TYPE.get(failure.status, "api_error"), "message": failure.message}
+
+
 def json_response(body, status: int = 200) -> Response:
     return Response(orjson.dumps(body), status, media_type="application/json")
 
@@ -69,29 +80,54 @@ def stream_error(failure: OpenAIError) -> dict[str, Any]:
                       "code": failure.status}}  # fmt: skip
 
 
+def refusal(request: Request, failure: OpenAIError) -> Response:
+    """An error in the shape of the API the route belongs to: Anthropic's for the
+    Messages API, OpenAI's for the rest."""
+    if request.url.path.startswith(ANTHROPIC_ROUTES):
+        body = {"type": "error", "error": anthropic_error(failure)}
+        return Response(orjson.dumps(body), failure.status, media_type="application/json")
+    return error_response(failure.status, failure.message, failure.param, failure.code)
+
+
 def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, e: OpenAIError) -> Response:
-        return error_response(e.status, e.message, e.param, e.code)
+        return refusal(request, e)
 
     @app.exception_handler(RequestRejected)
     async def rejected(request: Request, e: RequestRejected) -> Response:
-        return error_response(400, str(e), e.param)
+        return refusal(request, OpenAIError(400, str(e), e.param))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError) -> Response:
         errors = e.errors()
         if errors[0]["type"] == "json_invalid":
-            return error_response(400, f"the body is not valid JSON: {errors[0]['msg']}")
+            message = f"the body is not valid JSON: {errors[0]['msg']}"
+            return refusal(request, OpenAIError(400, message))
         first = telling_error(errors)
         where = [str(part) for part in first["loc"] if part != "body" and not _union_tag(part)]
         param = ".".join(where) or None
         message = first["msg"].removeprefix("Value error, ")
-        return error_response(400, f"{param}: {message}" if param else message, param)
+        return refusal(request, OpenAIError(400, f"{param}: {message}" if param else message,
+                                            param))  # fmt: skip
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> Response:
-        return error_response(e.status_code, str(e.detail))
+        if e.status_code in (404, 405) and e.detail in ("Not Found", "Method Not Allowed"):
+            return refusal(request, OpenAIError(e.status_code, _no_route(request, e.status_code)))
+        return refusal(request, OpenAIError(e.status_code, str(e.detail)))
+
+
+def _no_route(request: Request, status: int) -> str:
+    """A wrong URL, told apart from a missing model or adapter: the route asked for, and
+    where the served ones are listed."""
+    route = f"{request.method} {request.url.path}"
+    if status == 405:
+        return f"{route}: this route takes another method (GET /openapi.json lists each route's)"
+    return (f"{route} is not served here; flagstop serves the OpenAI API under /v1 (completions, "
+            "chat/completions, responses, models), Anthropic's /v1/messages, vLLM's "
+            "/tokenize and /detokenize, and /health, /ready, /metrics, /version: GET "
+            "/openapi.json lists them")  # fmt: skip
 
 
 def telling_error(errors: list[dict]) -> dict:

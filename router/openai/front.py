@@ -17,6 +17,7 @@ from flagstop.router.auth import REFUSAL, BearerKey
 from flagstop.router.chat import ChatTemplate
 from flagstop.router.engine import RouterEngine
 from flagstop.router.openai.bodies import Choice, ResponseBuilder, TokenTexts
+from flagstop.router.openai.chat_path import chat_path
 from flagstop.router.openai.errors import OpenAIError, from_failure, internal_error, stream_error
 from flagstop.router.openai.sse import DONE, sse
 from flagstop.router.output import Pending, RequestFailed
@@ -38,6 +39,7 @@ class OpenAIFront:
     ) -> None:  # fmt: skip
         self.engine, self.chat, self.settings, self.key = engine, chat, settings, key
         self.texts = TokenTexts(engine.tokenizer)
+        self.chat_path = chat_path(chat, settings, engine.tokenizer)
 
     def check_model(self, name: str) -> str:
         """The model a request names: the base model or one of its LoRA adapters

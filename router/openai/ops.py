@@ -1,5 +1,9 @@
-"""What operators and gateways ask: /health (liveness), /ready (readiness), /metrics,
-and /openapi.json (the schema gateways and fuzzers read; behind the key when set)."""
+"""What operators and gateways ask: /health (liveness), /ready (readiness), /metrics
+(the router's series and, as a vLLM server shows them on its one port, the engine's
+load), /version, and /openapi.json (the schema gateways and fuzzers read; behind the
+key when set)."""
+
+from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
@@ -29,4 +33,18 @@ async def ready(front: Front) -> Response:
 
 @api.get("/metrics")
 async def metrics(request: Request) -> Response:
-    return Response(generate_latest(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)
+    state = request.app.state
+    body = generate_latest(state.registry) + generate_latest(state.engine_registry)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+
+@api.get("/version")
+async def version_route() -> Response:
+    return json_response({"version": _version()})
+
+
+def _version() -> str:
+    try:
+        return version("flagstop")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"

@@ -11,7 +11,6 @@ from flagstop.router.openai.errors import OpenAIError, json_response
 from flagstop.router.openai.front import Front, authorized, until_disconnected
 from flagstop.router.openai.responses_request import ResponsesRequest, chat_request
 from flagstop.router.openai.responses_stream import ResponseEvents
-from flagstop.router.openai.tools import parser_factory
 
 api = APIRouter(dependencies=[Depends(authorized)])
 
@@ -23,13 +22,13 @@ async def responses(body: ResponsesRequest, http: Request, front: Front) -> Resp
         as_chat = chat_request(body)
     except ValueError as e:
         raise OpenAIError(400, str(e)) from None
-    prompt = front.chat.render([m.as_template_input() for m in as_chat.messages],
-                               as_chat.template_tools())  # fmt: skip
-    parser = parser_factory(as_chat, front.settings.tool_call_parser)
-    requests = front.with_adapter([as_chat.choice_request(prompt, 0)], body.model)
+    path = front.chat_path
+    prompt = path.render(as_chat)
+    outputs = path.outputs(as_chat, prompt)
+    requests = front.with_adapter(path.requests(as_chat, prompt), body.model)
     [pending] = front.submit(requests, list(http.headers.items()), "responses")
     builder = front.builder(as_chat, "chat")
-    [choice] = front.choices(as_chat, [pending], lambda i, p: Choice(i, tools=parser()))
+    [choice] = front.choices(as_chat, [pending], lambda i, p: Choice(i, output=outputs()))
     builder.usage.prompt_tokens = len(pending.prompt_token_ids)
     events, engine = ResponseEvents(body, served), front.engine
     if body.stream:

@@ -1,21 +1,28 @@
 """OpenAI's Responses API (POST /v1/responses), its requests: each becomes a chat
 completion request (instructions as the system message, input items as messages,
-text.format as response_format, flat function tools as chat tools), so that it runs
-the chat path; router/openai/responses_stream.py turns the chat's output into the
-Responses object and events. Nothing is stored: previous_response_id and background
-are refused."""
+text.format as response_format, flat function tools as chat tools, the sampling
+fields chat shares as they are), so that it runs the chat path and every field is
+validated once; router/openai/responses_stream.py turns the chat's output into the
+Responses object and events. Nothing is stored: previous_response_id, background and
+conversation are refused, like every other field we know and do not implement."""
 
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from flagstop.router.openai.chat_request import ChatCompletionRequest
+from flagstop.router.openai.chat_request import ChatCompletionRequest, shared_with_chat
 from flagstop.router.openai.protocol import Count, EncodableText
 
 
 class InputPart(BaseModel):
     type: Literal["input_text", "output_text", "text"]
     text: str
+
+
+def _text(content: "str | list[InputPart] | None") -> str:
+    if isinstance(content, list):
+        return "".join(part.text for part in content)
+    return content or ""
 
 
 class InputItem(BaseModel):
@@ -29,7 +36,7 @@ class InputItem(BaseModel):
     call_id: str | None = None
     name: str | None = None
     arguments: str | None = None
-    output: str | None = None
+    output: str | list[InputPart] | None = None  # a function's output: text, or its parts
 
 
 class FunctionTool(BaseModel):
@@ -60,6 +67,14 @@ class TextConfig(BaseModel):
     format: TextFormat | None = None
 
 
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+class Reasoning(BaseModel):
+    effort: Literal["minimal", "low", "medium", "high"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None  # accepted; no summarizer
+
+
 class ResponsesRequest(EncodableText):
     model_config = ConfigDict(extra="allow")
 
@@ -76,16 +91,23 @@ class ResponsesRequest(EncodableText):
     parallel_tool_calls: bool = True
     metadata: dict[str, str] | None = None
     store: bool | None = None  # accepted; nothing is stored (the response says store false)
+    top_logprobs: Count | None = None
+    include: list[str] | None = None
+    reasoning: Reasoning | None = None
+    truncation: Literal["disabled", "auto"] | None = None
+    # Known, not implemented: refused unless neutral.
     previous_response_id: str | None = None
     background: bool | None = None
+    conversation: Any = None
+    prompt: Any = None  # a stored prompt template
+    max_tool_calls: int | None = None
 
     def chat_body(self) -> dict[str, Any]:
         """The equivalent chat completion request's body. Raises ValueError."""
         if self.previous_response_id is not None:
             raise ValueError("previous_response_id: flagstop stores no responses; send the "
                              "conversation in input")  # fmt: skip
-        if self.background:
-            raise ValueError("background responses are not supported; leave background unset")
+        self._refuse_unsupported()
         body: dict[str, Any] = {
             "model": self.model, "messages": self._messages(), "stream": self.stream,
             "max_completion_tokens": self.max_output_tokens, "temperature": self.temperature,
@@ -99,7 +121,28 @@ class ResponsesRequest(EncodableText):
             body["tool_choice"] = self.tool_choice
         if self.text is not None and self.text.format is not None:
             body["response_format"] = _response_format(self.text.format)
+        if LOGPROBS_INCLUDE in (self.include or ()) or self.top_logprobs is not None:
+            body["logprobs"], body["top_logprobs"] = True, self.top_logprobs or 0
+        if self.reasoning is not None and self.reasoning.effort is not None:
+            body["reasoning_effort"] = self.reasoning.effort
+        body.update(shared_with_chat(self.model_extra))
         return {k: v for k, v in body.items() if v is not None}
+
+    def _refuse_unsupported(self) -> None:
+        if self.background:
+            raise ValueError("background responses are not supported; leave background unset")
+        if self.conversation is not None:
+            raise ValueError("conversation: flagstop stores no conversations; send it in input")
+        if self.prompt is not None:
+            raise ValueError("prompt: stored prompt templates are not supported; send input")
+        if self.max_tool_calls is not None:
+            raise ValueError("max_tool_calls is not supported; leave it unset")
+        if self.truncation == "auto":
+            raise ValueError('truncation "auto" is not supported: an input past the model\'s '
+                             'length is refused; leave truncation "disabled"')  # fmt: skip
+        if unknown := [i for i in self.include or () if i != LOGPROBS_INCLUDE]:
+            raise ValueError(f"include: {unknown[0]!r} is not supported; only "
+                             f"{LOGPROBS_INCLUDE!r} is")  # fmt: skip
 
     def _messages(self) -> list[dict[str, Any]]:
         messages: list[dict[str, Any]] = []
@@ -128,13 +171,10 @@ def _message(item: InputItem, messages: list[dict[str, Any]]) -> dict[str, Any]:
     if item.type == "function_call_output":
         if item.call_id is None or item.output is None:
             raise ValueError("a function_call_output input item needs call_id and output")
-        return {"role": "tool", "tool_call_id": item.call_id, "content": item.output}
+        return {"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)}
     if item.role is None:
         raise ValueError("a message input item needs its role")
-    content = item.content
-    if isinstance(content, list):
-        content = "".join(part.text for part in content)
-    return {"role": item.role, "content": content or ""}
+    return {"role": item.role, "content": _text(item.content)}
 
 
 def _chat_tool(tool: FunctionTool) -> dict[str, Any]:

@@ -3,11 +3,13 @@ tool calls): its output items and, streamed, its events in their order:
 
     response.created, response.in_progress,
     per item: response.output_item.added,
+      reasoning: response.reasoning_text.delta.., response.reasoning_text.done
       message:  response.content_part.added, response.output_text.delta..,
                 response.output_text.done, response.content_part.done
       function: response.function_call_arguments.delta..,
                 response.function_call_arguments.done
-    response.output_item.done; then response.completed (or response.incomplete)."""
+    response.output_item.done (before the next item is added); then response.completed
+    (or response.incomplete)."""
 
 import time
 import uuid
@@ -32,6 +34,7 @@ class ResponseEvents:
         self.body, self.model = body, model
         self.items: list[dict[str, Any]] = []
         self.message: dict[str, Any] | None = None  # the open message item
+        self.reasoning: dict[str, Any] | None = None  # the reasoning item
         self.calls: dict[int, dict[str, Any]] = {}  # tool call index -> its item
         self.sequence = 0
 
@@ -47,25 +50,41 @@ class ResponseEvents:
 
     def piece(self, piece: dict[str, Any]) -> list[Event]:
         delta, out = piece.get("delta", {}), []
-        if content := delta.get("content"):
-            out += self._text(content)
+        if reasoning := delta.get("reasoning"):
+            out += self._reasoning(reasoning)
+        logprobs = (piece.get("logprobs") or {}).get("content") or []
+        if (content := delta.get("content")) or logprobs:
+            out += self._text(content or "", logprobs)
         for call in delta.get("tool_calls", ()):
             out += self._call(call)
         return out
 
-    def _text(self, text: str) -> list[Event]:
+    def _text(self, text: str, logprobs: list[dict[str, Any]]) -> list[Event]:
         out = []
-        if self.message is None:
+        if self.message is None or self.message["status"] == "completed":
             item = {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "in_progress",
                     "role": "assistant", "content": []}  # fmt: skip
             self.message = self._open(item, out)
             out.append(self.event("response.content_part.added", **self._where(item),
                                   content_index=0, part=_part("")))  # fmt: skip
-            item["_text"] = ""
+            item["_text"], item["_logprobs"] = "", []
         item = self.message
         item["_text"] += text
+        item["_logprobs"] += logprobs
         out.append(self.event("response.output_text.delta", **self._where(item), content_index=0,
-                              delta=text, logprobs=[]))  # fmt: skip
+                              delta=text, logprobs=logprobs))  # fmt: skip
+        return out
+
+    def _reasoning(self, text: str) -> list[Event]:
+        out = []
+        if self.reasoning is None or self.reasoning["status"] == "completed":
+            item = {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
+                    "content": [], "status": "in_progress", "_text": ""}  # fmt: skip
+            self.reasoning = self._open(item, out)
+        item = self.reasoning
+        item["_text"] += text
+        out.append(self.event("response.reasoning_text.delta", **self._where(item),
+                              content_index=0, delta=text))  # fmt: skip
         return out
 
     def _call(self, call: dict[str, Any]) -> list[Event]:
@@ -83,6 +102,7 @@ class ResponseEvents:
         return out
 
     def _open(self, item: dict[str, Any], out: list[Event]) -> dict[str, Any]:
+        out += self._close()
         item["_index"] = len(self.items)
         self.items.append(item)
         out.append(self.event("response.output_item.added", output_index=item["_index"],
@@ -93,23 +113,33 @@ class ResponseEvents:
     def _where(item: dict[str, Any]) -> dict[str, Any]:
         return {"item_id": item["id"], "output_index": item["_index"]}
 
+    def _close(self) -> list[Event]:
+        """The open item's done events (an item is done when the next one opens)."""
+        if not self.items or self.items[-1]["status"] == "completed":
+            return []
+        item, out = self.items[-1], []
+        item["status"] = "completed"
+        if item["type"] == "reasoning":
+            text = item["_text"]
+            item["content"] = [{"type": "reasoning_text", "text": text}]
+            out.append(self.event("response.reasoning_text.done", **self._where(item),
+                                  content_index=0, text=text))  # fmt: skip
+        elif item["type"] == "message":
+            text, logprobs = item["_text"], item["_logprobs"]
+            item["content"] = [_part(text, logprobs)]
+            out.append(self.event("response.output_text.done", **self._where(item),
+                                  content_index=0, text=text, logprobs=logprobs))  # fmt: skip
+            out.append(self.event("response.content_part.done", **self._where(item),
+                                  content_index=0, part=_part(text, logprobs)))  # fmt: skip
+        else:
+            out.append(self.event("response.function_call_arguments.done", **self._where(item),
+                                  arguments=item["arguments"]))  # fmt: skip
+        out.append(self.event("response.output_item.done", output_index=item["_index"],
+                              item=_public(item)))  # fmt: skip
+        return out
+
     def closing(self, choice: Choice, builder: ResponseBuilder) -> list[Event]:
-        out = []
-        for item in self.items:
-            item["status"] = "completed"
-            if item["type"] == "message":
-                text = item["_text"]
-                item["content"] = [_part(text)]
-                out.append(self.event("response.output_text.done", **self._where(item),
-                                      content_index=0, text=text, logprobs=[]))  # fmt: skip
-                out.append(self.event("response.content_part.done", **self._where(item),
-                                      content_index=0, part=_part(text)))  # fmt: skip
-            else:
-                done = self.event("response.function_call_arguments.done", **self._where(item),
-                                  arguments=item["arguments"])  # fmt: skip
-                out.append(done)
-            out.append(self.event("response.output_item.done", output_index=item["_index"],
-                                  item=_public(item)))  # fmt: skip
+        out = self._close()
         status = "incomplete" if choice.finish_reason == "length" else "completed"
         response = self.response(status, builder)
         out.append(self.event(f"response.{status}", response=response))
@@ -123,7 +153,7 @@ class ResponseEvents:
             usage = {"input_tokens": u.prompt_tokens,
                      "input_tokens_details": {"cached_tokens": u.cached_tokens},
                      "output_tokens": u.completion_tokens,
-                     "output_tokens_details": {"reasoning_tokens": 0},
+                     "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
                      "total_tokens": u.prompt_tokens + u.completion_tokens}  # fmt: skip
         return {
             "id": self.id, "object": "response", "created_at": self.created_at,
@@ -135,11 +165,14 @@ class ResponseEvents:
             if builder is not None else [],
             "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": None,
             "store": False, "temperature": body.temperature, "top_p": body.top_p,
+            "top_logprobs": body.top_logprobs or 0,
             "text": {"format": (body.text.format.model_dump(by_alias=True, exclude_none=True)
                                 if body.text and body.text.format else {"type": "text"})},
             "tool_choice": _tool_choice(body), "tools": [t.model_dump(exclude_none=True)
                                                          for t in body.tools or ()],
             "truncation": "disabled", "usage": usage,
+            "reasoning": {"effort": body.reasoning.effort if body.reasoning else None,
+                          "summary": None},
         }  # fmt: skip
 
 
@@ -150,8 +183,8 @@ def _tool_choice(body: ResponsesRequest) -> Any:
     return choice or "auto"
 
 
-def _part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _part(text: str, logprobs: list | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def _public(item: dict[str, Any]) -> dict[str, Any]:

@@ -9,22 +9,26 @@ from fastapi.responses import Response
 from pydantic import Field
 
 from flagstop.router.chat import ChatTemplate
-from flagstop.router.openai.chat_request import ChatMessage, ToolSpec
+from flagstop.router.openai.chat_path import ChatPath
+from flagstop.router.openai.chat_request import ChatMessage, TemplateParams, ToolSpec
 from flagstop.router.openai.errors import OpenAIError, json_response
 from flagstop.router.openai.front import Front, authorized
 from flagstop.router.openai.protocol import EncodableText, TokenId
 
 
-class TokenizeRequest(EncodableText):
-    """A prompt, or messages (then the chat template renders them first)."""
+class TokenizeRequest(TemplateParams, EncodableText):
+    """A prompt, or messages (then the chat template renders them first, with the
+    chat fields that shape a prompt: chat_template_kwargs and the like)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True  # the prompt's BOS; templates write their own
-    add_generation_prompt: bool = True
     tools: list[ToolSpec] | None = None
     return_token_strs: bool = False
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools or []] or None
 
 
 class DetokenizeRequest(EncodableText):
@@ -32,14 +36,12 @@ class DetokenizeRequest(EncodableText):
     tokens: list[TokenId] = Field(max_length=1 << 20)
 
 
-def tokenize(request: TokenizeRequest, tokenizer, chat: ChatTemplate) -> list[int]:
+def tokenize(request: TokenizeRequest, tokenizer, path: ChatPath) -> list[int]:
     """The token ids the engine would see. Raises ValueError for neither or both."""
     if (request.prompt is None) == (request.messages is None):
         raise ValueError("set exactly one of prompt and messages")
     if request.messages is not None:
-        tools = [t.model_dump(exclude_none=True) for t in request.tools or []]
-        messages = [m.as_template_input() for m in request.messages]
-        return chat.render(messages, tools or None, request.add_generation_prompt)
+        return path.render(request).token_ids
     return tokenizer(request.prompt, add_special_tokens=request.add_special_tokens).input_ids
 
 
@@ -73,7 +75,7 @@ async def tokenize_route(body: TokenizeRequest, front: Front) -> Response:
         front.check_model(body.model)
     engine = front.engine
     try:
-        token_ids = tokenize(body, engine.tokenizer, front.chat)
+        token_ids = tokenize(body, engine.tokenizer, front.chat_path)
     except ValueError as e:
         raise OpenAIError(400, str(e)) from None
     max_model_len = engine.model_info.max_model_len

@@ -1,0 +1,208 @@
+"""Anthropic's Messages API, as vLLM and SGLang serve it: POST /v1/messages (whole, or
+streamed as Anthropic's events) and /v1/messages/count_tokens. A request runs the chat
+path (router/openai/messages_request.py); its output comes back as content blocks:
+thinking (the reasoning parser's), text, tool_use. The API key is taken as
+`x-api-key`, as Anthropic's clients send it, or as a bearer token; errors come in
+Anthropic's shape (router/openai/errors.py).
+
+A stream's events, in Anthropic's order:
+
+    message_start, then per block: content_block_start, content_block_delta..
+    (thinking_delta, text_delta, input_json_delta), content_block_stop;
+    message_delta (stop_reason, usage), message_stop."""
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response, StreamingResponse
+
+from flagstop.router.auth import REFUSAL
+from flagstop.router.openai.bodies import Choice, ResponseBuilder
+from flagstop.router.openai.errors import (
+    OpenAIError,
+    anthropic_error,
+    from_failure,
+    internal_error,
+    json_response,
+)
+from flagstop.router.openai.front import Front, until_disconnected
+from flagstop.router.openai.messages_request import MessagesRequest, chat_request
+from flagstop.router.openai.sse import json_line
+from flagstop.router.output import RequestFailed
+
+
+def authorized_by_key(request: Request) -> None:
+    """The API key as x-api-key (Anthropic's clients) or a bearer token."""
+    key = request.app.state.front.key
+    if key is None:
+        return
+    headers = request.headers
+    given = headers.get("authorization") or f"Bearer {headers.get('x-api-key', '')}"
+    if not key.matches(given):
+        raise OpenAIError(401, REFUSAL, code="invalid_api_key")
+
+
+api = APIRouter(dependencies=[Depends(authorized_by_key)])
+
+
+class CountTokensRequest(MessagesRequest):
+    max_tokens: int = 0  # count_tokens takes none
+
+
+@api.post("/v1/messages/count_tokens")
+async def count_tokens(body: CountTokensRequest, front: Front) -> Response:
+    front.check_model(body.model)
+    as_chat = _as_chat(body)
+    return json_response({"input_tokens": len(front.chat_path.render(as_chat).token_ids)})
+
+
+@api.post("/v1/messages")
+async def messages(body: MessagesRequest, http: Request, front: Front) -> Response:
+    front.check_model(body.model)
+    as_chat, path = _as_chat(body), front.chat_path
+    prompt = path.render(as_chat)
+    outputs = path.outputs(as_chat, prompt)
+    requests = front.with_adapter(path.requests(as_chat, prompt), body.model)
+    [pending] = front.submit(requests, list(http.headers.items()), "chat")
+    builder = front.builder(as_chat, "chat")
+    [choice] = front.choices(as_chat, [pending], lambda i, p: Choice(i, output=outputs()))
+    builder.usage.prompt_tokens = len(pending.prompt_token_ids)
+    events = MessageEvents(body.model, builder)
+    if body.stream:
+        return StreamingResponse(stream(front.engine, choice, pending, events),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})  # fmt: skip
+    await until_disconnected(http, front.collect(builder, [choice], [pending]))
+    return json_response(events.message(choice))
+
+
+def _as_chat(body: MessagesRequest):
+    try:
+        return chat_request(body)
+    except ValueError as e:
+        raise OpenAIError(400, str(e)) from None
+
+
+STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens"}
+
+
+class MessageEvents:
+    """One choice's output as Anthropic's content blocks, opened and closed as the chat
+    builder's deltas come (one block open at a time), each change an event."""
+
+    def __init__(self, model: str, builder: ResponseBuilder) -> None:
+        self.id, self.model, self.builder = f"msg_{uuid.uuid4().hex}", model, builder
+        self.blocks: list[dict[str, Any]] = []
+        self.open_kind = ""  # the open block's: thinking, text, or a call's index
+
+    def message(self, choice: Choice | None) -> dict[str, Any]:
+        usage = self.builder.usage
+        reason, sequence = _stop_reason(choice) if choice else (None, None)
+        content = _blocks(choice) if choice else []
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
+                "content": content, "stop_reason": reason, "stop_sequence": sequence,
+                "usage": {"input_tokens": usage.prompt_tokens,
+                          "output_tokens": usage.completion_tokens,
+                          "cache_read_input_tokens": usage.cached_tokens,
+                          "cache_creation_input_tokens": 0}}  # fmt: skip
+
+    def opening(self) -> list[bytes]:
+        return [event("message_start", message=self.message(None))]
+
+    def piece(self, piece: dict[str, Any]) -> list[bytes]:
+        delta, out = piece.get("delta", {}), []
+        if text := delta.get("reasoning"):
+            out += self._block("thinking", {"type": "thinking", "thinking": "", "signature": ""},
+                               {"type": "thinking_delta", "thinking": text})  # fmt: skip
+        if text := delta.get("content"):
+            out += self._block("text", {"type": "text", "text": ""},
+                               {"type": "text_delta", "text": text})  # fmt: skip
+        for call in delta.get("tool_calls", ()):
+            arguments = call.get("function", {}).get("arguments", "")
+            start = None
+            if "id" in call:
+                start = {"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
+                         "input": {}}  # fmt: skip
+            out += self._block(
+                f"call {call['index']}",
+                start,
+                {"type": "input_json_delta", "partial_json": arguments},
+            )
+        return out
+
+    def _block(self, kind: str, start: dict | None, delta: dict[str, Any]) -> list[bytes]:
+        out = []
+        if kind != self.open_kind:
+            out += self._close()
+            self.open_kind = kind
+            self.blocks.append(start or {})
+            out.append(event("content_block_start", index=len(self.blocks) - 1,
+                             content_block=start))  # fmt: skip
+        if next(iter(v for k, v in delta.items() if k != "type")):
+            out.append(event("content_block_delta", index=len(self.blocks) - 1, delta=delta))
+        return out
+
+    def _close(self) -> list[bytes]:
+        if not self.open_kind:
+            return []
+        self.open_kind = ""
+        return [event("content_block_stop", index=len(self.blocks) - 1)]
+
+    def closing(self, choice: Choice) -> list[bytes]:
+        reason, sequence = _stop_reason(choice)
+        usage = self.builder.usage
+        return [*self._close(),
+                event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
+                      usage={"output_tokens": usage.completion_tokens}),
+                event("message_stop")]  # fmt: skip
+
+
+def event(kind: str, **fields) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + json_line({"type": kind, **fields}) + b"\n\n"
+
+
+def _stop_reason(choice: Choice) -> tuple[str, str | None]:
+    """Anthropic's stop_reason, and the stop sequence that ended the output."""
+    reason = STOP_REASONS.get(choice.finish_reason or "", "end_turn")
+    if reason == "end_turn" and isinstance(choice.stop_reason, str):
+        return "stop_sequence", choice.stop_reason
+    return reason, None
+
+
+def _blocks(choice: Choice) -> list[dict[str, Any]]:
+    blocks: list[dict[str, Any]] = []
+    if choice.reasoning:
+        blocks.append({"type": "thinking", "thinking": choice.reasoning, "signature": ""})
+    if choice.text:
+        blocks.append({"type": "text", "text": choice.text})
+    for call in choice.output.calls if choice.output else ():
+        function = call["function"]
+        try:
+            arguments = json.loads(function["arguments"] or "{}")
+        except ValueError:  # the model wrote a call whose arguments do not parse
+            blocks.append({"type": "text", "text": function["arguments"]})
+            continue
+        blocks.append({"type": "tool_use", "id": call["id"], "name": function["name"],
+                       "input": arguments})  # fmt: skip
+    return blocks
+
+
+async def stream(engine, choice: Choice, pending, events: MessageEvents) -> AsyncIterator[bytes]:
+    """The events; a failure after the first is an error event."""
+    try:
+        for item in events.opening():
+            yield item
+        async for chunk in engine.stream(pending):
+            for item in events.piece(events.builder.apply(choice, chunk) or {}):
+                yield item
+        for item in events.closing(choice):
+            yield item
+    except RequestFailed as e:
+        yield event("error", error=anthropic_error(from_failure(e)))
+    except Exception as e:  # one request's bug: its stream ends, the process goes on
+        yield event("error", error=anthropic_error(internal_error(e, pending.request_id)))
+    finally:
+        engine.release(pending)
