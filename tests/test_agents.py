@@ -13,6 +13,8 @@ Outputs are scripted with output constraints (a router started with
 
 import json
 import re
+import subprocess
+import sys
 
 import anthropic
 import httpx
@@ -117,6 +119,23 @@ def streamed(stream) -> tuple[str, str, list, str | None]:
         calls += delta.tool_calls or []
         finish = chunk.choices[0].finish_reason or finish
     return reasoning, content, calls, finish
+
+
+@pytest.mark.parametrize(("flags", "line"), [
+    (["--reasoning-parser", "qwen3"], "flagstop-router: --reasoning-parser qwen3: the model's "
+     "tokenizer has no single token for '</think>'"),
+    (["--reasoning-parser", "openai_gptoss"], "flagstop-router: --reasoning-parser "
+     "openai_gptoss needs gpt-oss' tokenizer (o200k_harmony)"),
+    (["--tool-call-parser", "openai"], "flagstop-router: --tool-call-parser openai reads "
+     "gpt-oss's harmony format: set --reasoning-parser openai_gptoss with it"),
+])  # fmt: skip
+def test_a_parser_the_model_cannot_serve_stops_start_up_naming_it(model_dir, flags, line):
+    """The embedded model writes neither <think> tags nor harmony."""
+    command = [sys.executable, "-m", "flagstop.router", "--model", str(model_dir), "--port",
+               "0", "--http-port", str(free_port()), "--metrics-port", "0", *flags]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode in (1, 2)  # 2: the settings' own check, as argparse exits
+    assert done.stderr.strip().splitlines()[-1].startswith(line)
 
 
 # -- reasoning output ------------------------------------------------------------------

@@ -5,7 +5,7 @@ OpenAIRequest's (protocol.py), the tool choice a constraint of its own."""
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from flagstop.router.openai.protocol import Count, Int32, OpenAIRequest, structured_outputs
 from flagstop.v1 import generation_pb2
@@ -238,3 +238,20 @@ class ChatCompletionRequest(TemplateParams, OpenAIRequest):
         if self.logprobs:
             request.logprobs = self.top_logprobs or 0
         return request
+
+
+def as_chat(body) -> ChatCompletionRequest:
+    """The chat completion request another chat-shaped API's request (Responses,
+    Messages) stands for, from its chat_body(); validated as chat validates. Raises
+    OpenAIError (400) naming the field."""
+    from flagstop.router.openai.errors import OpenAIError
+
+    try:
+        return ChatCompletionRequest(**body.chat_body())
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        message = f"{where}: {first['msg'].removeprefix('Value error, ')}"
+    except ValueError as e:  # chat_body()'s own refusals
+        message = str(e)
+    raise OpenAIError(400, message)

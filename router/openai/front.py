@@ -92,6 +92,19 @@ class OpenAIFront:
             choices.append(choice)
         return choices
 
+    def start_one(self, http: Request, body, operation: str):
+        """A chat-shaped request of one choice (Responses, Messages: body is its chat
+        request) rendered, submitted, and its reader made: (builder, choice, pending)."""
+        path = self.chat_path
+        prompt = path.render(body)
+        outputs = path.outputs(body, prompt)
+        requests = self.with_adapter(path.requests(body, prompt), body.model)
+        [pending] = self.submit(requests, list(http.headers.items()), operation)
+        builder = self.builder(body, "chat")
+        [choice] = self.choices(body, [pending], lambda i, p: Choice(i, output=outputs()))
+        builder.usage.prompt_tokens = len(pending.prompt_token_ids)
+        return builder, choice, pending
+
     async def respond(
         self, http: Request, body, kind: str, requests, make: Callable[[int, Pending], Choice]
     ) -> Response:

@@ -21,6 +21,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from flagstop.router.auth import REFUSAL
 from flagstop.router.openai.bodies import Choice, ResponseBuilder
+from flagstop.router.openai.chat_request import as_chat
 from flagstop.router.openai.errors import (
     OpenAIError,
     anthropic_error,
@@ -29,7 +30,7 @@ from flagstop.router.openai.errors import (
     json_response,
 )
 from flagstop.router.openai.front import Front, until_disconnected
-from flagstop.router.openai.messages_request import MessagesRequest, chat_request
+from flagstop.router.openai.messages_request import MessagesRequest
 from flagstop.router.openai.sse import json_line
 from flagstop.router.output import RequestFailed
 
@@ -55,21 +56,13 @@ class CountTokensRequest(MessagesRequest):
 @api.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, front: Front) -> Response:
     front.check_model(body.model)
-    as_chat = _as_chat(body)
-    return json_response({"input_tokens": len(front.chat_path.render(as_chat).token_ids)})
+    return json_response({"input_tokens": len(front.chat_path.render(as_chat(body)).token_ids)})
 
 
 @api.post("/v1/messages")
 async def messages(body: MessagesRequest, http: Request, front: Front) -> Response:
     front.check_model(body.model)
-    as_chat, path = _as_chat(body), front.chat_path
-    prompt = path.render(as_chat)
-    outputs = path.outputs(as_chat, prompt)
-    requests = front.with_adapter(path.requests(as_chat, prompt), body.model)
-    [pending] = front.submit(requests, list(http.headers.items()), "chat")
-    builder = front.builder(as_chat, "chat")
-    [choice] = front.choices(as_chat, [pending], lambda i, p: Choice(i, output=outputs()))
-    builder.usage.prompt_tokens = len(pending.prompt_token_ids)
+    builder, choice, pending = front.start_one(http, as_chat(body), "chat")
     events = MessageEvents(body.model, builder)
     if body.stream:
         return StreamingResponse(stream(front.engine, choice, pending, events),
@@ -77,13 +70,6 @@ async def messages(body: MessagesRequest, http: Request, front: Front) -> Respon
                                  headers={"Cache-Control": "no-cache"})  # fmt: skip
     await until_disconnected(http, front.collect(builder, [choice], [pending]))
     return json_response(events.message(choice))
-
-
-def _as_chat(body: MessagesRequest):
-    try:
-        return chat_request(body)
-    except ValueError as e:
-        raise OpenAIError(400, str(e)) from None
 
 
 STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens"}

@@ -8,9 +8,9 @@ router/openai/messages.py turns the chat's output into Anthropic's message and e
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from flagstop.router.openai.chat_request import ChatCompletionRequest, shared_with_chat
+from flagstop.router.openai.chat_request import shared_with_chat
 from flagstop.router.openai.protocol import Count, EncodableText
 
 
@@ -171,13 +171,3 @@ def _chat_tool_choice(choice: ToolChoice) -> dict[str, Any]:
     else:
         body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
     return body
-
-
-def chat_request(body: MessagesRequest) -> ChatCompletionRequest:
-    """The chat completion request of a Messages request. Raises ValueError."""
-    try:
-        return ChatCompletionRequest(**body.chat_body())
-    except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ValueError(f"{where}: {first['msg'].removeprefix('Value error, ')}") from None

@@ -6,10 +6,10 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
 
 from flagstop.router.openai import responses_stream
-from flagstop.router.openai.bodies import Choice
-from flagstop.router.openai.errors import OpenAIError, json_response
+from flagstop.router.openai.chat_request import as_chat
+from flagstop.router.openai.errors import json_response
 from flagstop.router.openai.front import Front, authorized, until_disconnected
-from flagstop.router.openai.responses_request import ResponsesRequest, chat_request
+from flagstop.router.openai.responses_request import ResponsesRequest
 from flagstop.router.openai.responses_stream import ResponseEvents
 
 api = APIRouter(dependencies=[Depends(authorized)])
@@ -18,18 +18,7 @@ api = APIRouter(dependencies=[Depends(authorized)])
 @api.post("/v1/responses")
 async def responses(body: ResponsesRequest, http: Request, front: Front) -> Response:
     served = front.check_model(body.model)
-    try:
-        as_chat = chat_request(body)
-    except ValueError as e:
-        raise OpenAIError(400, str(e)) from None
-    path = front.chat_path
-    prompt = path.render(as_chat)
-    outputs = path.outputs(as_chat, prompt)
-    requests = front.with_adapter(path.requests(as_chat, prompt), body.model)
-    [pending] = front.submit(requests, list(http.headers.items()), "responses")
-    builder = front.builder(as_chat, "chat")
-    [choice] = front.choices(as_chat, [pending], lambda i, p: Choice(i, output=outputs()))
-    builder.usage.prompt_tokens = len(pending.prompt_token_ids)
+    builder, choice, pending = front.start_one(http, as_chat(body), "responses")
     events, engine = ResponseEvents(body, served), front.engine
     if body.stream:
         return StreamingResponse(

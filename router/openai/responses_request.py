@@ -8,9 +8,9 @@ conversation are refused, like every other field we know and do not implement.""
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from flagstop.router.openai.chat_request import ChatCompletionRequest, shared_with_chat
+from flagstop.router.openai.chat_request import shared_with_chat
 from flagstop.router.openai.protocol import Count, EncodableText
 
 
@@ -195,13 +195,3 @@ def _response_format(fmt: TextFormat) -> dict[str, Any]:
         "type": "json_schema",
         "json_schema": {"name": fmt.name, "schema": fmt.schema_, "strict": fmt.strict},
     }
-
-
-def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat completion request of a Responses request. Raises ValueError."""
-    try:
-        return ChatCompletionRequest(**body.chat_body())
-    except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ValueError(f"{where}: {first['msg'].removeprefix('Value error, ')}") from None
