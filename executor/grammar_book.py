@@ -18,7 +18,7 @@ import llguidance.torch
 import numpy as np
 import torch
 
-from flagstop.structured import GrammarError, GrammarSpec, refusal_of, to_grammar
+from flagstop.structured import NONE, GrammarError, GrammarSpec, refusal_of, to_grammar
 
 log = logging.getLogger("flagstop.executor")
 MAX_CACHED_GRAMMARS = 128
@@ -51,7 +51,7 @@ class GrammarBook:
     def compile(self, spec: GrammarSpec) -> float:
         """Compile (or find) a grammar: the seconds it took, 0 when cached. Raises
         GrammarError."""
-        if self._cached(spec.key) is not None:
+        if spec.kind == NONE or self._cached(spec.key) is not None:
             return 0.0
         started = time.perf_counter()
         matcher = llguidance.LLMatcher(self.tokenizer, to_grammar(spec), log_level=0)
@@ -86,7 +86,8 @@ class GrammarBook:
                 self.waiting[row] = waiting
                 return
             output_token_ids = constrained
-        self.matchers[row] = self._matcher(spec, output_token_ids)
+        if spec.kind != NONE:  # NONE: a budget alone, nothing after its trigger
+            self.matchers[row] = self._matcher(spec, output_token_ids)
 
     def _matcher(self, spec: GrammarSpec, output_token_ids: Sequence[int]):
         compiled = self._cached(spec.key)
@@ -112,14 +113,20 @@ class GrammarBook:
 
     def mask(self, logits: torch.Tensor, sampling_rows: np.ndarray) -> list[tuple[int, Any]]:
         """Forbid what each constrained row's grammar does not allow next: logits
-        [S, V] in place. Returns (logits row, matcher) of the constrained rows, for
-        accept(). A complete grammar allows only EOS."""
+        [S, V] in place; a waiting row past its budget is forced to its trigger.
+        Returns (logits row, matcher or Waiting) of those rows, for accept(). A
+        complete grammar allows only EOS."""
+        waiting = self._waiting_rows(sampling_rows)
+        _force(logits, waiting)
+        return self._mask_matchers(logits, sampling_rows) + waiting
+
+    def _mask_matchers(self, logits: torch.Tensor, sampling_rows: np.ndarray) -> list:
         matchers = self.matchers
         constrained = [
             (i, m) for i, row in enumerate(sampling_rows.tolist()) if (m := matchers.get(row))
         ]
         if not constrained:
-            return self._waiting_rows(sampling_rows)
+            return constrained
         n = len(constrained)
         bitmask = self.bitmask[:n]
         if self.executor is not None:
@@ -138,7 +145,7 @@ class GrammarBook:
         else:
             rows = torch.tensor([i for i, _ in constrained], device=logits.device)
             logits[rows] = logits[rows].masked_fill(forbidden, float("-inf"))
-        return constrained + self._waiting_rows(sampling_rows)
+        return constrained
 
     def valid_drafts(
         self, rows: np.ndarray, drafts: list[np.ndarray]
@@ -151,6 +158,8 @@ class GrammarBook:
             n = len(draft)
             if matcher is not None and n:
                 n = 0 if matcher.is_stopped() else matcher.validate_tokens(draft.tolist())
+            elif (waiting := self.waiting.get(row)) is not None:
+                n = min(n, waiting.drafts_allowed())
             out.append(draft[:n])
             kept.extend(range(start, start + n))
             start += len(draft)
@@ -163,11 +172,13 @@ class GrammarBook:
         starts = (np.cumsum(num_rows) - num_rows).tolist()
         draft_starts = (np.cumsum(drafts.num_drafts) - drafts.num_drafts).tolist()
         matchers, tokens = self.matchers, drafts.token_ids.tolist()
+        waiting = self._waiting_rows(sampling_rows)
+        _force(logits, waiting, starts)  # valid_drafts gave a forced row no drafts
         constrained = [
             (i, m) for i, row in enumerate(sampling_rows.tolist()) if (m := matchers.get(row))
         ]
         if not constrained:
-            return self._waiting_rows(sampling_rows)
+            return waiting
         n = sum(int(num_rows[i]) for i, _ in constrained)
         bitmask = llguidance.torch.allocate_token_bitmask(n, self.vocab_size)
         logit_rows, k = [], 0
@@ -185,7 +196,7 @@ class GrammarBook:
         forbidden = (allowed.view(n, -1)[:, : logits.shape[1]] == 0).to(logits.device)
         index = torch.tensor(logit_rows, device=logits.device)
         logits[index] = logits[index].masked_fill(forbidden, float("-inf"))
-        return constrained + self._waiting_rows(sampling_rows)
+        return constrained + waiting
 
     def accept(
         self, constrained: list[tuple[int, Any]], token_ids: list[int],
@@ -204,9 +215,11 @@ class GrammarBook:
             if isinstance(matcher, Waiting):
                 if (after := matcher.feed(tokens)) is None:
                     continue
-                row = matcher.row  # its trigger came: the constraint starts
+                row, spec = matcher.row, matcher.spec  # its trigger came: the constraint starts
                 del self.waiting[row]
-                matcher = self.matchers[row] = self._matcher(matcher.spec, [])
+                if spec.kind == NONE:
+                    continue
+                matcher = self.matchers[row] = self._matcher(spec, [])
                 tokens = after
             for token in tokens:
                 if matcher.is_stopped():
@@ -225,17 +238,46 @@ class Waiting:
     spec: GrammarSpec
     trigger: tuple[int, ...]
     seen: list[int] = field(default_factory=list)  # the output's last tokens, for a match
+    count: int = 0  # output tokens so far
 
     def feed(self, tokens: list[int]) -> list[int] | None:
         """The tokens after the trigger, once it has appeared (possibly none); None
         while it has not."""
+        self.count += len(tokens)
         n = len(self.trigger)
         seen = self.seen + tokens
         for end in range(n, len(seen) + 1):
             if tuple(seen[end - n : end]) == self.trigger:
                 return seen[end:]
-        self.seen = seen[len(seen) - n + 1 :] if n > 1 else []
+        self.seen = seen[-(n - 1) :] if n > 1 else []
         return None
+
+    def forced(self) -> int | None:
+        """The trigger's next token, when the budget is spent (a thinking-token budget:
+        the reasoning is ended for the model); None otherwise."""
+        budget = self.spec.force_after_within
+        if not budget or self.count < budget:
+            return None
+        trigger, seen = self.trigger, self.seen
+        begun = next((k for k in range(min(len(seen), len(trigger) - 1), 0, -1)
+                      if tuple(seen[-k:]) == trigger[:k]), 0)  # fmt: skip
+        return trigger[begun]
+
+    def drafts_allowed(self) -> int:
+        """Draft tokens this row may verify: none reaching the budget (where a token
+        is forced instead of verified)."""
+        budget = self.spec.force_after_within
+        return max(0, budget - self.count - 1) if budget else 1 << 30
+
+
+def _force(logits: torch.Tensor, waiting: list[tuple[int, Waiting]], rows=None) -> None:
+    """Each waiting row past its budget samples its trigger's next token, whatever the
+    model's logits say (logits row rows[i] of sampling index i; None: row i)."""
+    for i, row in waiting:
+        if (token := row.forced()) is not None:
+            at = i if rows is None else rows[i]
+            logits[at].fill_(float("-inf"))
+            logits[at, token] = 0.0
 
 
 def _tokenizer(model_dir: str, vocab_size: int, eos_token_ids: Sequence[int]):

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from flagstop.v1 import generation_pb2
 
 JSON_SCHEMA, REGEX, EBNF, LARK = "json_schema", "regex", "ebnf", "lark"
+NONE = ""  # no constraint: a thinking-token budget alone
 ANY_JSON_OBJECT = '{"type":"object"}'
 MAX_SPEC_CHARS = 1 << 17  # 128k characters of schema or grammar text
 MAX_CHOICES = 1024
@@ -39,6 +40,8 @@ class GrammarSpec:
     # The tokens after whose first appearance the constraint applies (the end of the
     # model's reasoning); empty: from the first token.
     after_token_ids: tuple[int, ...] = ()
+    # Forced when they have not appeared within this many output tokens; 0: never.
+    force_after_within: int = 0
 
     @property
     def key(self) -> str:
@@ -48,9 +51,14 @@ class GrammarSpec:
 
 def spec_from_proto(message: generation_pb2.StructuredOutputs) -> GrammarSpec:
     """The canonical spec of a request's constraint. Raises GrammarError."""
-    spec = _spec_of_kind(message)
+    budget = message.force_after_within
+    if message.WhichOneof("kind") is None and message.after_token_ids and budget > 0:
+        spec = GrammarSpec(NONE, "")
+    else:
+        spec = _spec_of_kind(message)
     if message.after_token_ids:
-        return dataclasses.replace(spec, after_token_ids=tuple(message.after_token_ids))
+        after = tuple(message.after_token_ids)
+        return dataclasses.replace(spec, after_token_ids=after, force_after_within=max(0, budget))
     return spec
 
 
@@ -71,7 +79,10 @@ def _spec_of_kind(message: generation_pb2.StructuredOutputs) -> GrammarSpec:
 
 
 def spec_to_proto(spec: GrammarSpec) -> generation_pb2.StructuredOutputs:
-    after = {"after_token_ids": spec.after_token_ids}
+    after = {"after_token_ids": spec.after_token_ids,
+             "force_after_within": spec.force_after_within}  # fmt: skip
+    if spec.kind == NONE:
+        return generation_pb2.StructuredOutputs(**after)
     if spec.kind == JSON_SCHEMA:
         return generation_pb2.StructuredOutputs(json_schema=spec.text, strict=spec.strict, **after)
     if spec.kind == REGEX:
@@ -168,6 +179,8 @@ def check(spec: GrammarSpec) -> str | None:
     refusals included (a client retrying a bad schema costs a lookup)."""
     from llguidance import LLMatcher
 
+    if spec.kind == NONE:
+        return None
     try:
         error = LLMatcher.validate_grammar(to_grammar(spec))
     except GrammarError as e:

@@ -258,6 +258,32 @@ def test_an_output_constraint_waits_for_the_reasoning_to_end(strict, thinking_mo
         assert re.fullmatch("[0-9]{3}", content), content
 
 
+def test_a_thinking_budget_ends_the_reasoning_then_the_constraint_holds(strict):
+    """The random model never ends its reasoning by itself; with a budget of 5 tokens
+    its end is forced there, and the answer after it is held to the constraint."""
+    client = openai.OpenAI(base_url=f"{strict}/v1", api_key="sesame", max_retries=0)
+    free = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=24, seed=1,
+                                          temperature=1.0)  # fmt: skip
+    assert free.usage.completion_tokens_details.reasoning_tokens == 24, "reasons to the end"
+    for extra, answer in (({}, ".+"), ({"guided_regex": "[0-9]{3}"}, "[0-9]{3}")):
+        reply = client.chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=24, seed=1, temperature=1.0,
+            extra_body={"thinking_token_budget": 5, **extra},
+        )  # fmt: skip
+        message = reply.choices[0].message
+        assert reply.usage.completion_tokens_details.reasoning_tokens <= 6  # and </think>
+        assert reasoning_of(message) and re.fullmatch(answer, message.content, re.S)
+
+
+def test_messages_thinking_budget_tokens_is_the_budget(strict):
+    claude = anthropic.Anthropic(base_url=strict, api_key="sesame", max_retries=0)
+    message = claude.messages.create(
+        model=MODEL, max_tokens=24, messages=ASK,
+        thinking={"type": "enabled", "budget_tokens": 4}, extra_body={"seed": 1},
+    )  # fmt: skip
+    assert [b.type for b in message.content] == ["thinking", "text"]
+
+
 # -- tool calls ------------------------------------------------------------------------
 
 

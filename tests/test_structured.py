@@ -253,6 +253,36 @@ def test_a_constraint_after_a_trigger_starts_when_the_trigger_is_sampled(model_d
         regex="a", after_token_ids=trigger)).after_token_ids) == trigger  # fmt: skip
 
 
+def test_a_thinking_budget_forces_the_trigger_and_holds_drafts_short_of_it(model_dir):
+    import numpy as np
+    import torch
+
+    from flagstop.executor.grammar_book import GrammarBook
+    from flagstop.structured import NONE
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    trigger = tuple(tokenizer("</x>", add_special_tokens=False).input_ids)
+    book = GrammarBook(str(model_dir), len(tokenizer), [tokenizer.eos_token_id], 4)
+    book.add(0, GrammarSpec(NONE, "", after_token_ids=trigger, force_after_within=3), [9])
+    assert book.valid_drafts(np.array([0]), [np.array([5, 6, 7])])[0][0].tolist() == [5]
+    forced = []
+    for token in range(11, 19):  # the model's own picks, overridden past the budget
+        logits = torch.zeros(1, len(tokenizer))
+        waiting = book.mask(logits, np.array([0]))
+        if torch.isinf(logits).any():
+            forced.append(int(logits.argmax()))
+            token = forced[-1]
+        book.accept(waiting, [token])
+        if not book.waiting:
+            break
+    assert tuple(forced) == trigger, "the trigger forced, token by token, from the budget on"
+    assert not book.matchers and not book.waiting, "a budget alone: nothing after it"
+    assert spec_from_proto(generation_pb2.StructuredOutputs(
+        after_token_ids=list(trigger), force_after_within=3)).kind == NONE  # fmt: skip
+    with pytest.raises(GrammarError):  # neither a constraint nor a budget
+        spec_from_proto(generation_pb2.StructuredOutputs(after_token_ids=list(trigger)))
+
+
 # -- 50 sampled completions per case, through both APIs --------------------------------
 
 

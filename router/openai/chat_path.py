@@ -34,15 +34,31 @@ class ChatPath:
     def requests(
         self, body: ChatCompletionRequest, prompt: Rendered
     ) -> list[generation_pb2.GenerateRequest]:
-        """A request per choice; an output constraint waits for the reasoning's end."""
-        waits = self.reasoning.constraint_waits(
-            prompt, self.settings.structured_outputs_in_reasoning
-        )
+        """A request per choice; an output constraint waits for the reasoning's end, and
+        a thinking-token budget forces that end. Raises OpenAIError (400)."""
+        in_reasoning = self.settings.structured_outputs_in_reasoning
+        waits = self.reasoning.constraint_waits(prompt, in_reasoning)
+        budget = self._budget(body, prompt)
         requests = [body.choice_request(prompt.token_ids, j) for j in range(body.n)]
         for request in requests:
-            if waits and request.HasField("structured_outputs"):
+            constrained = request.HasField("structured_outputs")
+            if waits and (constrained or budget):
                 request.structured_outputs.after_token_ids.extend(waits)
+                request.structured_outputs.force_after_within = budget
         return requests
+
+    def _budget(self, body: ChatCompletionRequest, prompt: Rendered) -> int:
+        """thinking_token_budget, where there is a reasoning to end (0: none). Without
+        a reasoning parser the output is all answer, as far as this router can tell:
+        the budget is met (Anthropic's clients send one with every thinking request)."""
+        budget = body.thinking_token_budget
+        if budget is None or self.reasoning.format is None:
+            return 0
+        if self.settings.structured_outputs_in_reasoning:
+            raise OpenAIError(400, "thinking_token_budget ends the reasoning, which "
+                              "--structured-outputs-in-reasoning constrains from its start: "
+                              "drop one of them", "thinking_token_budget")  # fmt: skip
+        return max(budget, 1)
 
     def outputs(self, body: ChatCompletionRequest, prompt: Rendered) -> Callable[[], ChatOutput]:
         """What makes each choice's output reader. Raises RequestRejected ("auto"

@@ -92,7 +92,7 @@ SHARED_WITH_CHAT = (
     "seed", "stop", "ignore_eos", "top_k", "min_p", "min_tokens", "repetition_penalty",
     "frequency_penalty", "presence_penalty", "logit_bias", "stop_token_ids", "priority",
     "user", "num_speculative_tokens", "structured_outputs", "chat_template_kwargs",
-    "include_reasoning", "reasoning_effort",
+    "include_reasoning", "reasoning_effort", "thinking_token_budget",
 )  # fmt: skip
 
 
@@ -145,6 +145,8 @@ class ChatCompletionRequest(TemplateParams, OpenAIRequest):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
     include_reasoning: bool = True  # vLLM's: false leaves the reasoning out of the reply
+    # vLLM's: the reasoning's tokens at most; then its end is forced (a reasoning parser).
+    thinking_token_budget: Count | None = None
     # The legacy function calling: refused, with what to send instead.
     functions: list[Any] | None = None
     function_call: Any = None

@@ -111,6 +111,10 @@ class HarmonyPath(ChatPath):
         return content.with_function_tools(tools) if tools else content
 
     def requests(self, body: ChatCompletionRequest, prompt: Rendered):
+        if body.thinking_token_budget is not None:
+            raise OpenAIError(400, "thinking_token_budget is not served with harmony: "
+                              "gpt-oss' analysis cannot be cut into its final channel; send "
+                              "reasoning_effort low", "thinking_token_budget")  # fmt: skip
         waits = [] if self.settings.structured_outputs_in_reasoning else self.final_token_ids
         requests = [body.choice_request(prompt.token_ids, j) for j in range(body.n)]
         for request in requests:

@@ -95,6 +95,8 @@ class MessagesRequest(EncodableText):
         if self.thinking is not None:  # what Qwen3's, DeepSeek-V3.1's and GLM's templates read
             switch = {"enable_thinking": self.thinking.type != "disabled"}
             extra["chat_template_kwargs"] = {**switch, **extra.get("chat_template_kwargs", {})}
+            if self.thinking.type == "enabled" and self.thinking.budget_tokens:
+                extra["thinking_token_budget"] = self.thinking.budget_tokens
         body = {k: v for k, v in body.items() if v is not None}
         return {**extra, **body}
 
