@@ -239,10 +239,14 @@ class Waiting:
     trigger: tuple[int, ...]
     seen: list[int] = field(default_factory=list)  # the output's last tokens, for a match
     count: int = 0  # output tokens so far
+    head: list[int] = field(default_factory=list)  # its first ones, for the opening
 
     def feed(self, tokens: list[int]) -> list[int] | None:
         """The tokens after the trigger, once it has appeared (possibly none); None
         while it has not."""
+        opening = len(self.spec.open_token_ids)
+        if len(self.head) < opening:
+            self.head += tokens[: opening - len(self.head)]
         self.count += len(tokens)
         n = len(self.trigger)
         seen = self.seen + tokens
@@ -256,7 +260,7 @@ class Waiting:
         """The trigger's next token, when the budget is spent (a thinking-token budget:
         the reasoning is ended for the model); None otherwise."""
         budget = self.spec.force_after_within
-        if not budget or self.count < budget:
+        if not budget or self._spent() < budget:
             return None
         trigger, seen = self.trigger, self.seen
         begun = next((k for k in range(min(len(seen), len(trigger) - 1), 0, -1)
@@ -267,7 +271,18 @@ class Waiting:
         """Draft tokens this row may verify: none reaching the budget (where a token
         is forced instead of verified)."""
         budget = self.spec.force_after_within
-        return max(0, budget - self.count - 1) if budget else 1 << 30
+        return max(0, budget - self._spent() - 1) if budget else 1 << 30
+
+    def _spent(self) -> int:
+        """The reasoning's tokens so far, as the budget counts them: from the opening
+        tokens when the model opens its reasoning itself (none if its output does not
+        start with them: there is no reasoning to end)."""
+        opening = self.spec.open_token_ids
+        if not opening:
+            return self.count
+        if len(self.head) < len(opening) or tuple(self.head) != opening:
+            return 0
+        return self.count - len(opening)
 
 
 def _force(logits: torch.Tensor, waiting: list[tuple[int, Waiting]], rows=None) -> None:

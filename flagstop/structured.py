@@ -42,6 +42,8 @@ class GrammarSpec:
     after_token_ids: tuple[int, ...] = ()
     # Forced when they have not appeared within this many output tokens; 0: never.
     force_after_within: int = 0
+    # The budget counts from these when the output starts with them (else never).
+    open_token_ids: tuple[int, ...] = ()
 
     @property
     def key(self) -> str:
@@ -57,8 +59,10 @@ def spec_from_proto(message: generation_pb2.StructuredOutputs) -> GrammarSpec:
     else:
         spec = _spec_of_kind(message)
     if message.after_token_ids:
-        after = tuple(message.after_token_ids)
-        return dataclasses.replace(spec, after_token_ids=after, force_after_within=max(0, budget))
+        return dataclasses.replace(
+            spec, after_token_ids=tuple(message.after_token_ids),
+            force_after_within=max(0, budget), open_token_ids=tuple(message.open_token_ids),
+        )  # fmt: skip
     return spec
 
 
@@ -80,7 +84,8 @@ def _spec_of_kind(message: generation_pb2.StructuredOutputs) -> GrammarSpec:
 
 def spec_to_proto(spec: GrammarSpec) -> generation_pb2.StructuredOutputs:
     after = {"after_token_ids": spec.after_token_ids,
-             "force_after_within": spec.force_after_within}  # fmt: skip
+             "force_after_within": spec.force_after_within,
+             "open_token_ids": spec.open_token_ids}  # fmt: skip
     if spec.kind == NONE:
         return generation_pb2.StructuredOutputs(**after)
     if spec.kind == JSON_SCHEMA:

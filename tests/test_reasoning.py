@@ -78,3 +78,23 @@ def test_the_chat_fields_that_shape_the_prompt():
                 dict(chat_template_kwargs={"tools": []})):  # fmt: skip
         with pytest.raises(ValueError):
             chat(**bad).template_options(None)
+
+
+def test_a_thinking_budget_counts_from_the_models_own_think(tmp_path):
+    from transformers import AutoTokenizer
+
+    from flagstop.router.chat import ChatTemplate
+    from flagstop.router.openai.chat_path import ChatPath
+    from flagstop.router.settings import RouterSettings
+    from tools.make_model import VOCAB_SIZE, write_model
+
+    tokenizer = AutoTokenizer.from_pretrained(write_model(tmp_path / "m", thinking=True))
+    path = ChatPath(ChatTemplate(tokenizer), RouterSettings(reasoning_parser="qwen3"), tokenizer)
+    body = chat(thinking_token_budget=8)
+    [request] = path.requests(body, path.render(body))
+    budget = request.structured_outputs
+    assert (budget.force_after_within, list(budget.open_token_ids),
+            list(budget.after_token_ids)) == (8, [VOCAB_SIZE], [VOCAB_SIZE + 1])  # fmt: skip
+    off = chat(thinking_token_budget=8, chat_template_kwargs={"enable_thinking": False})
+    [request] = path.requests(off, path.render(off))
+    assert not request.HasField("structured_outputs"), "the template closed it: no budget"

@@ -279,6 +279,15 @@ def test_a_thinking_budget_forces_the_trigger_and_holds_drafts_short_of_it(model
     assert not book.matchers and not book.waiting, "a budget alone: nothing after it"
     assert spec_from_proto(generation_pb2.StructuredOutputs(
         after_token_ids=list(trigger), force_after_within=3)).kind == NONE  # fmt: skip
+    # A model that opens its reasoning itself: counted from its opening, and only when
+    # its output starts with it.
+    opened = GrammarSpec(NONE, "", after_token_ids=trigger, force_after_within=2,
+                         open_token_ids=(7,))  # fmt: skip
+    book.add(1, opened, [7, 9])
+    book.add(2, opened, [9, 7, 9, 9, 9])
+    assert [w.forced() for w in (book.waiting[1], book.waiting[2])] == [None, None]
+    book.accept([(0, book.waiting[1])], [9])
+    assert book.waiting[1].forced() == trigger[0]
     with pytest.raises(GrammarError):  # neither a constraint nor a budget
         spec_from_proto(generation_pb2.StructuredOutputs(after_token_ids=list(trigger)))
 

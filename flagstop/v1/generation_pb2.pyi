@@ -130,7 +130,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., priority: _Optional[int] = ..., logprobs: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., structured_outputs: _Optional[_Union[StructuredOutputs, _Mapping]] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., prompt_logprobs: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class StructuredOutputs(_message.Message):
-    __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar", "strict", "after_token_ids", "force_after_within", "num_prompt_tokens_constrained")
+    __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar", "strict", "after_token_ids", "force_after_within", "open_token_ids", "num_prompt_tokens_constrained")
     JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
     JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
     REGEX_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +139,7 @@ class StructuredOutputs(_message.Message):
     STRICT_FIELD_NUMBER: _ClassVar[int]
     AFTER_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FORCE_AFTER_WITHIN_FIELD_NUMBER: _ClassVar[int]
+    OPEN_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_CONSTRAINED_FIELD_NUMBER: _ClassVar[int]
     json_schema: str
     json_object: bool
@@ -148,8 +149,9 @@ class StructuredOutputs(_message.Message):
     strict: bool
     after_token_ids: _containers.RepeatedScalarFieldContainer[int]
     force_after_within: int
+    open_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_prompt_tokens_constrained: int
-    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., grammar: _Optional[str] = ..., strict: _Optional[bool] = ..., after_token_ids: _Optional[_Iterable[int]] = ..., force_after_within: _Optional[int] = ..., num_prompt_tokens_constrained: _Optional[int] = ...) -> None: ...
+    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., grammar: _Optional[str] = ..., strict: _Optional[bool] = ..., after_token_ids: _Optional[_Iterable[int]] = ..., force_after_within: _Optional[int] = ..., open_token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens_constrained: _Optional[int] = ...) -> None: ...
 
 class Choices(_message.Message):
     __slots__ = ("choices",)

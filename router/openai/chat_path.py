@@ -44,7 +44,9 @@ class ChatPath:
             constrained = request.HasField("structured_outputs")
             if waits and (constrained or budget):
                 request.structured_outputs.after_token_ids.extend(waits)
+            if waits and budget:
                 request.structured_outputs.force_after_within = budget
+                request.structured_outputs.open_token_ids.extend(self.reasoning.opening(prompt))
         return requests
 
     def _budget(self, body: ChatCompletionRequest, prompt: Rendered) -> int:

@@ -97,8 +97,10 @@ class ReasoningSetup:
         self.name = name
         self.format: ThinkFormat | None = FORMATS.get(name) if name else None
         self.end_token_ids: list[int] = []
+        self.start_token_ids: list[int] = []
         if self.format is not None:
             end = self.format.end
+            self.start_token_ids = tokenizer(self.format.start, add_special_tokens=False).input_ids
             self.end_token_ids = tokenizer(end, add_special_tokens=False).input_ids
             if len(self.end_token_ids) != 1:
                 raise StartupError(
@@ -113,6 +115,14 @@ class ReasoningSetup:
             return NoReasoning
         opened = fmt.opened_by(prompt.text) and not fmt.closed_by(prompt.text)
         return lambda: ThinkParser(fmt, opened)
+
+    def opening(self, prompt: Rendered) -> list[int]:
+        """The tokens the model opens its reasoning with, where the prompt did not open
+        it (a thinking budget counts from them); none where it did."""
+        fmt = self.format
+        if fmt is None or fmt.opened_by(prompt.text):
+            return []
+        return self.start_token_ids
 
     def constraint_waits(self, prompt: Rendered, in_reasoning: bool) -> list[int]:
         """The tokens an output constraint starts after: the reasoning's end, unless the
