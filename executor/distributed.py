@@ -40,6 +40,7 @@ log = logging.getLogger("flagstop.executor.tp")
 WORKER_CONFIG = "FLAGSTOP_TP_WORKER_CONFIG"  # a spawned rank's settings, as JSON
 ERROR_KEY = "flagstop/error/{rank}"
 LOADED_KEY = "flagstop/loaded/{rank}"
+LEFT_KEY = "flagstop/left/{rank}"
 
 
 @dataclass(slots=True)
@@ -163,6 +164,16 @@ class Group:
                 child.kill()
                 child.wait()
 
+    def wait_left(self, grace_s: float) -> None:
+        """Up to grace_s for every other rank to have left the group (leave()): rank 0
+        hosts the store and is the other end of every connection, so it stays until
+        they have torn theirs down. Ranks it started are waited for as processes too;
+        torchrun's others only this way."""
+        keys = [LEFT_KEY.format(rank=rank) for rank in range(1, self.tp.size)]
+        deadline = time.monotonic() + grace_s
+        while keys and not self.store.check(keys) and time.monotonic() < deadline:
+            time.sleep(0.02)
+
     def worker_error(self) -> str:
         """The first error another rank reported, or why a rank we started is gone."""
         for rank in range(1, self.tp.size):
@@ -243,6 +254,7 @@ class GroupDriver:
         if group is not None:
             try:
                 group.send(STOP)
+                group.wait_left(grace_s=5.0)
             except Exception as e:
                 log.warning("the tensor-parallel ranks did not take the stop: %s", e)
             group.stop_children(grace_s=5.0)
@@ -285,6 +297,15 @@ def join(group: Group) -> None:
                             rank=tp.rank, world_size=tp.size, timeout=timeout)  # fmt: skip
     tp.device_group = dist.group.WORLD
     tp.cpu_group = dist.new_group(backend="gloo", timeout=timeout)
+
+
+def leave(group: Group) -> None:
+    """A rank other than 0, told to stop: its process groups torn down while rank 0
+    is still up, then rank 0 told so. (Exiting with them up while rank 0 exited too
+    aborted this rank once in a loaded run: SIGABRT in torch's teardown, the peers'
+    connections and the store closing under it.)"""
+    dist.destroy_process_group()
+    group.store.set(LEFT_KEY.format(rank=group.tp.rank), "1")
 
 
 def report_error(group: Group, error: Exception) -> None:

@@ -14,6 +14,7 @@ from flagstop.executor.convert import plan_from_proto
 from flagstop.executor.distributed import (
     Membership,
     join,
+    leave,
     report_error,
     spawned_config,
     start_group,
@@ -53,6 +54,7 @@ def follow(config: ExecutorConfig, membership: Membership) -> None:
                 generation_pb2.UnloadLoRAAdapterRequest.FromString(payload).lora_name
             )
         elif kind == STOP:
+            leave(group)
             return
 
 

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from flagstop.router.openai.errors import OpenAIError
 from flagstop.router.openai.protocol import Count, Int32, OpenAIRequest, structured_outputs
 from flagstop.v1 import generation_pb2
 
@@ -246,8 +247,6 @@ def as_chat(body) -> ChatCompletionRequest:
     """The chat completion request another chat-shaped API's request (Responses,
     Messages) stands for, from its chat_body(); validated as chat validates. Raises
     OpenAIError (400) naming the field."""
-    from flagstop.router.openai.errors import OpenAIError
-
     try:
         return ChatCompletionRequest(**body.chat_body())
     except ValidationError as e:

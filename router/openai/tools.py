@@ -10,7 +10,7 @@ whole response and finish_reason "tool_calls"."""
 from typing import Any, Protocol
 
 from flagstop.router.openai.chat_request import ChatCompletionRequest, ToolSpec
-from flagstop.router.openai.tool_parsers import PARSERS, RequiredCalls, new_call_id
+from flagstop.router.openai.tool_parsers import PARSERS, Call, RequiredCalls, new_call_id
 from flagstop.scheduler_svc.core.limits import RequestRejected
 
 
@@ -37,30 +37,27 @@ class ToolParser(Protocol):
     def feed(self, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]: ...
 
 
-def _call(name: str, arguments: str) -> dict[str, Any]:
-    return {"id": new_call_id(), "type": "function",
-            "function": {"name": name, "arguments": arguments}}  # fmt: skip
-
-
-def _delta(index: int, call: dict[str, Any]) -> dict[str, Any]:
-    return {"index": index, **call}
-
-
 class NamedCall:
     """A named tool_choice: the whole output is the call's arguments (constrained to
     its schema), streamed as argument deltas after a first delta naming the call."""
 
     def __init__(self, name: str) -> None:
-        self.calls = [_call(name, "")]
+        self.call = Call(0, name, new_call_id())
         self.opened = False
 
+    @property
+    def calls(self) -> list[dict[str, Any]]:
+        return [self.call.as_dict()]
+
     def feed(self, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
-        call = self.calls[0]
-        call["function"]["arguments"] += text
+        deltas = []
         if not self.opened:
             self.opened = True
-            return "", [_delta(0, {**call, "function": {**call["function"], "arguments": text}})]
-        return "", [{"index": 0, "function": {"arguments": text}}] if text else []
+            deltas.append({"index": 0, **self.call.as_dict()})
+        if text:
+            self.call.arguments += text
+            deltas.append({"index": 0, "function": {"arguments": text}})
+        return "", deltas
 
 
 def parser_factory(body: ChatCompletionRequest, configured: str | None):
