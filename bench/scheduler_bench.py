@@ -6,6 +6,12 @@ Decode rows: N running requests, each gets one token per step (steady state, two
 steps in flight as in the service). Mixed row: 256 decodes while 512-token prompts
 keep arriving and are chunk-prefilled under a 2048-token budget, requests finishing
 and being replaced. The executor's side (building the sampled-token map) is not timed.
+
+Admission under memory pressure: the same Poisson arrivals (5 % of prompts 2-4k
+tokens, the rest 64-512; 16-128 output tokens) run to the end on a pool that holds
+a fraction of them, once per admission rule: preemptions, recomputed tokens (those
+scheduled again below a request's high-water mark: its prefix hits are not) and the
+latency in steps from arrival to the last token.
 """
 
 import argparse
@@ -85,6 +91,68 @@ def measure(load: Load, steps: int, warmup: int) -> tuple[float, int]:
     return statistics.median(times), round(statistics.median(running))
 
 
+PRESSURE_RULES = (
+    ("first chunk fits (--no-reserve-full-isl)", False),
+    ("whole sequence fits (default)", True),
+)
+
+
+def pressure(reserve_full_isl: bool, num_requests: int = 400, seed: int = 0) -> dict:
+    """One memory-bound run to the end (0.5 arrivals a step, 768 blocks of 16)."""
+    rng = random.Random(seed)
+    config = SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=256, max_model_len=8192,
+                             block_size=BLOCK_SIZE, reserve_full_isl=reserve_full_isl)  # fmt: skip
+    scheduler, arrivals, t = Scheduler(config, num_blocks=768), deque(), 0.0
+    for i in range(num_requests):
+        t += rng.expovariate(0.5)
+        num_prompt = rng.randrange(2048, 4096) if rng.random() < 0.05 else rng.randrange(64, 512)
+        prompt = [rng.randrange(VOCAB) for _ in range(num_prompt)]
+        stop = StopParams(rng.randrange(16, 128), ignore_eos=True)
+        arrivals.append((t, Request(f"r{i}", "o", prompt, stop)))
+    arrived, latency, high_water, in_flight = {}, [], {}, deque()
+    num_recomputed, cpu_s, step_id = 0, 0.0, 0
+    while arrivals or scheduler.has_unfinished_requests():
+        while arrivals and arrivals[0][0] <= step_id:
+            request = arrivals.popleft()[1]
+            scheduler.add_request(request)
+            arrived[request.request_id] = step_id
+        t0 = time.process_time()
+        plan = scheduler.schedule()
+        cpu_s += time.process_time() - t0
+        for request_id, num in plan.num_scheduled_tokens.items():
+            end = scheduler.requests[request_id].num_computed_tokens
+            mark = high_water.get(request_id, 0)
+            num_recomputed += max(0, min(end, mark) - (end - num))
+            high_water[request_id] = max(mark, end)
+        in_flight.append(
+            (plan, StepOutcome([rng.randrange(VOCAB) for _ in plan.sampling_requests]))
+        )
+        while len(in_flight) == 2 or (in_flight and not plan.num_scheduled_tokens):
+            for out in scheduler.update_from_output(*in_flight.popleft()).values():
+                latency += [step_id - arrived[request_id] for request_id in out.finished]
+        step_id += 1
+    q = statistics.quantiles(latency, n=100)
+    return {
+        "preemptions": scheduler.num_preemptions,
+        "recomputed": num_recomputed,
+        "steps": step_id,
+        "p50": q[49],
+        "p99": q[98],
+        "cpu_us": cpu_s / step_id * 1e6,
+    }
+
+
+def pressure_table() -> str:
+    lines = ["| admission rule | preemptions | recomputed tokens | steps to drain | "
+             "latency p50 / p99 (steps) | schedule() CPU µs a step |",
+             "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for name, rule in PRESSURE_RULES:
+        r = pressure(rule)
+        lines.append(f"| {name} | {r['preemptions']} | {r['recomputed']} | {r['steps']} | "
+                     f"{r['p50']:.0f} / {r['p99']:.0f} | {r['cpu_us']:.0f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
@@ -104,12 +172,16 @@ def main() -> None:
     ]
     table = "\n".join(lines)
     print(table)
+    admission = pressure_table()
+    print(admission)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(
         f"# Scheduler hot path\n\n`python bench/scheduler_bench.py --steps {args.steps}` on "
         f"{date.today()}, {cpu_name()} ({os.cpu_count()} cores), Python "
         f"{sys.version.split()[0]}: median of schedule() + update_from_output() per step."
-        f"\n\n{table}\n"
+        f"\n\n{table}\n\n## Admission under memory pressure\n\n400 requests, Poisson arrivals "
+        "(0.5 a step; 5 % of prompts 2-4k tokens, the rest 64-512; 16-128 output tokens), "
+        f"768 blocks of 16, FCFS, run to the end:\n\n{admission}\n"
     )
 
 

@@ -35,6 +35,10 @@ class SchedulerSettings(ServiceSettings):
     """largest prefill chunk of one request in a step; 0: no cap"""
     no_chunked_prefill: bool = False
     no_prefix_caching: bool = False
+    reserve_full_isl: bool = CORE.reserve_full_isl
+    """admit a request only when the KV cache could hold its whole prompt (and outputs
+    so far); --no-reserve-full-isl: as soon as its first chunk fits (the old rule,
+    which thrashes under memory pressure)"""
     policy: Literal[tuple(POLICIES)] = CORE.policy  # type: ignore[valid-type]
     """remote: a SchedulerPolicy service at --policy-addr"""
     policy_addr: str = "127.0.0.1:50060"

@@ -13,11 +13,25 @@ def test_free_queue_is_lru_and_removes_from_the_middle():
     pool = BlockPool(5)
     a, b, c = pool.get_new_blocks(3)
     assert ids(pool.free_queue) == [3, 4]
+    for block, block_hash in ((a, b"a"), (b, b"b"), (c, b"c")):
+        pool.cache_block(block, block_hash)
     pool.free_blocks([c, a, b])
     assert ids(pool.free_queue) == [3, 4, 2, 0, 1]
     pool.touch([pool.blocks[2]])  # a prefix hit revives a free block from the middle
     assert ids(pool.free_queue) == [3, 4, 0, 1]
     assert pool.blocks[2].ref_cnt == 1 and pool.num_free_blocks == 4
+
+
+def test_blocks_without_a_hash_are_reused_before_cached_ones():
+    pool = BlockPool(4)
+    a, b, c, d = pool.get_new_blocks(4)
+    pool.cache_block(a, b"a")
+    pool.cache_block(c, b"c")
+    pool.free_blocks([a, b])  # cached a to the tail, b (no hash) to the head
+    pool.free_blocks([c, d])
+    assert ids(pool.free_queue) == [3, 1, 0, 2]
+    assert ids(pool.get_new_blocks(2)) == [3, 1]  # no prefix evicted
+    assert pool.get_cached_block(b"a") is a and pool.get_cached_block(b"c") is c
 
 
 def test_get_new_blocks_refuses_more_than_free():

@@ -25,7 +25,9 @@ def make(num_blocks: int = 8, tier_slots: int = 16, **overrides) -> Scheduler:
 def flush_pool(scheduler: Scheduler, tag: int = 100) -> None:
     """Run unrelated prompts that fill the pool, evicting every cached block."""
     num_tokens = scheduler.kv.pool.num_blocks * BS // 2 - 2
-    for i in range(2):
+    # Four halves: blocks without a hash are reused first, so the first two only
+    # take what nothing cached; the last two evict the rest.
+    for i in range(4):
         base = tag + 40 * i
         prompt = list(range(base, base + num_tokens))
         scheduler.add_request(make_request(f"flush{tag}-{i}", prompt=prompt, max_tokens=1))

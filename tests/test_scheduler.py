@@ -31,6 +31,26 @@ def step_until_preemption(scheduler: Scheduler, max_steps: int = 50) -> Schedule
 # -- admission -------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("reserve_full_isl", [True, False])
+def test_a_long_prompt_waits_until_the_pool_could_hold_it_whole(reserve_full_isl):
+    # 16 blocks of 4: a decode holds 3 of them; the 56-token prompt needs 14 more,
+    # 13 free: whole it does not fit, its first 16-token chunk does.
+    scheduler = make_scheduler(num_blocks=16, max_num_batched_tokens=16,
+                               reserve_full_isl=reserve_full_isl)  # fmt: skip
+    scheduler.add_request(make_request("decode", num_prompt=8, max_tokens=40, ignore_eos=True))
+    step(scheduler)
+    step(scheduler)
+    scheduler.add_request(make_request("long", num_prompt=56, max_tokens=4))
+    assert scheduler.num_free_blocks == 13
+    plan, _ = step(scheduler)
+    admitted = [r.req_id for r in plan.scheduled_new_reqs]
+    assert admitted == ([] if reserve_full_isl else ["long"])
+    run_to_idle(scheduler)
+    # The old rule's loop: the decode's growth preempts the prompt it let in.
+    assert (scheduler.num_preemptions > 0) is not reserve_full_isl
+    check_idle(scheduler)
+
+
 @pytest.mark.parametrize(
     ("request_kw", "message"),
     [

@@ -81,8 +81,10 @@ def test_a_small_pool_preempts_and_recomputes_token_exact(windowed):
     # (its preemptions: the state machine's "window" layout).
     windowed_only = "mistral" in path.name
     num_blocks = 14 if windowed_only else 40
-    run = run_engine(_runner(path, num_blocks=num_blocks), jobs,
-                     _config(max_num_batched_tokens=32), num_blocks=num_blocks)  # fmt: skip
+    # Admitted as soon as a first chunk fits (not the default), these prompts outgrow
+    # the pool and preempt one another: the recompute path is what is under test.
+    config = _config(max_num_batched_tokens=32, reserve_full_isl=False)
+    run = run_engine(_runner(path, num_blocks=num_blocks), jobs, config, num_blocks=num_blocks)
     assert windowed_only or run.scheduler.num_preemptions > 0
     _assert_equal_to_transformers(reference, jobs, run.outputs)
 

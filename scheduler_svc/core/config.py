@@ -14,6 +14,11 @@ class SchedulerConfig:
     no_chunked_prefill: bool = False
     no_prefix_caching: bool = False
     policy: str = "fcfs"
+    # Admit a waiting request only when the pool could hold its whole known sequence
+    # (vLLM's scheduler_reserve_full_isl). False: as soon as its first chunk fits,
+    # which under memory pressure admits a long prompt, preempts it the next step and
+    # loops (bench/scheduler_bench.py's memory-bound row).
+    reserve_full_isl: bool = True
     # Speculative decoding: the most draft tokens a decode gets a step (the executor's
     # --speculative-config; 0: off), and the rule that adapts it (speculative.py).
     num_speculative_tokens: int = 0

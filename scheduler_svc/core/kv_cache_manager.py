@@ -226,6 +226,19 @@ class KVCacheManager:
             return [b.block_id for b in new_blocks[0]]
         return [b.block_id for position in zip(*new_blocks, strict=True) for b in position]
 
+    def can_hold(
+        self, request: Request, hits: ComputedBlocks | None, max_chunk_tokens: int
+    ) -> bool:
+        """Whether the free blocks could hold the request's whole known sequence (the
+        blocks num_blocks_for counts, less the hits other requests hold already), not
+        only its first chunk: admission by this rule does not take a long prompt in only
+        to preempt it again a step later (vLLM's scheduler_reserve_full_isl)."""
+        num_needed = self.num_blocks_for(request.num_tokens, max_chunk_tokens)
+        if hits:
+            null = self.pool.null_block
+            num_needed -= sum(b.ref_cnt > 0 and b is not null for g in hits.groups for b in g)
+        return num_needed <= self.pool.free_queue.num_free_blocks
+
     def _new_state(self) -> _RequestBlocks:
         skipped = [0] * len(self.window_groups) if self.window_groups else None
         return _RequestBlocks([[] for _ in self.groups], num_skipped_blocks=skipped)

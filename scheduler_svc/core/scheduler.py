@@ -234,7 +234,11 @@ class Scheduler:
                 self.waiting.pop()
                 continue
             num_new = self._num_prefill_tokens(request, num_cached, step)
-            if num_new is None or self.kv.allocate_slots(request, num_new, hits) is None:
+            if (
+                num_new is None
+                or not self._fits(request, hits)
+                or (self.kv.allocate_slots(request, num_new, hits) is None)
+            ):
                 break  # head-of-line blocking keeps FCFS fair
             self.waiting.pop()
             self.transfers.nothing_to_load(request)
@@ -244,6 +248,13 @@ class Scheduler:
 
     def _has_room(self, step: Step) -> bool:
         return step.token_budget > 0 and len(self.running) < self.config.max_num_seqs
+
+    def _fits(self, request: Request, hits: ComputedBlocks | None) -> bool:
+        """--reserve-full-isl (the default): the pool could hold it whole."""
+        config = self.config
+        return not config.reserve_full_isl or self.kv.can_hold(
+            request, hits, config.max_num_batched_tokens
+        )
 
     def _can_admit(self, request: Request, loras: set[str]) -> bool:
         """--max-loras: a request joins if its adapter runs already or a slot is left."""
