@@ -171,6 +171,24 @@ def spec_chart(spec: dict, out: Path) -> None:
     plt.close(fig)
 
 
+def slo_chart(slo: dict, out: Path) -> None:
+    """Goodput (requests meeting both targets per second) against the load, a panel
+    per trace, a line per policy (bench/slo_bench.py)."""
+    fig, axes = plt.subplots(1, len(slo), figsize=(6 * len(slo), 4.2), constrained_layout=True)
+    for ax, (trace, by_load) in zip(np.atleast_1d(axes), slo.items(), strict=True):
+        loads = list(by_load)
+        for policy in next(iter(by_load.values())):
+            ax.plot(loads, [by_load[x][policy]["goodput_rps"] for x in loads], marker="o",
+                    label=policy)  # fmt: skip
+        ax.set_title(trace)
+        ax.set_xlabel("load (x the simulated executor's capacity)")
+        ax.set_ylabel("goodput (requests/s meeting TTFT and TPOT)")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best")
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, default=Path(__file__).parent / "results")
@@ -181,6 +199,8 @@ def main() -> None:
                   args.results / "serving.png")  # fmt: skip
     if (args.results / "spec.json").exists():
         spec_chart(json.loads((args.results / "spec.json").read_text()), args.results / "spec.png")
+    if (args.results / "slo.json").exists():
+        slo_chart(json.loads((args.results / "slo.json").read_text()), args.results / "slo.png")
     for name in ("overhead", "overhead_router", "overhead_levers", "overhead_spec"):
         if (args.results / f"{name}.json").exists():
             overhead_chart(json.loads((args.results / f"{name}.json").read_text()),

@@ -16,7 +16,7 @@ import transformers
 HERE = Path(__file__).parent
 ORDER = [
     "peers", "serve", "serve_backends", "overhead", "overhead_router", "overhead_levers",
-    "replicas", "scheduler",
+    "replicas", "scheduler", "slo",
     "detokenizer", "tracing", "executor", "executor_moe", "executor_quant", "moe", "tp",
     "structured", "spec", "overhead_spec", "lora", "kv_tier", "kv_disagg", "kv_groups",
 ]  # fmt: skip
@@ -48,6 +48,8 @@ def main() -> None:
             sections.append("![Batch slots over steps](results/occupancy.png)")
         if path.stem == "serve" and (results / "serving.png").exists():
             sections.append("![Throughput and p99 TTFT vs request rate](results/serving.png)")
+        if path.stem == "slo" and (results / "slo.png").exists():
+            sections.append("![Goodput against load, per policy](results/slo.png)")
         if path.stem == "spec" and (results / "spec.png").exists():
             sections.append(
                 "![Speculative decoding: tok/s and tokens per forward](results/spec.png)"

@@ -2,17 +2,24 @@
 template for your own (in any language: protos/flagstop/v1/policy.proto is the
 contract).
 
-Strategies: shortest-prompt-first, and fair-share (per-tenant, by the `tenant` label:
-the tenant with the fewest requests running, or already ranked ahead, goes next)."""
+Strategies: the scheduler's built-in policies served remotely (fcfs, priority, hrrn,
+slo, fair: the core's own code, on the view rebuilt from each query), and two
+ordering-only examples of the contract's first version: shortest-prompt-first, and
+fair-share (per tenant, by the `tenant` label: the tenant with the fewest requests
+running, or already ranked ahead, goes next)."""
 
 import asyncio
 from collections import defaultdict, deque
+from collections.abc import Callable
 from typing import Literal
 
 from pydantic import NonNegativeFloat
 from pydantic_settings import SettingsConfigDict
 
 from flagstop.health import Health
+from flagstop.scheduler_svc.core.fair_policy import FairPolicy
+from flagstop.scheduler_svc.core.policy import make_policy
+from flagstop.scheduler_svc.policy_wire import decision_to_proto, view_from_proto
 from flagstop.server import TLSConfig, new_server, run_service, run_until_signalled
 from flagstop.settings import Port, ServiceSettings
 from flagstop.v1 import policy_pb2, policy_pb2_grpc
@@ -43,17 +50,56 @@ def fair_share(query: policy_pb2.PolicyQuery) -> list[str]:
     return order
 
 
-STRATEGIES = {"shortest-prompt-first": shortest_prompt_first, "fair-share": fair_share}
+def ranking(rank: Callable[[policy_pb2.PolicyQuery], list[str]]):
+    return lambda query: policy_pb2.PolicyDecision(admission_order=rank(query))
+
+
+class BuiltIn:
+    """A core policy behind the contract. A fair policy's counters are charged with
+    what each running request computed since the last query."""
+
+    def __init__(self, name: str) -> None:
+        self.policy = make_policy(name)
+        self.computed: dict[str, int] = {}
+
+    def __call__(self, query: policy_pb2.PolicyQuery) -> policy_pb2.PolicyDecision:
+        view = view_from_proto(query)
+        if isinstance(self.policy, FairPolicy):
+            self._charge(view.running)
+        decision = self.policy.decide(view)
+        return decision_to_proto(decision, self._victims(list(view.running)))
+
+    def _charge(self, running) -> None:
+        computed = {r.request_id: r.num_computed_tokens for r in running}
+        for request in running:
+            start = self.computed.get(request.request_id, 0)
+            if request.num_computed_tokens > start:
+                self.policy.charge(request, start, request.num_computed_tokens)
+        self.computed = computed
+
+    def _victims(self, running) -> list[str]:
+        order = []
+        while running:
+            order.append(running.pop(self.policy.select_victim(running)).request_id)
+        return order
+
+
+STRATEGIES = {
+    "shortest-prompt-first": lambda: ranking(shortest_prompt_first),
+    "fair-share": lambda: ranking(fair_share),
+    **{name: (lambda name=name: BuiltIn(name)) for name in ("fcfs", "priority", "hrrn", "slo",
+                                                             "fair")},
+}  # fmt: skip
 
 
 class PolicyServer(policy_pb2_grpc.SchedulerPolicyServicer):
     def __init__(self, strategy: str, sleep_s: float = 0.0) -> None:
-        self.rank, self.sleep_s = STRATEGIES[strategy], sleep_s
+        self.decide, self.sleep_s = STRATEGIES[strategy](), sleep_s
 
     async def Rank(self, request: policy_pb2.PolicyQuery, context) -> policy_pb2.PolicyDecision:
         if self.sleep_s:
             await asyncio.sleep(self.sleep_s)  # a slow policy, for testing the deadline
-        return policy_pb2.PolicyDecision(admission_order=self.rank(request))
+        return self.decide(request)
 
 
 class PolicySettings(ServiceSettings):

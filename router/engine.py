@@ -20,6 +20,7 @@ from flagstop.adapters import already_loaded, name_refusal
 from flagstop.health import Health
 from flagstop.router.admission import AdmissionBudget
 from flagstop.router.detokenizer import StopStringMatcher, new_detokenizer
+from flagstop.router.objectives import ObjectiveDefaults
 from flagstop.router.output import ChunkBuilder, Pending, RequestFailed
 from flagstop.router.replicas import ReplicaSet
 from flagstop.router.settings import RouterSettings
@@ -32,6 +33,7 @@ from flagstop.v1 import generation_pb2, scheduler_pb2
 log = logging.getLogger("flagstop.router")
 
 REQUEST_FINISH_TRANSFER = scheduler_pb2.REQUEST_FINISH_TRANSFER
+RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 
 
 class RouterEngine:
@@ -44,6 +46,7 @@ class RouterEngine:
         self.health = health
         self.requests: dict[str, Pending] = {}
         self.budget = AdmissionBudget(settings.max_queued_requests, settings.max_queued_tokens)
+        self.objectives = ObjectiveDefaults(settings.slo_defaults)
         self.replicas = ReplicaSet(settings, self.requests, self.fan_out, self._readiness)
         self.accepting = True
 
@@ -104,12 +107,15 @@ class RouterEngine:
             sampling = validate(request, token_ids, limits)
         except RequestRejected as e:
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.param) from None
+        try:
+            objectives = self.objectives.resolve(request, metadata)
+        except RequestRejected as e:
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.param) from None
         queues = (r.admission for r in self.replicas)
         if refusal := self.budget.refusal(queues, len(token_ids)):
             raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
-        trace = RequestTrace(
-            self.tracer, self.model_info.model_name, request, len(token_ids), metadata, operation
-        )
+        trace = RequestTrace(self.tracer, self.model_info.model_name, request, len(token_ids),
+                             metadata, operation, objectives)  # fmt: skip
         request_id = uuid.uuid4().hex
         add = scheduler_pb2.AddRequest(
             request_id=request_id, prompt_token_ids=token_ids, sampling=sampling,
@@ -118,6 +124,7 @@ class RouterEngine:
             arrival_time=time.time(), traceparent=trace.traceparent(), labels=request.labels,
             lora_name=lora_name, lora_id=lora_id,
         )  # fmt: skip
+        objectives.fill(add)
         if request.HasField("max_tokens"):
             add.max_tokens = request.max_tokens
         if request.HasField("num_speculative_tokens"):
@@ -171,6 +178,8 @@ class RouterEngine:
                 pending.end(reason)
         for error in msg.errors:
             if (pending := requests.get(error.request_id)) is not None:
+                if error.code == RESOURCE_EXHAUSTED:  # shed by the scheduler's policy
+                    pending.trace.shed()
                 pending.failed(error)
 
     def _logprobs(self, msg: scheduler_pb2.SchedulerMessage) -> None:

@@ -34,6 +34,19 @@ class RequestFailed(Exception):
         super().__init__(message)
         self.code, self.message, self.param = code, message, param
 
+    @property
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        """A refusal for load (a full queue, a policy's shed) tells the client when to
+        retry: gRPC's retry pushback (HTTP: Retry-After)."""
+        if self.code in RETRYABLE:
+            return (("grpc-retry-pushback-ms", str(RETRY_AFTER_S * 1000)),)
+        return ()
+
+
+# Refused for load, not for the request: worth retrying, after RETRY_AFTER_S.
+RETRYABLE = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE})
+RETRY_AFTER_S = 1
+
 
 @dataclass(slots=True, eq=False)
 class Pending:

@@ -115,7 +115,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             async for chunk in self.engine.stream(pending):
                 yield chunk
         except RequestFailed as e:
-            await context.abort(e.code, e.message)
+            await context.abort(e.code, e.message, e.trailing_metadata)
         except Exception as e:  # one request's bug: the others and the process go on
             request_id = request_id or uuid.uuid4().hex
             log.error("request %s failed: %s: %s", request_id, type(e).__name__, e)

@@ -17,6 +17,7 @@ from pydantic import (
 from pydantic_settings import SettingsConfigDict
 
 from flagstop.router.discovery import parse_targets
+from flagstop.router.objectives import SLOTarget, check_default_keys
 from flagstop.router.routing import Routing
 from flagstop.server import GrpcServerKind
 from flagstop.settings import Port, ServiceSettings
@@ -102,6 +103,10 @@ class RouterSettings(ServiceSettings):
     """admission queue bound; past it RESOURCE_EXHAUSTED"""
     max_queued_tokens: PositiveInt = 1 << 20
     """prompt tokens in the admission queue at most; past it RESOURCE_EXHAUSTED"""
+    slo_defaults: dict[str, SLOTarget] = Field(default_factory=dict)
+    """the TTFT and TPOT targets of requests that state none, by "tenant:NAME",
+    "class:NAME" or "*" (everyone), as JSON: '{"class:batch": {"ttft_ms": 30000},
+    "*": {"ttft_ms": 2000, "tpot_ms": 100}}' (docs/policy.md)"""
     max_request_bytes: PositiveInt = 4 << 20
     """largest client message; past it RESOURCE_EXHAUSTED"""
     scheduler_timeout: PositiveFloat = 60.0
@@ -136,6 +141,11 @@ class RouterSettings(ServiceSettings):
     --processes on the processes it starts)"""
     drain_timeout: PositiveFloat = 30.0
     """on SIGTERM: seconds the streams in flight get to finish"""
+
+    @field_validator("slo_defaults")
+    @classmethod
+    def _slo_keys(cls, value: dict[str, SLOTarget]) -> dict[str, SLOTarget]:
+        return dict(check_default_keys(value))
 
     @field_validator("scheduler")
     @classmethod

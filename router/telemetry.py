@@ -8,6 +8,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
+from flagstop.router.objectives import RequestObjectives
 from flagstop.scheduler_svc.core.request import FinishReason
 from flagstop.telemetry import LATENCY_BUCKETS, extract_metadata, inject
 
@@ -22,6 +23,18 @@ E2E = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency"
 SUCCESS = Counter("vllm:request_success", "Finished requests", ["model_name", "finished_reason"])
 PROMPT_TOKENS = Counter("vllm:prompt_tokens", "Prompt tokens of admitted requests", ["model_name"])
 GENERATION_TOKENS = Counter("vllm:generation_tokens", "Generated tokens", ["model_name"])
+# The same latencies by tenant and class (the request's objectives), and whether each
+# finished request met its targets.
+BY = ["model_name", "tenant", "class"]
+TENANT_TTFT = Histogram("flagstop:time_to_first_token_seconds", "Time to first token", BY,
+                        buckets=LATENCY_BUCKETS)  # fmt: skip
+TENANT_TPOT = Histogram("flagstop:request_time_per_output_token_seconds",
+                        "Mean time per output token", BY, buckets=LATENCY_BUCKETS)  # fmt: skip
+TENANT_E2E = Histogram("flagstop:e2e_request_latency_seconds", "End-to-end request latency", BY,
+                       buckets=LATENCY_BUCKETS)  # fmt: skip
+SLO = Counter("flagstop:slo_requests", "Finished requests by whether they met their TTFT and "
+              "TPOT targets (met, missed_ttft, missed_tpot, no_target) or were shed",
+              [*BY, "result"])  # fmt: skip
 ROUTED = Counter(
     "flagstop:routed_requests",
     "Requests sent to each replica, and why (prefix, least-cached, least-loaded, "
@@ -72,17 +85,21 @@ def export_model(model: str) -> None:
         SUCCESS.labels(model, reason.label)
 
 
+NO_OBJECTIVES = RequestObjectives()
+
+
 class RequestTrace:
     """The span and clocks of one client request."""
 
-    __slots__ = ("first_token_at", "model", "span", "started")
+    __slots__ = ("by", "first_token_at", "model", "objectives", "span", "started")
 
     def __init__(
         self, tracer: trace.Tracer, model: str, request, num_prompt: int, metadata,
-        operation: str = "text_completion",
+        operation: str = "text_completion", objectives: RequestObjectives = NO_OBJECTIVES,
     ) -> None:  # fmt: skip
         """operation: gen_ai.operation.name, "text_completion" or "chat"."""
         self.model, self.started, self.first_token_at = model, time.monotonic(), 0.0
+        self.objectives, self.by = objectives, (model, objectives.tenant, objectives.klass)
         attributes = {
             "gen_ai.operation.name": operation,
             "gen_ai.request.model": model,
@@ -118,17 +135,29 @@ class RequestTrace:
             "gen_ai.server.time_to_first_token", self.first_token_at - self.started
         )
         TTFT.labels(self.model).observe(self.first_token_at - self.started)
+        TENANT_TTFT.labels(*self.by).observe(self.first_token_at - self.started)
 
     def finish(self, reason: int, num_generated: int) -> None:
         now, name = time.monotonic(), FinishReason(reason).label
         self.span.set_attribute("gen_ai.usage.output_tokens", num_generated)
         self.span.set_attribute("gen_ai.response.finish_reasons", [name])
         E2E.labels(self.model).observe(now - self.started)
+        TENANT_E2E.labels(*self.by).observe(now - self.started)
+        tpot = None
         if num_generated > 1:
-            TPOT.labels(self.model).observe((now - self.first_token_at) / (num_generated - 1))
+            tpot = (now - self.first_token_at) / (num_generated - 1)
+            TPOT.labels(self.model).observe(tpot)
+            TENANT_TPOT.labels(*self.by).observe(tpot)
+        if reason != FinishReason.ABORT and self.first_token_at:
+            ttft = self.first_token_at - self.started
+            SLO.labels(*self.by, self.objectives.attained(ttft, tpot)).inc()
         GENERATION_TOKENS.labels(self.model).inc(num_generated)
         SUCCESS.labels(self.model, name).inc()
         self.span.end()
+
+    def shed(self) -> None:
+        """The scheduler's policy refused it (it would miss its targets)."""
+        SLO.labels(*self.by, "shed").inc()
 
     def abort(self, why: str) -> None:
         """The stream ended early: cancelled, past its deadline, or failed."""

@@ -9,6 +9,7 @@ from flagstop.scheduler_svc.core.kv_connector import (
     KVTransferResult,
 )
 from flagstop.scheduler_svc.core.kv_groups import LayerSpec
+from flagstop.scheduler_svc.core.objectives import NO_OBJECTIVES, Objectives
 from flagstop.scheduler_svc.core.output import SchedulerOutput, StepOutcome
 from flagstop.scheduler_svc.core.request import Request, StopParams
 from flagstop.v1 import executor_pb2, generation_pb2, scheduler_pb2
@@ -51,10 +52,18 @@ def request_from_proto(
         if add.HasField("num_speculative_tokens") else None,
         lora_name=add.lora_name,
         lora_id=lora_id,
+        objectives=objectives_from_proto(add),
         do_remote_decode=add.kv_transfer.do_remote_decode,
         remote_prefill=handoff_from_proto(add.kv_transfer)
         if add.kv_transfer.remote_endpoint else None,
     )  # fmt: skip
+
+
+def objectives_from_proto(add: scheduler_pb2.AddRequest) -> Objectives:
+    if not (add.slo_ttft_ms or add.slo_tpot_ms or add.tenant or add.request_class):
+        return NO_OBJECTIVES
+    return Objectives(add.slo_ttft_ms / 1e3 or None, add.slo_tpot_ms / 1e3 or None, add.tenant,
+                      add.request_class)  # fmt: skip
 
 
 def handoff_from_proto(p: scheduler_pb2.KVTransferParams) -> KVHandoff:

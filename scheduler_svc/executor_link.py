@@ -9,6 +9,7 @@ schedule() / update_from_output() between the two."""
 
 import asyncio
 import logging
+import time
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -61,6 +62,10 @@ class ExecutorLink:
         # The steps sent and not yet answered, oldest first, and an event set as each
         # is answered (or all are lost with the executor).
         self.in_flight: deque[SchedulerOutput] = deque()
+        # When each step in flight was sent, and when the last result came (the steps'
+        # measured times teach the core's step-cost model).
+        self.written_at: deque[float] = deque()
+        self.last_result_at = 0.0
         self.step_returned = asyncio.Event()
 
     @property
@@ -236,6 +241,7 @@ class ExecutorLink:
             finally:
                 call.cancel()
                 self.in_flight.clear()  # lost with the executor
+                self.written_at.clear()
                 self.step_returned.set()
             self.connected = False
             self.reconnect.lost()
@@ -258,16 +264,20 @@ class ExecutorLink:
             if service.policy_client is not None:
                 service.policy_client.maybe_query(scheduler)
             plan = scheduler.schedule()
+            if scheduler.shed:
+                service.links.refuse_shed(scheduler.take_shed())
             if not plan.is_empty:
                 step = step_to_proto(plan)
                 telemetry.on_schedule(plan, step, scheduler)
                 await call.write(step)
                 in_flight.append(plan)
+                self.written_at.append(time.monotonic())
             if in_flight and (
                 len(in_flight) >= self.settings.max_steps_in_flight or not plan.num_scheduled_tokens
             ):
                 result = await self._read(call)
                 done = in_flight.popleft()
+                self._measured(scheduler, done)
                 self.step_returned.set()
                 outputs = scheduler.update_from_output(done, outcome_from_result(result))
                 telemetry.on_update(
@@ -278,6 +288,14 @@ class ExecutorLink:
                 # Nothing runnable (e.g. all waiting on blocks held by nobody yet).
                 self.wakeup.clear()
                 await self.wakeup.wait()
+
+    def _measured(self, scheduler: Scheduler, done: SchedulerOutput) -> None:
+        """The step's time on the executor, for the step-cost model: from when it was
+        sent, or the previous result when it queued behind that step."""
+        now = time.monotonic()
+        started = max(self.written_at.popleft(), self.last_result_at)
+        self.last_result_at = now
+        scheduler.observe_step(done, now - started)
 
     async def _idle(self, call) -> None:
         """Nothing to do: wait for work, probing the executor now and then."""

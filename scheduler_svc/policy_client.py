@@ -11,8 +11,8 @@ import grpc
 from prometheus_client import Counter
 
 from flagstop.scheduler_svc.core.policy import RankedPolicy
-from flagstop.scheduler_svc.core.request import Request
 from flagstop.scheduler_svc.core.scheduler import Scheduler
+from flagstop.scheduler_svc.policy_wire import check, decision_from_proto, describe, describe_cost
 from flagstop.server import TLSConfig, channel
 from flagstop.v1 import policy_pb2, policy_pb2_grpc
 
@@ -29,7 +29,8 @@ class RemotePolicyClient:
         on_change: Callable[[bool, str], None], tls: TLSConfig | None = None,
     ) -> None:  # fmt: skip
         """on_change(active, failure reason or ""): after every failure and on recovery."""
-        self.stub = policy_pb2_grpc.SchedulerPolicyStub(channel(address, tls))
+        self.channel = channel(address, tls)
+        self.stub = policy_pb2_grpc.SchedulerPolicyStub(self.channel)
         self.policy, self.deadline_s, self.on_change = policy, deadline_s, on_change
         self.active = False  # its rankings are in use
         self.num_failures = 0
@@ -38,6 +39,13 @@ class RemotePolicyClient:
         self.in_flight: asyncio.Task | None = None
         self.asked_for: frozenset[str] = frozenset()
         self.retry_at = 0.0
+        self._closing: asyncio.Future | None = None  # the channel's close, once swapped out
+
+    def close(self) -> None:
+        """Another policy took over (an admin swap): no answer is awaited any more."""
+        if self.in_flight is not None:
+            self.in_flight.cancel()
+        self._closing = asyncio.ensure_future(self.channel.close())
 
     def maybe_query(self, scheduler: Scheduler) -> None:
         """Start a query when the waiting queue changed and none is in flight."""
@@ -53,19 +61,22 @@ class RemotePolicyClient:
     def _snapshot(self, scheduler: Scheduler) -> policy_pb2.PolicyQuery:
         query = policy_pb2.PolicyQuery(
             query_id=self.query_id, num_free_blocks=scheduler.num_free_blocks,
-            num_total_blocks=scheduler.num_total_blocks,
+            num_total_blocks=scheduler.num_total_blocks, now=scheduler.clock(),
+            token_budget=scheduler.config.max_num_batched_tokens,
+            block_size=scheduler.block_size,
         )  # fmt: skip
+        describe_cost(scheduler.cost, query.step_cost)
         for request in scheduler.waiting:
-            entry = _describe(request, query.waiting.add())
+            entry = describe(request, query.waiting.add())
             entry.prefix_hit_blocks = scheduler.num_prefix_hit_blocks(request)
         for request in scheduler.running:
-            _describe(request, query.running.add())
+            describe(request, query.running.add())
         return query
 
     async def _query(self, query: policy_pb2.PolicyQuery) -> None:
         try:
             decision = await self.stub.Rank(query, timeout=self.deadline_s)
-            problem = _check(decision, query)
+            problem = check(decision, query)
         except grpc.aio.AioRpcError as e:
             problem = "deadline" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else "unavailable"
         finally:
@@ -74,7 +85,7 @@ class RemotePolicyClient:
             self._fail(problem)
         elif query.query_id > self.applied_id:  # the freshest answer wins
             self.applied_id = query.query_id
-            self.policy.apply(list(decision.admission_order), list(decision.preemption_order))
+            self.policy.apply(decision_from_proto(decision), list(decision.preemption_order))
             if not self.active:
                 log.info("remote policy in use")
                 self.active = True
@@ -90,22 +101,3 @@ class RemotePolicyClient:
         self.policy.fail_open()
         FAILURES.labels(reason).inc()
         self.on_change(False, reason)
-
-
-def _describe(request: Request, out: policy_pb2.PolicyRequest) -> policy_pb2.PolicyRequest:
-    out.request_id, out.prompt_tokens = request.request_id, request.num_prompt_tokens
-    out.priority, out.arrival_time = request.priority, request.arrival_time
-    out.labels.update(request.labels)
-    return out
-
-
-def _check(decision: policy_pb2.PolicyDecision, query: policy_pb2.PolicyQuery) -> str:
-    """Nonsense is refused whole: unknown or repeated ids."""
-    waiting = {r.request_id for r in query.waiting}
-    running = {r.request_id for r in query.running}
-    order, victims = list(decision.admission_order), list(decision.preemption_order)
-    if len(set(order)) != len(order) or not set(order) <= waiting:
-        return "nonsense"
-    if len(set(victims)) != len(victims) or not set(victims) <= running:
-        return "nonsense"
-    return ""

@@ -19,7 +19,7 @@ import grpc
 
 from flagstop.scheduler_svc.convert import handoff_to_proto
 from flagstop.scheduler_svc.core.output import OwnerOutputs, SchedulerOutput
-from flagstop.scheduler_svc.core.request import FINISHED_ERROR, FinishReason
+from flagstop.scheduler_svc.core.request import FINISHED_ERROR, FinishReason, Request
 from flagstop.v1 import executor_pb2, generation_pb2, scheduler_pb2
 
 if TYPE_CHECKING:
@@ -123,6 +123,18 @@ class RouterLinks:
                 self.telemetry.on_finish(request_id, FinishReason.ERROR)
             self.send_errors(owner, [scheduler_pb2.RequestError(
                 request_id=r, code=code.value[0], message=message) for r in ids])  # fmt: skip
+
+    def refuse_shed(self, shed: list[tuple[Request, str]]) -> None:
+        """Requests the policy shed (already freed in the core): their clients are
+        told to retry later, with the policy's reason."""
+        by_owner: dict[str, list[scheduler_pb2.RequestError]] = {}
+        code = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+        for request, reason in shed:
+            self.telemetry.on_finish(request.request_id, FinishReason.ABORT)
+            by_owner.setdefault(request.owner, []).append(scheduler_pb2.RequestError(
+                request_id=request.request_id, code=code, message=reason))  # fmt: skip
+        for owner, errors in by_owner.items():
+            self.send_errors(owner, errors)
 
     def send_errors(self, owner: str, errors: list[scheduler_pb2.RequestError]) -> None:
         if (conn := self.routers.get(owner)) is not None:

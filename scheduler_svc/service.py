@@ -8,6 +8,8 @@ and answers what a router or a client asks. Its parts each have their own room:
   schedule() / update_from_output()."""
 
 import asyncio
+import dataclasses
+import hmac
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -22,7 +24,12 @@ from flagstop.scheduler_svc.core.host_tier import HostTierConnector
 from flagstop.scheduler_svc.core.kv_connector import KVConnector
 from flagstop.scheduler_svc.core.kv_groups import describe_groups, kv_cache_groups
 from flagstop.scheduler_svc.core.output import OwnerOutputs, SchedulerOutput
-from flagstop.scheduler_svc.core.policy import make_policy
+from flagstop.scheduler_svc.core.policy import (
+    RankedPolicy,
+    SchedulingPolicy,
+    make_policy,
+    policy_for,
+)
 from flagstop.scheduler_svc.core.scheduler import Scheduler
 from flagstop.scheduler_svc.executor_link import ExecutorLink, ExecutorMismatch
 from flagstop.scheduler_svc.intake import Intake
@@ -73,14 +80,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.telemetry.model_name = info.model.model_name
         self.eos_token_ids = frozenset(info.model.eos_token_ids)
         self.kv_connector = self.telemetry.kv_connector = self._connector(info, config, groups)
-        policy = make_policy(config.policy)
+        policy = policy_for(config)
         self.scheduler = Scheduler(config, info.model.num_blocks, policy, self.kv_connector,
                                    groups)  # fmt: skip
-        if config.policy == "remote":  # a RankedPolicy, fed by the policy service
-            self.policy_client = RemotePolicyClient(
-                s.policy_addr, policy, s.policy_deadline_ms / 1000, self._policy_changed,
-                self.tls,
-            )  # fmt: skip
+        self._remote_client(policy, s.policy_addr)
+        if s.shadow_policy:
+            self.scheduler.set_shadow(make_policy(s.shadow_policy))
         extras = ""
         if info.num_speculative_tokens:
             extras = f", speculative decoding ({info.speculative_method}, k <= "
@@ -174,7 +179,68 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def num_queued_at_routers(self) -> int:
         return self.links.num_queued
 
-    # -- the remote policy -----------------------------------------------------
+    # -- the policy ------------------------------------------------------------
+
+    def _remote_client(self, policy: SchedulingPolicy, address: str) -> None:
+        """The client that feeds a remote policy (a RankedPolicy) its answers; None for
+        a built-in one."""
+        if self.policy_client is not None:
+            self.policy_client.close()
+        self.policy_client = None
+        if isinstance(policy, RankedPolicy):
+            s = self.settings
+            self.policy_client = RemotePolicyClient(
+                address, policy, s.policy_deadline_ms / 1000, self._policy_changed, self.tls
+            )
+
+    async def SetPolicy(self, request, context) -> scheduler_pb2.SetPolicyResponse:
+        """The admin call: swap the live policy and set the shadow, between two steps
+        (the engine loop and this call share one event loop)."""
+        await self._check_admin(context)
+        scheduler = self.scheduler
+        if scheduler is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "waiting for the executor")
+        try:
+            policy = self._new_policy(request) if request.policy else scheduler.policy
+            shadow = self._new_shadow(request.shadow)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if policy is not scheduler.policy:
+            scheduler.set_policy(policy)
+            self._remote_client(policy, request.policy_addr or self.settings.policy_addr)
+        scheduler.set_shadow(shadow)
+        log.info(
+            "policy %s, shadow %s (admin call)", policy.name, shadow.name if shadow else "none"
+        )
+        self.link.wakeup.set()
+        return scheduler_pb2.SetPolicyResponse(policy=policy.name,
+                                               shadow_policy=scheduler.shadow.name)  # fmt: skip
+
+    def _new_policy(self, request) -> SchedulingPolicy:
+        """The asked policy with the scheduler's options (raises ValueError)."""
+        config = dataclasses.replace(self.scheduler.config, policy=request.policy)
+        return policy_for(config)
+
+    @staticmethod
+    def _new_shadow(name: str) -> SchedulingPolicy | None:
+        if name == "remote":
+            raise ValueError("a shadow policy is a built-in one (fcfs, priority, hrrn, slo, fair)")
+        return make_policy(name) if name else None
+
+    async def _check_admin(self, context) -> None:
+        key = self.settings.admin_key
+        if key is None:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "admin calls are off: start "
+                "the scheduler with --admin-key (or FLAGSTOP_SCHEDULER_ADMIN_KEY)",
+            )
+        given = dict(context.invocation_metadata() or ()).get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key.get_secret_value()}".encode()):
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "missing or wrong admin key: send 'authorization: Bearer <key>'",
+            )
 
     def _policy_changed(self, active: bool, failure: str) -> None:
         if failure:

@@ -2,7 +2,14 @@
 
 from typing import Annotated, Literal
 
-from pydantic import Field, NonNegativeInt, PositiveFloat, PositiveInt
+from pydantic import (
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    SecretStr,
+)
 from pydantic_settings import SettingsConfigDict
 
 from flagstop.scheduler_svc.core.config import SchedulerConfig
@@ -40,7 +47,20 @@ class SchedulerSettings(ServiceSettings):
     so far); --no-reserve-full-isl: as soon as its first chunk fits (the old rule,
     which thrashes under memory pressure)"""
     policy: Literal[tuple(POLICIES)] = CORE.policy  # type: ignore[valid-type]
-    """remote: a SchedulerPolicy service at --policy-addr"""
+    """fcfs, priority, hrrn (highest response ratio next), slo (deadlines: docs/policy.md),
+    fair (tenant shares, VTC), remote (a SchedulerPolicy service at --policy-addr)"""
+    no_shed: bool = CORE.no_shed
+    """slo: never shed a request predicted to miss its TTFT target (order it only)"""
+    default_ttft_ms: NonNegativeFloat = CORE.default_ttft_ms
+    """slo: the TTFT target of a request that states none; 0: none"""
+    default_tpot_ms: NonNegativeFloat = CORE.default_tpot_ms
+    """slo: the TPOT target of a request that states none; 0: none"""
+    shadow_policy: Literal["", "fcfs", "priority", "hrrn", "slo", "fair"] = ""
+    """a built-in policy run in shadow: decides every step beside the live one, compared
+    and counted (flagstop:shadow_*), never applied"""
+    admin_key: SecretStr | None = None
+    """allow the admin call SetPolicy (live policy swap, shadow) to clients sending
+    'authorization: Bearer KEY'; better set by FLAGSTOP_SCHEDULER_ADMIN_KEY"""
     policy_addr: str = "127.0.0.1:50060"
     """the remote policy's address"""
     policy_deadline_ms: PositiveFloat = 20.0

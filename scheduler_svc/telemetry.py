@@ -73,6 +73,22 @@ LORA_INFO = Gauge(
 # The KV cache as the executor's layers make it (docs/kv_groups.md): one series per
 # model, its labels the groups and the KV bytes a token takes over all layers on one
 # rank (vLLM exports its cache config the same way, as an info gauge).
+# The scheduling policy's own decisions (docs/policy.md), and a shadow policy's
+# comparisons with them.
+POLICY_COUNTS = {
+    "num_shed": Counter("flagstop:policy_shed_requests", "Requests the policy shed (429)",
+                        ["policy"]),
+    "num_ignored_decisions": Counter("flagstop:policy_ignored_decisions",
+                                     "Parts of policy decisions ignored as nonsense",
+                                     ["policy"]),
+    "shadow_decisions": Counter("flagstop:shadow_decisions", "Steps a shadow policy decided",
+                                ["policy"]),
+    "shadow_agreed": Counter("flagstop:shadow_agreed_decisions",
+                             "Shadow decisions equal to the live one (the first admissions "
+                             "and the sheds)", ["policy"]),
+    "shadow_would_shed": Counter("flagstop:shadow_would_shed_requests",
+                                 "Requests a shadow policy would have shed", ["policy"]),
+}  # fmt: skip
 KV_GROUPS_INFO = Gauge(
     "flagstop:kv_cache_groups_info", "KV cache groups, KV bytes per token, tokens a sequence",
     ["model_name", "groups", "kv_bytes_per_token", "capacity_tokens"],
@@ -85,8 +101,8 @@ STEP_SECONDS = Histogram(
 
 class SchedulerTelemetry:
     __slots__ = ("_model_name", "arrivals", "enabled", "kv_connector", "last_external",
-                 "last_hits", "last_lora", "last_preemptions", "last_queries", "last_spec",
-                 "metrics", "request_spans", "steps", "tracer")  # fmt: skip
+                 "last_hits", "last_lora", "last_policy", "last_preemptions", "last_queries",
+                 "last_spec", "metrics", "request_spans", "steps", "tracer")  # fmt: skip
 
     def __init__(self, telemetry: Telemetry) -> None:
         self.enabled, self.tracer = telemetry.enabled, telemetry.tracer
@@ -101,6 +117,7 @@ class SchedulerTelemetry:
         self.last_spec: tuple[int, int, int, list[int]] = (0, 0, 0, [])
         self.metrics: tuple = ()  # this model's labelled metrics, looked up once
         self.last_lora: tuple[str, str, str] | None = None
+        self.last_policy = dict.fromkeys(POLICY_COUNTS, 0)
         # The core's KV connector, whose metrics exist only where there is one.
         self.kv_connector: KVConnector | None = None
 
@@ -251,8 +268,18 @@ class SchedulerTelemetry:
         self.last_queries, self.last_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
         if scheduler.drafts.stats.num_drafts != self.last_spec[0]:
             self._export_spec(scheduler)
+        self._export_policy(stats)
         if self.kv_connector is not None:
             self._export_connector(self.kv_connector, stats)
+
+    def _export_policy(self, stats) -> None:
+        last = self.last_policy
+        for name, counter in POLICY_COUNTS.items():
+            value = getattr(stats, name)
+            if value != last[name]:  # a swap restarts the core's counts: count from there
+                policy = stats.shadow_policy if name.startswith("shadow") else stats.policy
+                counter.labels(policy).inc(max(0, value - last[name]))
+                last[name] = value
 
     def _export_connector(self, connector: KVConnector, stats) -> None:
         name = self._model_name

@@ -323,6 +323,7 @@ def test_a_full_admission_queue_is_429(queue_stack):
         time.sleep(0.3)
         refused = httpx.post(url, json=body, timeout=10)
         assert refused.status_code == 429, refused.text
+        assert refused.headers["retry-after"] == "1"
         assert "admission queue is full" in refused.json()["error"]["message"]
         assert all(f.result().status_code == 200 for f in admitted)
 

@@ -137,3 +137,30 @@ def test_a_policy_slower_than_its_deadline_does_not_slow_the_steps(setup):
     # Waiting on it would cap the loop at a few steps per second (one per deadline); the
     # margin is for this machine's noise over a second-long window.
     assert slow > 0.5 * fast, (slow, fast)
+
+
+def test_a_built_in_policy_served_remotely_sheds_and_orders(setup):
+    """The example server runs the core's slo policy on the view the query carries:
+    a request it predicts will miss its target is shed (RESOURCE_EXHAUSTED, the
+    reason), the others are served by slack."""
+    stack, policy = setup
+    policy.restart("slo")
+    finished: list[int] = []
+
+    def blocker() -> None:
+        request = generation_pb2.GenerateRequest(prompt_token_ids=[0, 4], max_tokens=120,
+                                                 ignore_eos=True)  # fmt: skip
+        finished.append(sum(len(c.token_ids) for c in stack.generation().Generate(request)))
+
+    thread = threading.Thread(target=blocker)
+    thread.start()
+    while stack.stats().num_running == 0:
+        time.sleep(0.01)
+    hopeless = generation_pb2.GenerateRequest(prompt_token_ids=[0, 9], max_tokens=3,
+                                              slo_ttft_ms=0.001)  # fmt: skip
+    with pytest.raises(grpc.RpcError) as shed:
+        list(stack.generation().Generate(hopeless, timeout=60))
+    assert shed.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "time to first token" in shed.value.details()
+    thread.join()
+    assert finished == [120] and stack.stats().remote_policy_active

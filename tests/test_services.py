@@ -240,6 +240,8 @@ def test_a_full_admission_queue_is_resource_exhausted_at_once(queue_stack):
             generate(queue_stack, prompt_token_ids=prompt_token_ids, max_tokens=5)
         assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert time.monotonic() - start < 1.0
+        # gRPC's retry pushback tells the client when to try again.
+        assert ("grpc-retry-pushback-ms", "1000") in error.value.trailing_metadata()
         return error.value.details()
 
     with ThreadPoolExecutor(5) as pool:

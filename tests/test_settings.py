@@ -54,7 +54,7 @@ def test_the_config_file_can_be_named_by_a_variable(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     ("variable", "value", "expected"),
     [
-        ("FLAGSTOP_SCHEDULER_POLICY", "remtoe", "'fcfs', 'priority' or 'remote'"),
+        ("FLAGSTOP_SCHEDULER_POLICY", "remtoe", "'hrrn', 'slo', 'fair' or 'remote'"),
         ("FLAGSTOP_SCHEDULER_MAX_STEPS_IN_FLIGHT", "7", "less than or equal to 2"),
         ("FLAGSTOP_SCHEDULER_NO_PREFIX_CACHING", "flase", "valid boolean"),
         ("FLAGSTOP_SCHEDULER_PORT", "50o52", "valid integer"),

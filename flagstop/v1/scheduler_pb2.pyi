@@ -35,7 +35,7 @@ class DescribeSchedulerResponse(_message.Message):
     def __init__(self, model: _Optional[_Union[_generation_pb2.ModelInfo, _Mapping]] = ...) -> None: ...
 
 class AddRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "max_tokens", "min_tokens", "ignore_eos", "stop_token_ids", "priority", "arrival_time", "traceparent", "labels", "num_speculative_tokens", "lora_name", "kv_transfer", "lora_id")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "max_tokens", "min_tokens", "ignore_eos", "stop_token_ids", "priority", "arrival_time", "traceparent", "labels", "num_speculative_tokens", "lora_name", "kv_transfer", "lora_id", "slo_ttft_ms", "slo_tpot_ms", "tenant", "request_class")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,10 @@ class AddRequest(_message.Message):
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
     LORA_ID_FIELD_NUMBER: _ClassVar[int]
+    SLO_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    SLO_TPOT_MS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_CLASS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _executor_pb2.SamplingParams
@@ -73,7 +77,11 @@ class AddRequest(_message.Message):
     lora_name: str
     kv_transfer: KVTransferParams
     lora_id: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_executor_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., arrival_time: _Optional[float] = ..., traceparent: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., num_speculative_tokens: _Optional[int] = ..., lora_name: _Optional[str] = ..., kv_transfer: _Optional[_Union[KVTransferParams, _Mapping]] = ..., lora_id: _Optional[str] = ...) -> None: ...
+    slo_ttft_ms: float
+    slo_tpot_ms: float
+    tenant: str
+    request_class: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_executor_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., arrival_time: _Optional[float] = ..., traceparent: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., num_speculative_tokens: _Optional[int] = ..., lora_name: _Optional[str] = ..., kv_transfer: _Optional[_Union[KVTransferParams, _Mapping]] = ..., lora_id: _Optional[str] = ..., slo_ttft_ms: _Optional[float] = ..., slo_tpot_ms: _Optional[float] = ..., tenant: _Optional[str] = ..., request_class: _Optional[str] = ...) -> None: ...
 
 class KVTransferParams(_message.Message):
     __slots__ = ("do_remote_decode", "remote_endpoint", "remote_engine_id", "transfer_id", "remote_block_ids", "num_remote_tokens")
@@ -175,7 +183,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("step_id", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "executor_connected", "remote_policy_active", "remote_policy_failures", "num_routers", "num_loading", "external_prefix_cache_queries", "external_prefix_cache_hits", "num_host_blocks", "num_host_cached_blocks", "num_kv_leases")
+    __slots__ = ("step_id", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "executor_connected", "remote_policy_active", "remote_policy_failures", "num_routers", "num_loading", "external_prefix_cache_queries", "external_prefix_cache_hits", "num_host_blocks", "num_host_cached_blocks", "num_kv_leases", "policy", "num_shed", "num_ignored_decisions", "shadow_policy", "shadow_decisions", "shadow_agreed", "shadow_would_shed")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +203,13 @@ class GetStatsResponse(_message.Message):
     NUM_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_HOST_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_LEASES_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHED_FIELD_NUMBER: _ClassVar[int]
+    NUM_IGNORED_DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    SHADOW_POLICY_FIELD_NUMBER: _ClassVar[int]
+    SHADOW_DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    SHADOW_AGREED_FIELD_NUMBER: _ClassVar[int]
+    SHADOW_WOULD_SHED_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     num_running: int
     num_waiting: int
@@ -214,4 +229,29 @@ class GetStatsResponse(_message.Message):
     num_host_blocks: int
     num_host_cached_blocks: int
     num_kv_leases: int
-    def __init__(self, step_id: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., executor_connected: _Optional[bool] = ..., remote_policy_active: _Optional[bool] = ..., remote_policy_failures: _Optional[int] = ..., num_routers: _Optional[int] = ..., num_loading: _Optional[int] = ..., external_prefix_cache_queries: _Optional[int] = ..., external_prefix_cache_hits: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., num_host_cached_blocks: _Optional[int] = ..., num_kv_leases: _Optional[int] = ...) -> None: ...
+    policy: str
+    num_shed: int
+    num_ignored_decisions: int
+    shadow_policy: str
+    shadow_decisions: int
+    shadow_agreed: int
+    shadow_would_shed: int
+    def __init__(self, step_id: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., executor_connected: _Optional[bool] = ..., remote_policy_active: _Optional[bool] = ..., remote_policy_failures: _Optional[int] = ..., num_routers: _Optional[int] = ..., num_loading: _Optional[int] = ..., external_prefix_cache_queries: _Optional[int] = ..., external_prefix_cache_hits: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., num_host_cached_blocks: _Optional[int] = ..., num_kv_leases: _Optional[int] = ..., policy: _Optional[str] = ..., num_shed: _Optional[int] = ..., num_ignored_decisions: _Optional[int] = ..., shadow_policy: _Optional[str] = ..., shadow_decisions: _Optional[int] = ..., shadow_agreed: _Optional[int] = ..., shadow_would_shed: _Optional[int] = ...) -> None: ...
+
+class SetPolicyRequest(_message.Message):
+    __slots__ = ("policy", "policy_addr", "shadow")
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    POLICY_ADDR_FIELD_NUMBER: _ClassVar[int]
+    SHADOW_FIELD_NUMBER: _ClassVar[int]
+    policy: str
+    policy_addr: str
+    shadow: str
+    def __init__(self, policy: _Optional[str] = ..., policy_addr: _Optional[str] = ..., shadow: _Optional[str] = ...) -> None: ...
+
+class SetPolicyResponse(_message.Message):
+    __slots__ = ("policy", "shadow_policy")
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    SHADOW_POLICY_FIELD_NUMBER: _ClassVar[int]
+    policy: str
+    shadow_policy: str
+    def __init__(self, policy: _Optional[str] = ..., shadow_policy: _Optional[str] = ...) -> None: ...

@@ -60,6 +60,11 @@ class SchedulerStub:
                 request_serializer=flagstop_dot_v1_dot_generation__pb2.UnloadLoRAAdapterRequest.SerializeToString,
                 response_deserializer=flagstop_dot_v1_dot_generation__pb2.UnloadLoRAAdapterResponse.FromString,
                 _registered_method=True)
+        self.SetPolicy = channel.unary_unary(
+                '/flagstop.v1.Scheduler/SetPolicy',
+                request_serializer=flagstop_dot_v1_dot_scheduler__pb2.SetPolicyRequest.SerializeToString,
+                response_deserializer=flagstop_dot_v1_dot_scheduler__pb2.SetPolicyResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -96,6 +101,15 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetPolicy(self, request, context):
+        """Admin (the scheduler's --admin-key as 'authorization: Bearer KEY'): swap the live
+        scheduling policy with no restart and no request lost, and set or clear a shadow
+        policy, whose decisions are compared with the live ones and never applied.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -123,6 +137,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.UnloadLoRAAdapter,
                     request_deserializer=flagstop_dot_v1_dot_generation__pb2.UnloadLoRAAdapterRequest.FromString,
                     response_serializer=flagstop_dot_v1_dot_generation__pb2.UnloadLoRAAdapterResponse.SerializeToString,
+            ),
+            'SetPolicy': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetPolicy,
+                    request_deserializer=flagstop_dot_v1_dot_scheduler__pb2.SetPolicyRequest.FromString,
+                    response_serializer=flagstop_dot_v1_dot_scheduler__pb2.SetPolicyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -260,6 +279,33 @@ class Scheduler:
             '/flagstop.v1.Scheduler/UnloadLoRAAdapter',
             flagstop_dot_v1_dot_generation__pb2.UnloadLoRAAdapterRequest.SerializeToString,
             flagstop_dot_v1_dot_generation__pb2.UnloadLoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetPolicy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagstop.v1.Scheduler/SetPolicy',
+            flagstop_dot_v1_dot_scheduler__pb2.SetPolicyRequest.SerializeToString,
+            flagstop_dot_v1_dot_scheduler__pb2.SetPolicyResponse.FromString,
             options,
             channel_credentials,
             insecure,

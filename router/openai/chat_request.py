@@ -93,7 +93,8 @@ SHARED_WITH_CHAT = (
     "seed", "stop", "ignore_eos", "top_k", "min_p", "min_tokens", "repetition_penalty",
     "frequency_penalty", "presence_penalty", "logit_bias", "stop_token_ids", "priority",
     "user", "num_speculative_tokens", "structured_outputs", "chat_template_kwargs",
-    "include_reasoning", "reasoning_effort", "thinking_token_budget",
+    "include_reasoning", "reasoning_effort", "thinking_token_budget", "slo_ttft_ms",
+    "slo_tpot_ms", "tenant", "request_class",
 )  # fmt: skip
 
 

@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
-from flagstop.router.output import RequestFailed
+from flagstop.router.output import RETRY_AFTER_S, RequestFailed
 from flagstop.scheduler_svc.core.limits import RequestRejected
 
 HTTP_STATUS = {
@@ -59,7 +59,12 @@ def json_response(body, status: int = 200) -> Response:
 def error_response(status: int, message: str, param: str | None = None, code=None) -> Response:
     error_type = ERROR_TYPE.get(status, "server_error")
     body = {"error": {"message": message, "type": error_type, "param": param, "code": code}}
-    return Response(orjson.dumps(body), status, media_type="application/json")
+    return Response(orjson.dumps(body), status, retry_after(status), media_type="application/json")
+
+
+def retry_after(status: int) -> dict[str, str] | None:
+    """Refused for load (429: a full queue or a policy's shed; 503): when to retry."""
+    return {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
 
 
 def from_failure(e: RequestFailed) -> OpenAIError:
@@ -85,7 +90,8 @@ def refusal(request: Request, failure: OpenAIError) -> Response:
     Messages API, OpenAI's for the rest."""
     if request.url.path.startswith(ANTHROPIC_ROUTES):
         body = {"type": "error", "error": anthropic_error(failure)}
-        return Response(orjson.dumps(body), failure.status, media_type="application/json")
+        return Response(orjson.dumps(body), failure.status, retry_after(failure.status),
+                        media_type="application/json")  # fmt: skip
     return error_response(failure.status, failure.message, failure.param, failure.code)
 
 

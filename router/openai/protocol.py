@@ -143,6 +143,12 @@ class OpenAIRequest(EncodableText):
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] = Field(default_factory=list)
     priority: Int32 = 0
+    # Service objectives (docs/policy.md): targets in ms, tenant and class; the
+    # x-llm-d-slo-* and x-flagstop-tenant / -class headers say the same.
+    slo_ttft_ms: float | None = Field(None, gt=0)
+    slo_tpot_ms: float | None = Field(None, gt=0)
+    tenant: str = ""
+    request_class: str = ""
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its
     # older guided_* fields; at most one constraint.
@@ -237,8 +243,13 @@ class OpenAIRequest(EncodableText):
             stop=stop, stop_token_ids=self.stop_token_ids, min_tokens=self.min_tokens,
             ignore_eos=self.ignore_eos, priority=self.priority,
             top_k=0 if self.top_k in (None, -1) else self.top_k,
-            labels={"user": self.user} if self.user else {},
+            labels={"user": self.user} if self.user else {}, tenant=self.tenant,
+            request_class=self.request_class,
         )  # fmt: skip
+        if self.slo_ttft_ms is not None:
+            request.slo_ttft_ms = self.slo_ttft_ms
+        if self.slo_tpot_ms is not None:
+            request.slo_tpot_ms = self.slo_tpot_ms
         if max_tokens is not None:
             request.max_tokens = max_tokens
         if self.temperature is not None:

@@ -61,6 +61,9 @@ class SchedulerOutput:
     # include the ones it sampled in steps we have not seen the outputs of yet).
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     total_num_scheduled_tokens: int = 0
+    # Scheduler-side only: the scheduled requests' tokens in the KV cache once the step
+    # ran (what its attention reads; the step-cost model's second term).
+    num_context_tokens: int = 0
     # To drop from the persistent batch before this step runs.
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)

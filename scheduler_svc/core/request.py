@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from flagstop.scheduler_svc.core.limits import stop_token_ids
+from flagstop.scheduler_svc.core.objectives import NO_OBJECTIVES, Objectives
 
 if TYPE_CHECKING:
     from flagstop.scheduler_svc.core.kv_connector import KVHandoff
@@ -94,6 +95,8 @@ class Request:
     sampling_params: Any = None
     # Client labels (e.g. tenant), for the scheduling policy.
     labels: dict[str, str] = field(default_factory=dict)
+    # Its TTFT and TPOT targets, tenant and class (the SLO and fair policies').
+    objectives: Objectives = NO_OBJECTIVES
     # Prompt logprobs come out of the prefill's logits, which a cached prefix never
     # computes: such a request recomputes its whole prompt (its blocks still fill the
     # cache for others).
@@ -126,6 +129,8 @@ class Request:
     # to the executor but not yet to us.
     num_output_placeholders: int = 0
     num_preemptions: int = 0
+    # When its first output token came back (the scheduler's clock; 0: not yet).
+    first_token_time: float = 0.0
     num_cached_tokens: int = -1
     # Tokens past its local prefix hits that a connector is loading (while
     # WAITING_FOR_REMOTE_KVS), and of those, the ones that arrived (the prefix stats').

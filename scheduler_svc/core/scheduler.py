@@ -6,11 +6,21 @@ The loop is the seed's; each feature is a component called at a named seam, with
 null variant when the feature is off, so the loop never asks whether one is on:
 - `self.drafts` (speculative.py): draft slots for decodes, rollback of rejected ones;
 - `self.transfers` (kv_transfers.py): KV beyond the pool, around the KV connector;
-- LoRA is one admission rule, `_can_admit` (--max-loras distinct adapters running)."""
+- LoRA is one admission rule, `_can_admit` (--max-loras distinct adapters running);
+- `self.policy` (policy.py): the waiting queue's order, the victim, and once a step
+  a decision (decision.py: shed, defer, a prefill budget, chunk caps), checked and
+  applied here; the null decision of fcfs and priority changes nothing."""
 
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 
 from flagstop.scheduler_svc.core.config import SchedulerConfig
+from flagstop.scheduler_svc.core.decision import (
+    NO_DECISION,
+    UNLIMITED,
+    PolicyView,
+    StepDecision,
+)
 from flagstop.scheduler_svc.core.kv_cache_manager import ComputedBlocks, KVCacheManager
 from flagstop.scheduler_svc.core.kv_connector import KVConnector
 from flagstop.scheduler_svc.core.kv_groups import KVCacheGroup
@@ -21,7 +31,7 @@ from flagstop.scheduler_svc.core.output import (
     SchedulerOutput,
     StepOutcome,
 )
-from flagstop.scheduler_svc.core.policy import SchedulingPolicy, make_policy
+from flagstop.scheduler_svc.core.policy import SchedulingPolicy, policy_for
 from flagstop.scheduler_svc.core.request import (
     FINISH_REASON,
     FINISHED_ERROR,
@@ -34,9 +44,11 @@ from flagstop.scheduler_svc.core.request import (
     Request,
     RequestStatus,
 )
+from flagstop.scheduler_svc.core.shadow import NO_SHADOW, NoShadow, Shadow
 from flagstop.scheduler_svc.core.speculative import draft_budget
 from flagstop.scheduler_svc.core.stats import SchedulerStats, make_stats
 from flagstop.scheduler_svc.core.step import Step
+from flagstop.scheduler_svc.core.step_cost import StepCostModel
 
 __all__ = ["RequestRejected", "Scheduler", "SchedulerStats"]
 
@@ -49,12 +61,15 @@ class Scheduler:
         policy: SchedulingPolicy | None = None,
         connector: KVConnector | None = None,
         kv_groups: Sequence[KVCacheGroup] | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         """kv_groups: the executor's layers as KV cache groups (kv_groups.py); None:
-        one full-attention group."""
+        one full-attention group. clock: the time requests' arrival_time is in (the
+        router's wall clock; a replay's virtual one)."""
         self.config = config
         self.kv_groups = kv_groups
-        self.policy = policy or make_policy(config.policy)
+        self.policy = policy or policy_for(config)
+        self.shadow: NoShadow | Shadow = NO_SHADOW
         self.drafts = draft_budget(config)
         self.transfers = kv_transfers(connector)
         self.block_size = config.block_size  # read per token
@@ -67,6 +82,14 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.step_id = 0
         self.num_preemptions = 0
+        self.clock = clock
+        # The executor's step time, fitted from the steps it measured (observe_step).
+        self.cost = StepCostModel()
+        # Shed by the policy since the shell last took them: (request, why).
+        self.shed: list[tuple[Request, str]] = []
+        self.num_shed = 0
+        # Parts of policy decisions ignored as nonsense (unknown ids, negative caps).
+        self.num_ignored_decisions = 0
 
     def _new_pool(self, num_blocks: int) -> None:
         """An empty pool of num_blocks, and the longest sequence it holds (the model's
@@ -132,7 +155,9 @@ class Scheduler:
     # -- one step ----------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        step = Step(token_budget=self.config.max_num_batched_tokens)
+        decision = self._decide()
+        step = Step(self.config.max_num_batched_tokens, decision.prefill_budget,
+                    decision.chunk_caps)  # fmt: skip
         self._schedule_running(step)
         self.drafts.add_slots(step, self.kv, self.step_id)
         # Admitting while we had to preempt would only hand the freed blocks to a
@@ -140,10 +165,77 @@ class Scheduler:
         if not step.preempted_req_ids:
             loras = self._running_loras()
             self._schedule_loaded(step, loras)
-            self._schedule_waiting(step, loras)
+            self._schedule_waiting(step, loras, decision.defer)
         plan = self._make_output(step)
+        self.policy.observe(plan, self.requests)
+        self.shadow.observe(plan, self.requests)
         self.transfers.attach(plan, self.kv)
         return plan
+
+    def _decide(self) -> StepDecision:
+        """The policy's decision for this step, its sheds applied, its nonsense left
+        out (and counted): it fails open to what the loop would do without it."""
+        pool, config = self.kv.pool, self.config
+        view = PolicyView(self.clock(), self.waiting, self.running, pool.num_free_blocks,
+                          pool.num_usable_blocks, self.block_size, config.max_num_batched_tokens,
+                          self.cost, self._prefix_hit_tokens)  # fmt: skip
+        decision = self.policy.decide(view)
+        self.shadow.compare(view, decision)
+        if decision is NO_DECISION:
+            return decision
+        if decision.admission_order is not None:
+            self.waiting.apply_ranking(decision.admission_order)
+        if decision.shed:
+            self._shed(decision.shed)
+        caps = {k: v for k, v in decision.chunk_caps.items() if v >= 0}
+        self.num_ignored_decisions += (len(decision.chunk_caps) - len(caps)
+                                       + (decision.prefill_budget < 0))  # fmt: skip
+        budget = decision.prefill_budget if decision.prefill_budget >= 0 else UNLIMITED
+        return StepDecision(defer=decision.defer, prefill_budget=budget, chunk_caps=caps)
+
+    def _prefix_hit_tokens(self, request: Request) -> int:
+        if request.skip_prefix_cache:
+            return 0
+        return self.num_prefix_hit_blocks(request) * self.block_size
+
+    def _shed(self, shed: dict[str, str]) -> None:
+        """Waiting requests that streamed nothing yet are shed (refused: the shell tells
+        their clients); other ids are ignored, and counted."""
+        waiting_ids = {r.request_id for r in self.waiting}
+        shed_ids = set()
+        for request_id, reason in shed.items():
+            request = self.requests.get(request_id)
+            if request_id in waiting_ids and request is not None and not request.first_token_time:
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
+                self.shed.append((request, reason))
+                shed_ids.add(request_id)
+            else:
+                self.num_ignored_decisions += 1
+        if shed_ids:
+            self.waiting.remove_all(shed_ids)
+            self.num_shed += len(shed_ids)
+
+    def set_policy(self, policy: SchedulingPolicy) -> None:
+        """Swap the live policy between steps: the waiting requests move to its queue
+        in their current order, none is lost; the next step is its."""
+        waiting = list(self.waiting)
+        self.policy, self.waiting = policy, policy.new_waiting_queue()
+        for request in waiting:
+            self.waiting.add(request)
+
+    def set_shadow(self, policy: SchedulingPolicy | None) -> None:
+        """Run a candidate policy in shadow (None: none)."""
+        self.shadow = NO_SHADOW if policy is None else Shadow(policy)
+
+    def take_shed(self) -> list[tuple[Request, str]]:
+        """The requests the policy shed since the last call, and why (the shell tells
+        their clients to retry: RESOURCE_EXHAUSTED, HTTP 429)."""
+        shed, self.shed = self.shed, []
+        return shed
+
+    def observe_step(self, plan: SchedulerOutput, seconds: float) -> None:
+        """A step the executor measured: the step-cost model learns from it."""
+        self.cost.observe(plan.total_num_scheduled_tokens, plan.num_context_tokens, seconds)
 
     def _num_new_tokens(self, request: Request, token_budget: int) -> int:
         # num_tokens_with_spec, inlined: read per running request per step, a
@@ -164,6 +256,8 @@ class Scheduler:
         while i < len(running) and step.token_budget > 0:
             request = running[i]
             num_new = self._num_new_tokens(request, step.token_budget)
+            if num_new > 1:  # a prefill (or recompute) chunk: the policy's caps apply
+                num_new = step.cap_prefill(request.request_id, num_new)
             if num_new == 0:
                 i += 1
                 continue
@@ -182,6 +276,8 @@ class Scheduler:
             step.running_reqs.append(request)
             step.running_new_block_ids.append(block_ids)
             step.token_budget -= num_new
+            if num_new > 1:
+                step.prefill_budget -= num_new
             i += 1
 
     def _preempt(self, request: Request, step: Step) -> None:
@@ -214,15 +310,17 @@ class Scheduler:
             self._admit(request, request.num_computed_tokens, num_new, step, loras)
         loaded.extendleft(reversed(passed))
 
-    def _schedule_waiting(self, step: Step, loras: set[str]) -> None:
-        # Waiting requests of an adapter that has no slot left this step wait aside,
-        # in order, without holding up the others (vLLM's skipped_waiting).
+    def _schedule_waiting(self, step: Step, loras: set[str], defer: frozenset[str]) -> None:
+        # Waiting requests of an adapter that has no slot left this step, or that the
+        # policy deferred, wait aside, in order, without holding up the others (vLLM's
+        # skipped_waiting).
         skipped = []
         while self.waiting and self._has_room(step):
             request = self.waiting.peek()
             if request.num_output_placeholders:
                 break  # preempted with a token still in flight: resume once it is known
-            found = self._find_computed(request) if self._can_admit(request, loras) else None
+            admissible = request.request_id not in defer and self._can_admit(request, loras)
+            found = self._find_computed(request) if admissible else None
             if found is None:
                 skipped.append(self.waiting.pop())
                 continue
@@ -247,7 +345,8 @@ class Scheduler:
             self.waiting.prepend(request)
 
     def _has_room(self, step: Step) -> bool:
-        return step.token_budget > 0 and len(self.running) < self.config.max_num_seqs
+        return (step.token_budget > 0 and step.prefill_budget > 0
+                and len(self.running) < self.config.max_num_seqs)  # fmt: skip
 
     def _fits(self, request: Request, hits: ComputedBlocks | None) -> bool:
         """--reserve-full-isl (the default): the pool could hold it whole."""
@@ -267,8 +366,10 @@ class Scheduler:
         num_new = request.num_tokens - num_cached
         config = self.config
         if config.no_chunked_prefill:
-            return num_new if num_new <= step.token_budget else None
-        return min(num_new, config.long_prefill_token_threshold or num_new, step.token_budget)
+            fits = num_new <= min(step.token_budget, step.cap_prefill(request.request_id, num_new))
+            return num_new if fits else None
+        num_new = min(num_new, config.long_prefill_token_threshold or num_new, step.token_budget)
+        return step.cap_prefill(request.request_id, num_new) or None
 
     def _find_computed(self, request: Request) -> tuple[ComputedBlocks | None, int, int] | None:
         """(local hits, tokens they cover, tokens the connector can load), or None
@@ -294,6 +395,7 @@ class Scheduler:
         self.running.append(request)
         step.num_scheduled_tokens[request.request_id] = num_new
         step.token_budget -= num_new
+        step.prefill_budget -= num_new
 
     def _running_loras(self) -> set[str]:
         if not self.config.max_loras:
@@ -306,28 +408,33 @@ class Scheduler:
         for request in step.admitted_reqs:
             request.status = RUNNING
         # In num_scheduled_tokens order: running first, then admitted.
-        self._advance(step.running_reqs, step, output.sampling_requests)
-        self._advance(step.admitted_reqs, step, output.sampling_requests)
+        output.num_context_tokens = self._advance(step.running_reqs, step,
+                                                  output.sampling_requests)  # fmt: skip
+        output.num_context_tokens += self._advance(step.admitted_reqs, step,
+                                                   output.sampling_requests)  # fmt: skip
         self.finished_req_ids = set()
         self.step_id += 1
         return output
 
     @staticmethod
-    def _advance(requests: list[Request], step: Step, sampling: list[Request]) -> None:
+    def _advance(requests: list[Request], step: Step, sampling: list[Request]) -> int:
         # Advanced at schedule time, not on output, so that the next step can be
         # planned while this one runs: a chunked prefill continues, and a request
         # whose chunk reaches its end holds a placeholder for the token in flight.
         # Drafts are counted as if all were accepted (vLLM's optimistic advance): the
         # result rolls back what was rejected.
         num_scheduled_tokens, drafts = step.num_scheduled_tokens, step.num_draft_slots
+        num_context = 0
         for request in requests:
             request.num_computed_tokens += num_scheduled_tokens[request.request_id]
+            num_context += request.num_computed_tokens
             num_drafts = drafts.get(request.request_id, 0) if drafts else 0
             if request.num_computed_tokens - num_drafts == (
                 len(request.all_token_ids) + request.num_output_placeholders  # with spec
             ):
                 request.num_output_placeholders += 1 + num_drafts
                 sampling.append(request)
+        return num_context  # the step's context tokens
 
     # -- results in --------------------------------------------------------------
 
@@ -387,15 +494,18 @@ class Scheduler:
             return FINISHED_ERROR
         tokens = request.all_token_ids
         tokens.append(token_id)
-        if len(tokens) % self.block_size == 0:
+        num_tokens = len(tokens)
+        if num_tokens % self.block_size == 0:
             self.kv.update_block_hashes(request)
+        if num_tokens == request.num_prompt_tokens + 1:
+            request.first_token_time = self.clock()
         out.req_ids.append(request.request_id)
         out.new_token_ids.append(token_id)
         if token_id in request.stop_ids and (
-            len(tokens) - request.num_prompt_tokens >= request.stop.min_tokens
+            num_tokens - request.num_prompt_tokens >= request.stop.min_tokens
         ):
             return FINISHED_STOPPED
-        if len(tokens) >= request.max_num_tokens:
+        if num_tokens >= request.max_num_tokens:
             return FINISHED_TRANSFERRED if request.do_remote_decode else FINISHED_LENGTH
         return None
 

@@ -25,13 +25,20 @@ class SchedulerStats:
     external_prefix_cache_hits: int
     num_host_cached_blocks: int
     num_kv_leases: int
+    policy: str
+    num_shed: int
+    num_ignored_decisions: int
+    shadow_policy: str
+    shadow_decisions: int
+    shadow_agreed: int
+    shadow_would_shed: int
 
     def as_fields(self) -> dict:
         return asdict(self)
 
 
 def make_stats(scheduler: "Scheduler") -> SchedulerStats:
-    pool, transfers = scheduler.kv.pool, scheduler.transfers
+    pool, transfers, shadow = scheduler.kv.pool, scheduler.transfers, scheduler.shadow
     prefix, external = scheduler.kv.prefix_stats, transfers.external_stats
     return SchedulerStats(
         step_id=scheduler.step_id, num_running=len(scheduler.running),
@@ -43,5 +50,8 @@ def make_stats(scheduler: "Scheduler") -> SchedulerStats:
         external_prefix_cache_queries=external.num_queries,
         external_prefix_cache_hits=external.num_hits,
         num_host_cached_blocks=transfers.num_host_cached_blocks,
-        num_kv_leases=len(transfers.leased),
+        num_kv_leases=len(transfers.leased), policy=scheduler.policy.name,
+        num_shed=scheduler.num_shed, num_ignored_decisions=scheduler.num_ignored_decisions,
+        shadow_policy=shadow.name, shadow_decisions=shadow.num_decisions,
+        shadow_agreed=shadow.num_agreed, shadow_would_shed=shadow.num_would_shed,
     )  # fmt: skip

@@ -5,6 +5,7 @@ that none imports the scheduler."""
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from flagstop.scheduler_svc.core.decision import UNLIMITED
 from flagstop.scheduler_svc.core.output import CachedRequestData, NewRequestData, SchedulerOutput
 from flagstop.scheduler_svc.core.request import PREEMPTED, Request
 
@@ -12,6 +13,9 @@ from flagstop.scheduler_svc.core.request import PREEMPTED, Request
 @dataclass(slots=True)
 class Step:
     token_budget: int
+    # The policy's: prefill (and recompute) tokens left this step, each request's cap.
+    prefill_budget: int = UNLIMITED
+    chunk_caps: dict[str, int] = field(default_factory=dict)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     running_reqs: list[Request] = field(default_factory=list)
     running_new_block_ids: list[Sequence[int]] = field(default_factory=list)
@@ -19,6 +23,11 @@ class Step:
     admitted_reqs: list[Request] = field(default_factory=list)
     preempted_req_ids: set[str] = field(default_factory=set)
     num_draft_slots: dict[str, int] = field(default_factory=dict)
+
+    def cap_prefill(self, request_id: str, num_tokens: int) -> int:
+        """A prefill chunk of num_tokens as the policy's budget and cap allow."""
+        cap = self.chunk_caps.get(request_id, num_tokens) if self.chunk_caps else num_tokens
+        return min(num_tokens, cap, self.prefill_budget)
 
     def unschedule(self, request: Request) -> None:
         """A request scheduled earlier in this step became a preemption victim (only
@@ -30,6 +39,8 @@ class Step:
         del self.running_reqs[index], self.running_new_block_ids[index]
         self.num_draft_slots.pop(request.request_id, None)
         self.token_budget += num_tokens
+        if num_tokens > 1:
+            self.prefill_budget += num_tokens
 
     def plan(
         self, step_id: int, finished_req_ids: set[str], trimmed_blocks: dict[str, int],

@@ -1,0 +1,265 @@
+"""flagstop-replay: a workload replayed on a virtual clock through the real scheduler
+core, each step timed by the executor simulator's cost model (a LOAD-TEST MODEL, not
+a GPU): what a policy would have done with that traffic, at far more than real time,
+deterministically (same trace, policy, scale and seed: the same report).
+
+    flagstop-replay TRACE [--policy slo] [--load 1.2] [--ttft-ms 2000] [--tpot-ms 80]
+
+TRACE: a workload record (one JSON object a line: arrival_s, prompt_tokens,
+output_tokens, and optionally block_hashes, tenant, class, ttft_ms, tpot_ms; see
+docs/policy.md), a Mooncake trace (timestamp ms, input_length, output_length,
+hash_ids per 512 tokens) or an Azure LLM inference trace (CSV: TIMESTAMP,
+ContextTokens, GeneratedTokens). Prompts are made of their block hashes (equal ids,
+equal tokens), so prefix-cache hits are those of the trace.
+"""
+
+import argparse
+import csv
+import json
+import math
+import statistics
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+from flagstop.executor.simulator import CostModel
+from flagstop.scheduler_svc.core.config import SchedulerConfig
+from flagstop.scheduler_svc.core.fair_policy import tenant_of
+from flagstop.scheduler_svc.core.objectives import Objectives
+from flagstop.scheduler_svc.core.output import StepOutcome
+from flagstop.scheduler_svc.core.policy import policy_for
+from flagstop.scheduler_svc.core.request import Request, StopParams
+from flagstop.scheduler_svc.core.scheduler import RequestRejected, Scheduler
+
+VOCAB = 32000
+TRACE_BLOCK_TOKENS = 512  # Mooncake's hash_ids: one per 512 prompt tokens
+
+
+@dataclass(slots=True, frozen=True)
+class TraceRequest:
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    block_hashes: tuple[int, ...] = ()
+    tenant: str = ""
+    klass: str = ""
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+
+
+def load_trace(path: Path) -> list[TraceRequest]:
+    """A workload record, a Mooncake trace or an Azure trace, by its contents."""
+    text = Path(path).read_text()
+    if text.startswith("TIMESTAMP"):
+        return list(_azure(text))
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    if rows and "timestamp" in rows[0]:
+        return [TraceRequest(r["timestamp"] / 1e3, r["input_length"], max(1, r["output_length"]),
+                             tuple(r.get("hash_ids", ()))) for r in rows]  # fmt: skip
+    return [TraceRequest(r["arrival_s"], r["prompt_tokens"], r["output_tokens"],
+                         tuple(r.get("block_hashes", ())), r.get("tenant", ""),
+                         r.get("class", ""), r.get("ttft_ms"), r.get("tpot_ms"))
+            for r in rows]  # fmt: skip
+
+
+def _azure(text: str) -> Iterator[TraceRequest]:
+    reader = csv.reader(text.splitlines()[1:])
+    start = None
+    for stamp, context, generated in reader:
+        t = datetime.fromisoformat(stamp[:26]).timestamp()
+        start = t if start is None else start
+        yield TraceRequest(t - start, max(1, int(context)), max(1, int(generated)))
+
+
+def scaled(trace: list[TraceRequest], factor: float) -> list[TraceRequest]:
+    """Arrivals factor times as fast (factor 2: twice the request rate)."""
+    return [TraceRequest(r.arrival_s / factor, r.prompt_tokens, r.output_tokens, r.block_hashes,
+                         r.tenant, r.klass, r.ttft_ms, r.tpot_ms) for r in trace]  # fmt: skip
+
+
+def prompt_of(r: TraceRequest, index: int) -> list[int]:
+    """Tokens made of the trace's block hashes (equal ids, equal tokens); without
+    any, tokens of the request's own."""
+    ids = r.block_hashes or (-(index + 1),)
+    tokens: list[int] = []
+    for h in ids:
+        base = (h * 2654435761) % VOCAB
+        tokens += [(base + j * 40503) % VOCAB for j in range(TRACE_BLOCK_TOKENS)]
+    while len(tokens) < r.prompt_tokens:
+        tokens += [(index * 7919 + len(tokens)) % VOCAB]
+    return tokens[: r.prompt_tokens]
+
+
+@dataclass(slots=True)
+class Served:
+    arrival_s: float
+    tenant: str
+    klass: str
+    ttft_ms: float
+    tpot_ms: float
+    prompt_tokens: int
+    first_s: float = 0.0
+    end_s: float = 0.0
+    num_output: int = 0
+    shed: bool = False
+
+    @property
+    def ttft(self) -> float:
+        return (self.first_s - self.arrival_s) * 1e3
+
+    @property
+    def tpot(self) -> float:
+        return (self.end_s - self.first_s) * 1e3 / max(1, self.num_output - 1)
+
+    @property
+    def good(self) -> bool:
+        return not self.shed and self.ttft <= self.ttft_ms and self.tpot <= self.tpot_ms
+
+
+@dataclass(slots=True)
+class Replay:
+    """One policy over one trace: feed arrivals, plan, time the step by the cost
+    model, hand back one token per sampling request, until all have ended."""
+
+    trace: list[TraceRequest]
+    config: SchedulerConfig
+    num_blocks: int
+    cost: CostModel = field(default_factory=lambda: CostModel(6.0, 8.0, 0.03))
+    ttft_ms: float = 2000.0
+    tpot_ms: float = 100.0
+    now: float = 0.0
+    served: dict[str, Served] = field(default_factory=dict)
+    num_steps: int = 0
+    num_recomputed: int = 0
+    num_preemptions: int = 0
+    num_shed: int = 0
+    num_prefix_hit_tokens: int = 0
+    gaps: list[float] = field(default_factory=list)
+
+    def run(self) -> "Replay":
+        scheduler = Scheduler(self.config, self.num_blocks, policy_for(self.config),
+                              clock=lambda: self.now)  # fmt: skip
+        pending, high_water = iter(enumerate(self.trace)), {}
+        upcoming = next(pending, None)
+        while upcoming is not None or scheduler.has_unfinished_requests():
+            while upcoming is not None and upcoming[1].arrival_s <= self.now:
+                self._add(scheduler, *upcoming)
+                upcoming = next(pending, None)
+            plan = scheduler.schedule()
+            self._take_shed(scheduler)
+            if not plan.num_scheduled_tokens:
+                if upcoming is None and not scheduler.has_unfinished_requests():
+                    break
+                self.now = upcoming[1].arrival_s if upcoming is not None else self.now + 1e-3
+                continue
+            step_s = self.cost.seconds(plan.total_num_scheduled_tokens, plan.num_context_tokens)
+            for request_id, num in plan.num_scheduled_tokens.items():
+                end = scheduler.requests[request_id].num_computed_tokens
+                mark = high_water.get(request_id, 0)
+                self.num_recomputed += max(0, min(end, mark) - (end - num))
+                high_water[request_id] = max(mark, end)
+            self.now += step_s
+            scheduler.observe_step(plan, step_s)
+            outcome = StepOutcome([1] * len(plan.sampling_requests))
+            for out in scheduler.update_from_output(plan, outcome).values():
+                for request_id in out.req_ids:
+                    served = self.served[request_id]
+                    served.num_output += 1
+                    if served.num_output == 1:
+                        served.first_s = self.now
+                for request_id in out.finished:
+                    self.served[request_id].end_s = self.now
+            self.num_steps += 1
+            self._fairness(scheduler)
+        self.num_preemptions, self.num_shed = scheduler.num_preemptions, scheduler.num_shed
+        self.num_prefix_hit_tokens = scheduler.kv.prefix_stats.num_hits
+        return self
+
+    def _add(self, scheduler: Scheduler, index: int, r: TraceRequest) -> None:
+        request_id = f"r{index}"
+        ttft, tpot = r.ttft_ms or self.ttft_ms, r.tpot_ms or self.tpot_ms
+        objectives = Objectives(ttft / 1e3, tpot / 1e3, r.tenant, r.klass)
+        request = Request(request_id, "replay", prompt_of(r, index),
+                          StopParams(r.output_tokens, ignore_eos=True), arrival_time=r.arrival_s,
+                          objectives=objectives, labels={"tenant": r.tenant})  # fmt: skip
+        try:
+            scheduler.add_request(request)
+        except RequestRejected:
+            return  # longer than this engine serves: not part of the replay
+        self.served[request_id] = Served(r.arrival_s, r.tenant, r.klass, ttft, tpot,
+                                         r.prompt_tokens)  # fmt: skip
+
+    def _take_shed(self, scheduler: Scheduler) -> None:
+        for request, _ in scheduler.take_shed():
+            self.served[request.request_id].shed = True
+
+    def _fairness(self, scheduler: Scheduler) -> None:
+        counters = getattr(scheduler.policy, "counters", None)
+        if not counters or self.num_steps % 50:
+            return
+        backlogged = {tenant_of(r) for r in scheduler.waiting}
+        values = [counters[t] for t in backlogged if t in counters]
+        self.gaps.append(max(values) - min(values) if len(values) > 1 else 0.0)
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return math.nan
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q / 100 * len(values)))]
+
+
+def report(replay: Replay) -> dict:
+    served = list(replay.served.values())
+    done = [s for s in served if not s.shed and s.end_s]
+    duration = max((s.end_s for s in done), default=replay.now) - min(
+        (s.arrival_s for s in served), default=0.0)  # fmt: skip
+    ttfts, tpots = [s.ttft for s in done], [s.tpot for s in done if s.num_output > 1]
+    short_cut = percentile([s.prompt_tokens for s in served], 25)
+    short = [s.ttft for s in done if s.prompt_tokens <= short_cut]
+    by_tenant = {
+        t: [s.ttft for s in done if s.tenant == t] for t in sorted({s.tenant for s in done})
+    }
+    return {
+        "requests": len(served), "served": len(done), "shed": replay.num_shed,
+        "goodput_rps": sum(s.good for s in served) / duration if duration > 0 else 0.0,
+        "attainment": sum(s.good for s in served) / max(1, len(served)),
+        "ttft_p50_ms": percentile(ttfts, 50), "ttft_p99_ms": percentile(ttfts, 99),
+        "short_ttft_p99_ms": percentile(short, 99),
+        "tpot_p50_ms": percentile(tpots, 50), "tpot_p99_ms": percentile(tpots, 99),
+        "tpot_held": sum(s.tpot <= s.tpot_ms for s in done) / max(1, len(done)),
+        "preemptions": replay.num_preemptions, "recomputed_tokens": replay.num_recomputed,
+        "steps": replay.num_steps, "virtual_s": replay.now,
+        "prefix_hit_tokens": replay.num_prefix_hit_tokens,
+        "ttft_p99_ms_by_tenant": {t: percentile(v, 99) for t, v in by_tenant.items()},
+        "ttft_mean_ms_by_tenant": {t: statistics.fmean(v) for t, v in by_tenant.items() if v},
+        "max_fairness_gap": max(replay.gaps, default=0.0),
+    }  # fmt: skip
+
+
+def replay_config(policy: str, max_model_len: int = 131072, **overrides) -> SchedulerConfig:
+    base = dict(max_num_batched_tokens=8192, max_num_seqs=256, max_model_len=max_model_len,
+                block_size=16, policy=policy)  # fmt: skip
+    return SchedulerConfig(**{**base, **overrides})
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="flagstop-replay", description=__doc__.splitlines()[0])
+    parser.add_argument("trace", type=Path)
+    parser.add_argument("--policy", default="fcfs")
+    parser.add_argument("--load", type=float, default=1.0, help="arrival-rate factor")
+    parser.add_argument("--ttft-ms", type=float, default=2000.0)
+    parser.add_argument("--tpot-ms", type=float, default=100.0)
+    parser.add_argument("--num-blocks", type=int, default=65536)
+    parser.add_argument("--limit", type=int, default=0, help="first N requests only")
+    args = parser.parse_args(argv)
+    trace = load_trace(args.trace)
+    trace = scaled(trace[: args.limit] if args.limit else trace, args.load)
+    run = Replay(trace, replay_config(args.policy), args.num_blocks, ttft_ms=args.ttft_ms,
+                 tpot_ms=args.tpot_ms).run()  # fmt: skip
+    print(json.dumps(report(run), indent=2))
+
+
+if __name__ == "__main__":
+    main()

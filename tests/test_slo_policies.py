@@ -1,0 +1,304 @@
+"""The policies that decide each step (slo, fair, hrrn) and the decision seam itself,
+in-process on random workloads: each policy's defining property, the decisions
+honoured and counted, nonsense failing open, the ordering-only policies unchanged."""
+
+import math
+from dataclasses import dataclass
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flagstop.scheduler_svc.core.config import SchedulerConfig
+from flagstop.scheduler_svc.core.decision import NO_DECISION, PolicyView, StepDecision
+from flagstop.scheduler_svc.core.objectives import Objectives
+from flagstop.scheduler_svc.core.output import StepOutcome
+from flagstop.scheduler_svc.core.policy import FCFSPolicy, make_policy
+from flagstop.scheduler_svc.core.request import FINISH_REASON, Request, StopParams
+from flagstop.scheduler_svc.core.scheduler import Scheduler
+from flagstop.scheduler_svc.core.step_cost import StepCostModel
+from tests.helpers.scheduler_invariants import check_idle, check_invariants
+
+BLOCK = 16
+
+
+@dataclass
+class Clock:
+    now: float = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def engine(policy, num_blocks: int = 512, budget: int = 256, **config) -> tuple[Scheduler, Clock]:
+    clock = Clock()
+    base = dict(max_num_batched_tokens=budget, max_num_seqs=32, max_model_len=4096,
+                block_size=BLOCK)  # fmt: skip
+    scheduler = Scheduler(SchedulerConfig(**{**base, **config}), num_blocks, policy, clock=clock)
+    return scheduler, clock
+
+
+def request(rid: str, num_prompt: int, max_tokens: int, now: float = 0.0, **objectives) -> Request:
+    prompt = [(hash(rid) + i) % 30000 + 10 for i in range(num_prompt)]
+    return Request(rid, "router-0", prompt, StopParams(max_tokens, ignore_eos=True),
+                   arrival_time=now, objectives=Objectives(**objectives))  # fmt: skip
+
+
+def advance(scheduler: Scheduler, clock: Clock, plan) -> None:
+    """Run the plan on the step-cost model's time and feed one token per sample."""
+    seconds = scheduler.cost.seconds(plan.total_num_scheduled_tokens, plan.num_context_tokens)
+    clock.now += seconds
+    scheduler.update_from_output(plan, StepOutcome([7] * len(plan.sampling_requests)))
+    check_invariants(scheduler)
+
+
+workloads = st.lists(
+    st.tuples(st.integers(1, 600), st.integers(1, 40), st.floats(0.0, 0.5), st.floats(0.02, 1.0)),
+    min_size=1,
+    max_size=30,
+)  # fmt: skip  (prompt tokens, output tokens, arrival gap s, TTFT target s)
+
+
+@settings(max_examples=60, deadline=None)
+@given(workloads)
+def test_slo_never_admits_a_request_it_predicts_will_miss(jobs):
+    policy = make_policy("slo")
+    scheduler, clock = engine(policy)
+    arrivals = []
+    t = 0.0
+    for i, (num_prompt, max_tokens, gap, ttft) in enumerate(jobs):
+        t += gap
+        arrivals.append((t, request(f"r{i}", num_prompt, max_tokens, t, ttft_s=ttft)))
+    deadlines = {r.request_id: t + r.objectives.ttft_s for t, r in arrivals}
+    for _ in range(3000):
+        while arrivals and arrivals[0][0] <= clock.now:
+            scheduler.add_request(arrivals.pop(0)[1])
+        if not arrivals and not scheduler.has_unfinished_requests():
+            break
+        plan = scheduler.schedule()
+        for new in plan.scheduled_new_reqs:
+            assert policy.predicted[new.req_id] <= deadlines[new.req_id] + 1e-9
+        for shed, reason in scheduler.take_shed():
+            assert "retry" in reason and shed.request_id not in scheduler.requests
+        if not plan.num_scheduled_tokens:
+            clock.now = arrivals[0][0] if arrivals else clock.now + 0.01
+            continue
+        advance(scheduler, clock, plan)
+    check_idle(scheduler)
+
+
+def test_slo_orders_equal_prompts_by_deadline_and_sheds_what_cannot_make_it():
+    policy = make_policy("slo")
+    scheduler, _ = engine(policy, budget=64, max_num_seqs=2)
+    ttfts = {"late": 5.0, "soon": 0.5, "mid": 2.0, "hopeless": 0.001}
+    for rid, ttft in ttfts.items():
+        scheduler.add_request(request(rid, 64, 4, ttft_s=ttft))
+    plan = scheduler.schedule()
+    [(shed, reason)] = scheduler.take_shed()
+    assert shed.request_id == "hopeless" and "target of 1 ms" in reason
+    assert [r.req_id for r in plan.scheduled_new_reqs] == ["soon"]
+    assert [r.request_id for r in scheduler.waiting] == ["mid", "late"]
+    assert scheduler.num_shed == 1
+
+
+def test_slo_without_shedding_orders_only():
+    scheduler, _ = engine(make_policy("slo", shed=False))
+    scheduler.add_request(request("hopeless", 64, 4, ttft_s=0.001))
+    plan = scheduler.schedule()
+    assert not scheduler.take_shed() and [r.req_id for r in plan.scheduled_new_reqs] == ["hopeless"]
+
+
+def test_slo_prefill_budget_keeps_the_decodes_within_their_tpot():
+    policy = make_policy("slo")
+    scheduler, clock = engine(policy, budget=4096, num_blocks=2048)
+    for i in range(8):
+        scheduler.add_request(request(f"d{i}", 32, 200, tpot_s=0.02))
+    for _ in range(3):
+        advance(scheduler, clock, scheduler.schedule())
+    scheduler.add_request(request("long", 3000, 4, clock.now))
+    cost = scheduler.cost
+    for _ in range(10):
+        plan = scheduler.schedule()
+        # The model's step time stays within the tightest TPOT (one block of
+        # prefill is always allowed, so prompts progress).
+        predicted = cost.seconds(plan.total_num_scheduled_tokens, plan.num_context_tokens)
+        assert predicted <= 0.02 or plan.num_scheduled_tokens.get("long", 0) <= BLOCK
+        assert plan.num_scheduled_tokens.get("long", 0) < 3000
+        advance(scheduler, clock, plan)
+
+
+class Scripted(FCFSPolicy):
+    """FCFS order with a scripted decision each step."""
+
+    def __init__(self, decide) -> None:
+        self._decide = decide
+
+    def decide(self, view: PolicyView) -> StepDecision:
+        return self._decide(view)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 300), st.dictionaries(st.sampled_from(["a", "b", "c"]), st.integers(0, 80)),
+       st.frozensets(st.sampled_from(["a", "b", "c"])))  # fmt: skip
+def test_the_prefill_budget_caps_and_defers_are_honoured(budget, caps, defer):
+    scheduler, _ = engine(Scripted(lambda v: StepDecision(defer=defer, prefill_budget=budget,
+                                                            chunk_caps=caps)))  # fmt: skip
+    for rid in "abc":
+        scheduler.add_request(request(rid, 200, 3))
+    plan = scheduler.schedule()
+    scheduled = plan.num_scheduled_tokens
+    assert sum(scheduled.values()) <= budget
+    assert not defer & scheduled.keys()
+    for rid, num in scheduled.items():
+        assert num <= caps.get(rid, num)
+    if budget >= 200 * 3 and not defer and not caps:
+        assert scheduled == {"a": 200, "b": 56}  # the token budget (256) still binds
+
+
+def test_shed_requests_end_with_their_reason_and_are_counted():
+    shed_once = {"b": "over capacity: retry in 2 s"}
+    scheduler, _ = engine(Scripted(lambda v: StepDecision(shed=dict(shed_once))))
+    for rid in "abc":
+        scheduler.add_request(request(rid, 20, 2))
+    plan = scheduler.schedule()
+    [(shed, reason)] = scheduler.take_shed()
+    assert (shed.request_id, reason) == ("b", "over capacity: retry in 2 s")
+    assert FINISH_REASON[shed.status].label == "abort"
+    assert [r.req_id for r in plan.scheduled_new_reqs] == ["a", "c"]
+    shed_once.clear()
+    assert scheduler.num_shed == 1 and scheduler.take_shed() == []
+
+
+def test_nonsense_decisions_fail_open_and_are_counted():
+    def nonsense(view: PolicyView) -> StepDecision:
+        running = [r.request_id for r in view.running]
+        return StepDecision(shed={"ghost": "x", **dict.fromkeys(running, "y")},
+                            defer=frozenset({"ghost"}), prefill_budget=-5,
+                            chunk_caps={"a": -1, "ghost": 3})  # fmt: skip
+
+    plans = {}
+    for name, policy in (("fcfs", FCFSPolicy()), ("nonsense", Scripted(nonsense))):
+        scheduler, clock = engine(policy, budget=64)
+        for rid in "abc":
+            scheduler.add_request(request(rid, 50, 5))
+        plans[name] = []
+        while scheduler.has_unfinished_requests():
+            plan = scheduler.schedule()
+            plans[name].append(dict(plan.num_scheduled_tokens))
+            advance(scheduler, clock, plan)
+        if name == "nonsense":
+            assert scheduler.num_ignored_decisions > 0 and scheduler.num_shed == 0
+    assert plans["nonsense"] == plans["fcfs"]
+
+
+def test_an_empty_decision_plans_as_the_null_one():
+    plans = {}
+    for name, policy in (("null", FCFSPolicy()), ("empty", Scripted(lambda v: StepDecision()))):
+        scheduler, clock = engine(policy, budget=48, num_blocks=40)
+        for i in range(6):
+            scheduler.add_request(request(f"r{i}", 30 + 7 * i, 30))
+        plans[name] = []
+        while scheduler.has_unfinished_requests():
+            plan = scheduler.schedule()
+            plans[name].append((dict(plan.num_scheduled_tokens), set(plan.preempted_req_ids)))
+            advance(scheduler, clock, plan)
+    assert plans["empty"] == plans["null"] and FCFSPolicy().decide(None) is NO_DECISION
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 300), st.integers(1, 30)), min_size=4, max_size=20),
+    st.lists(st.tuples(st.integers(1, 300), st.integers(1, 30)), min_size=4, max_size=20),
+)
+def test_fair_keeps_backlogged_tenants_within_the_vtc_bound_and_never_idles(jobs_a, jobs_b):
+    policy = make_policy("fair")
+    scheduler, clock = engine(policy, budget=128, max_num_seqs=4)
+    for tenant, jobs in (("a", jobs_a), ("b", jobs_b)):
+        for i, (num_prompt, max_tokens) in enumerate(jobs):
+            scheduler.add_request(request(f"{tenant}{i}", num_prompt, max_tokens, tenant=tenant))
+    longest = max(p + 2 * m for p, m in jobs_a + jobs_b)
+    bound = 2 * longest
+    while scheduler.has_unfinished_requests():
+        plan = scheduler.schedule()
+        assert plan.num_scheduled_tokens or not scheduler.waiting, "idle while work waits"
+        waiting = {r.objectives.tenant for r in scheduler.waiting}
+        if waiting == {"a", "b"}:
+            gap = abs(policy.counters["a"] - policy.counters["b"])
+            assert gap <= bound, (gap, bound)
+        advance(scheduler, clock, plan)
+    check_idle(scheduler)
+
+
+def test_fair_serves_a_light_tenant_before_the_heavy_backlog():
+    scheduler, _ = engine(make_policy("fair"), budget=100, max_num_seqs=2)
+    for i in range(10):
+        scheduler.add_request(request(f"heavy{i}", 100, 10, tenant="heavy"))
+    scheduler.add_request(request("light0", 100, 10, tenant="light"))
+    first = scheduler.schedule()
+    assert [r.req_id for r in first.scheduled_new_reqs] == ["heavy0"]
+    scheduler.update_from_output(first, StepOutcome([7] * len(first.sampling_requests)))
+    second = scheduler.schedule()
+    assert [r.req_id for r in second.scheduled_new_reqs] == ["light0"]
+
+
+def test_hrrn_puts_short_prompts_first_and_lets_a_long_one_age_past_them():
+    scheduler, _ = engine(make_policy("hrrn"), budget=600, max_num_seqs=1)
+    scheduler.add_request(request("long", 500, 1, 0.0))
+    scheduler.add_request(request("short", 20, 1, 0.0))
+    assert [r.req_id for r in scheduler.schedule().scheduled_new_reqs] == ["short"]
+    scheduler2, _ = engine(make_policy("hrrn"), budget=600, max_num_seqs=1)
+    scheduler2.add_request(request("long", 500, 1, -60.0))  # waited a minute
+    scheduler2.add_request(request("short", 20, 1, 0.0))
+    assert [r.req_id for r in scheduler2.schedule().scheduled_new_reqs] == ["long"]
+
+
+def test_the_step_cost_model_learns_the_executor_it_measures():
+    model = StepCostModel()
+    truth = StepCostModel(base_s=0.012, s_per_token=2e-5, s_per_context_token=1e-7)
+    for i in range(400):
+        tokens, context = (i * 37) % 2048 + 1, (i * 7919) % 300_000 + 1
+        model.observe(tokens, context, truth.seconds(tokens, context))
+    for tokens, context in ((1, 1), (2048, 300_000), (512, 64_000)):
+        assert math.isclose(model.seconds(tokens, context), truth.seconds(tokens, context),
+                            rel_tol=0.02)  # fmt: skip
+    assert model.tokens_within(0.05, 10) == truth.tokens_within(0.05, 10) or abs(
+        model.tokens_within(0.05, 10) - truth.tokens_within(0.05, 10)) < 40  # fmt: skip
+
+
+def test_a_policy_swapped_between_steps_keeps_every_request_in_order():
+    scheduler, clock = engine(FCFSPolicy(), budget=64, max_num_seqs=2)
+    for i in range(8):
+        scheduler.add_request(request(f"r{i}", 40 - 4 * i, 5, float(i), ttft_s=30.0))
+    advance(scheduler, clock, scheduler.schedule())
+    waiting = [r.request_id for r in scheduler.waiting]
+    scheduler.set_policy(make_policy("hrrn"))
+    assert [r.request_id for r in scheduler.waiting] == waiting
+    finished = set()
+    while scheduler.has_unfinished_requests():
+        plan = scheduler.schedule()
+        clock.now += 0.01
+        for out in scheduler.update_from_output(
+            plan, StepOutcome([7] * len(plan.sampling_requests))
+        ).values():
+            finished |= out.finished.keys()
+    assert finished == {f"r{i}" for i in range(8)}
+    check_idle(scheduler)
+
+
+def test_a_shadow_policy_is_compared_and_counted_but_never_applied():
+    live_plans, shadow_plans = [], []
+    for plans, shadow in ((live_plans, None), (shadow_plans, "slo")):
+        scheduler, clock = engine(FCFSPolicy(), budget=64, max_num_seqs=2)
+        scheduler.set_shadow(None if shadow is None else make_policy(shadow))
+        for i in range(6):  # the last one's target no step can meet: slo would shed it
+            ttft = 0.0001 if i == 5 else 30.0
+            scheduler.add_request(request(f"r{i}", 60 - 10 * i, 4, 0.0, ttft_s=ttft))
+        while scheduler.has_unfinished_requests():
+            plan = scheduler.schedule()
+            plans.append(dict(plan.num_scheduled_tokens))
+            advance(scheduler, clock, plan)
+    assert shadow_plans == live_plans  # nothing it decided was applied
+    shadow = scheduler.shadow
+    assert shadow.name == "slo" and shadow.num_decisions > 0
+    assert shadow.num_would_shed >= 1 and scheduler.num_shed == 0
+    assert shadow.num_agreed < shadow.num_decisions and shadow.recent
+    assert "r5" in shadow.recent[0].would_shed
