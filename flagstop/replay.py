@@ -57,7 +57,10 @@ def load_trace(path: Path) -> list[TraceRequest]:
     if rows and "timestamp" in rows[0]:
         return [TraceRequest(r["timestamp"] / 1e3, r["input_length"], max(1, r["output_length"]),
                              tuple(r.get("hash_ids", ()))) for r in rows]  # fmt: skip
-    return [TraceRequest(r["arrival_s"], r["prompt_tokens"], r["output_tokens"],
+    # A router's record is in wall-clock seconds, its lines in the order requests ended.
+    rows.sort(key=lambda r: r["arrival_s"])
+    start = rows[0]["arrival_s"] if rows else 0.0
+    return [TraceRequest(r["arrival_s"] - start, r["prompt_tokens"], max(1, r["output_tokens"]),
                          tuple(r.get("block_hashes", ())), r.get("tenant", ""),
                          r.get("class", ""), r.get("ttft_ms"), r.get("tpot_ms"))
             for r in rows]  # fmt: skip

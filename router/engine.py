@@ -22,6 +22,7 @@ from flagstop.router.admission import AdmissionBudget
 from flagstop.router.detokenizer import StopStringMatcher, new_detokenizer
 from flagstop.router.objectives import ObjectiveDefaults
 from flagstop.router.output import ChunkBuilder, Pending, RequestFailed
+from flagstop.router.recorder import recorder
 from flagstop.router.replicas import ReplicaSet
 from flagstop.router.settings import RouterSettings
 from flagstop.router.telemetry import RequestTrace
@@ -47,6 +48,7 @@ class RouterEngine:
         self.requests: dict[str, Pending] = {}
         self.budget = AdmissionBudget(settings.max_queued_requests, settings.max_queued_tokens)
         self.objectives = ObjectiveDefaults(settings.slo_defaults)
+        self.recorder = recorder(settings.record_workload)
         self.replicas = ReplicaSet(settings, self.requests, self.fan_out, self._readiness)
         self.accepting = True
 
@@ -145,6 +147,7 @@ class RouterEngine:
         pending.trace.abort("the stream ended before the request finished")
         if self.requests.pop(pending.request_id, None) is None:
             return
+        self.recorder.record(pending)
         replica = pending.replica
         if replica.admission.cancel(pending.request_id):
             return  # never reached the scheduler

@@ -107,6 +107,10 @@ class RouterSettings(ServiceSettings):
     """the TTFT and TPOT targets of requests that state none, by "tenant:NAME",
     "class:NAME" or "*" (everyone), as JSON: '{"class:batch": {"ttft_ms": 30000},
     "*": {"ttft_ms": 2000, "tpot_ms": 100}}' (docs/policy.md)"""
+    record_workload: Path | None = None
+    """append each request, as it ends, to this JSONL file in flagstop-replay's workload
+    format (arrival, prompt length and prefix-block hashes, output length, tenant,
+    class, targets; no tokens): replay your own traffic against another policy"""
     max_request_bytes: PositiveInt = 4 << 20
     """largest client message; past it RESOURCE_EXHAUSTED"""
     scheduler_timeout: PositiveFloat = 60.0

@@ -3,6 +3,7 @@ headers reach the scheduler and the metrics; the admin call swaps the policy und
 load losing nothing; a shadow policy's comparisons show; a request the slo policy
 cannot serve in time is refused with RESOURCE_EXHAUSTED / 429 and a time to retry."""
 
+import json
 import re
 import threading
 import time
@@ -11,6 +12,7 @@ import grpc
 import httpx
 import pytest
 
+from flagstop.replay import main
 from flagstop.v1 import generation_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tools.make_model import write_model
 from tools.stack import start_stack
@@ -20,13 +22,19 @@ ADMIN = (("authorization", "Bearer sesame"),)
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def record(tmp_path_factory):
+    return tmp_path_factory.mktemp("record") / "workload.jsonl"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, record):
     model_dir = write_model(tmp_path_factory.mktemp("model") / "flagstop-tiny", "tiny")
     stack = start_stack(
         model_dir, tmp_path_factory.mktemp("logs"), executor_args=["--num-blocks", "256"],
         scheduler_args=["--max-num-seqs", "2", "--admin-key", "sesame",
                         "--shadow-policy", "slo"],
-        router_args=["--slo-defaults", '{"class:batch": {"ttft_ms": 60000}}'],
+        router_args=["--slo-defaults", '{"class:batch": {"ttft_ms": 60000}}',
+                     "--record-workload", str(record)],
     )  # fmt: skip
     yield stack
     assert set(stack.stop().values()) == {0}
@@ -41,8 +49,9 @@ def set_policy(stack, **fields) -> scheduler_pb2.SetPolicyResponse:
 
 
 def stream(stack, results: list, max_tokens: int = 40, **fields) -> None:
-    request = generation_pb2.GenerateRequest(prompt_token_ids=[0, 5, 6, 7], ignore_eos=True,
-                                             max_tokens=max_tokens, **fields)  # fmt: skip
+    fields.setdefault("prompt_token_ids", [0, 5, 6, 7])
+    request = generation_pb2.GenerateRequest(ignore_eos=True, max_tokens=max_tokens,
+                                             **fields)  # fmt: skip
     tokens = []
     for chunk in stack.generation().Generate(request, timeout=120):
         tokens += chunk.token_ids
@@ -133,3 +142,16 @@ def test_a_request_slo_cannot_serve_in_time_is_refused_with_a_time_to_retry(stac
     assert results == [200, 200]  # the others are untouched
     assert stack.stats().num_shed >= 2
     set_policy(stack, policy="fcfs")
+
+
+def test_the_recorded_workload_replays(stack, record, capsys):
+    """Every request so far is a line of the record (no tokens), and flagstop-replay
+    takes the file as it is."""
+    stream(stack, [], 3, prompt_token_ids=[0] + [5] * 1100, tenant="acme")
+    lines = [json.loads(line) for line in record.read_text().splitlines()]
+    assert len(lines) >= 4 and "length" in {x["finish"] for x in lines}
+    long = next(x for x in lines if x["prompt_tokens"] == 1101)
+    assert long["tenant"] == "acme" and long["output_tokens"] == 3
+    assert len(long["block_hashes"]) == 2 and "prompt_token_ids" not in long
+    main([str(record), "--policy", "fair"])
+    assert json.loads(capsys.readouterr().out)["requests"] == len(lines)

@@ -1,0 +1,65 @@
+"""--record-workload PATH: every request the router served or refused, one JSON line
+as it ends, in flagstop-replay's workload format (docs/policy.md): when it arrived,
+its prompt's length and 512-token prefix-block hashes (equal ids: an equal prefix,
+so a replay sees the same cache hits; no token is written), its output length, and
+its objectives. Replay it with `flagstop-replay PATH --policy ...`.
+
+Lines are appended with one write each on an O_APPEND descriptor, so router
+processes (--processes) can share the file."""
+
+import os
+from pathlib import Path
+
+import grpc
+import orjson
+
+from flagstop.router.output import Pending
+from flagstop.scheduler_svc.core.kv_cache_manager import chain_hashes
+from flagstop.scheduler_svc.core.request import FinishReason
+
+RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+BLOCK_TOKENS = 512  # the traces' (Mooncake's) block: replay's TRACE_BLOCK_TOKENS
+
+
+class NoRecorder:
+    def record(self, pending: Pending) -> None:
+        pass
+
+
+class WorkloadRecorder:
+    def __init__(self, path: Path) -> None:
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def record(self, pending: Pending) -> None:
+        trace, request = pending.trace, pending.request
+        objectives = trace.objectives
+        num_output = len(pending.generated)
+        entry = {
+            "arrival_s": pending.add.arrival_time,
+            "prompt_tokens": len(pending.prompt_token_ids),
+            "output_tokens": num_output or (request.max_tokens if request.HasField("max_tokens")
+                                            else 1),
+            "block_hashes": block_ids(pending.prompt_token_ids),
+            "tenant": objectives.tenant, "class": objectives.klass,
+            "ttft_ms": objectives.ttft_ms or None, "tpot_ms": objectives.tpot_ms or None,
+            "finish": _finish(pending),
+        }  # fmt: skip
+        os.write(self.fd, orjson.dumps(entry) + b"\n")
+
+
+def block_ids(token_ids: list[int]) -> list[int]:
+    """One id per full 512-token block, chained (equal ids: equal prefixes), short
+    enough to read: the first 8 bytes of the scheduler's own block hash."""
+    return [int.from_bytes(h[:8], "big") for h in chain_hashes(token_ids, BLOCK_TOKENS)]
+
+
+def _finish(pending: Pending) -> str:
+    if pending.error is not None:
+        return "shed" if pending.error.code == RESOURCE_EXHAUSTED else "error"
+    if pending.finish_reason:
+        return FinishReason(pending.finish_reason).label
+    return "cancelled"
+
+
+def recorder(path: Path | None) -> NoRecorder | WorkloadRecorder:
+    return NoRecorder() if path is None else WorkloadRecorder(path)
