@@ -145,8 +145,11 @@ class Replay:
                               clock=lambda: self.now)  # fmt: skip
         pending, high_water = iter(enumerate(self.trace)), {}
         upcoming = next(pending, None)
+        # The service plans step N+1 when step N starts (two steps in flight): a request
+        # joins the plan made at the start of the step before (one step's lag).
+        planned_at = 0.0
         while upcoming is not None or scheduler.has_unfinished_requests():
-            while upcoming is not None and upcoming[1].arrival_s <= self.now:
+            while upcoming is not None and upcoming[1].arrival_s <= planned_at:
                 self._add(scheduler, *upcoming)
                 upcoming = next(pending, None)
             plan = scheduler.schedule()
@@ -154,7 +157,8 @@ class Replay:
             if not plan.num_scheduled_tokens:
                 if upcoming is None and not scheduler.has_unfinished_requests():
                     break
-                self.now = upcoming[1].arrival_s if upcoming is not None else self.now + 1e-3
+                idle_until = upcoming[1].arrival_s if upcoming is not None else self.now + 1e-3
+                self.now = planned_at = max(self.now, idle_until)  # idle: it plans at once
                 continue
             step_s = self.cost.seconds(plan.total_num_scheduled_tokens, plan.num_context_tokens)
             for request_id, num in plan.num_scheduled_tokens.items():
@@ -162,6 +166,7 @@ class Replay:
                 mark = high_water.get(request_id, 0)
                 self.num_recomputed += max(0, min(end, mark) - (end - num))
                 high_water[request_id] = max(mark, end)
+            planned_at = self.now
             self.now += step_s
             scheduler.observe_step(plan, step_s)
             outcome = StepOutcome([1] * len(plan.sampling_requests))

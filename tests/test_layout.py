@@ -119,7 +119,7 @@ def test_console_scripts_point_at_importable_entry_points(wheel):
     )
     assert set(scripts) == {
         "flagstop-router", "flagstop-scheduler", "flagstop-executor", "flagstop-client",
-        "flagstop-health",
+        "flagstop-health", "flagstop-replay",
     }  # fmt: skip
     code = "; ".join(
         f"from {target.split(':')[0]} import {target.split(':')[1]}" for target in scripts.values()
