@@ -232,6 +232,16 @@ class RouterLinks:
         """Requests the routers still hold queued for us."""
         return sum(c.num_queued for c in self.routers.values())
 
+    def _tokens_full(self) -> bool:
+        """--max-waiting-tokens: the prompt tokens still to compute of the requests
+        waiting here reached it (no cap: 0); the rest wait at the routers, whose own
+        caps then refuse with RESOURCE_EXHAUSTED."""
+        cap = self.service.settings.max_waiting_tokens
+        if not cap:
+            return False
+        waiting = self.service.scheduler.waiting
+        return sum(r.num_tokens - r.num_computed_tokens for r in waiting) >= cap
+
     def _grant_credits(self) -> None:
         """Hand out room for more requests to the routers that have some queued, one at
         a time in turn; then, while room is left, a few standing credits each
@@ -244,6 +254,8 @@ class RouterLinks:
         outstanding = sum(c.credits + c.held for c in self.routers.values())
         waiting = len(service.scheduler.waiting) + service.intake.num_compiling
         room = service.settings.max_waiting_requests - waiting - outstanding
+        if self._tokens_full():
+            room = 0
         for spare in (0, SPARE_CREDITS):
             wanting = [c for c in self.routers.values()
                        if c.num_queued + spare > c.credits + c.held]  # fmt: skip

@@ -72,6 +72,9 @@ class SchedulerSettings(ServiceSettings):
     acceptance to that power is at least this"""
     max_waiting_requests: PositiveInt = 256
     """waiting here at most; the rest stay queued at the routers"""
+    max_waiting_tokens: NonNegativeInt = 0
+    """prompt tokens still to compute of the requests waiting here at most (roughly a
+    TTFT target x prefill throughput); the rest stay queued at the routers; 0: no cap"""
     max_steps_in_flight: Annotated[int, Field(ge=1, le=2)] = 2
     """2: plan step N+1 while step N runs, so the executor never waits for us"""
     executor_heartbeat_timeout: PositiveFloat = 30.0

@@ -256,6 +256,42 @@ def test_a_full_admission_queue_is_resource_exhausted_at_once(queue_stack):
         assert all(len(f.result()[0]) == 300 for f in admitted)
 
 
+@pytest.fixture(scope="module")
+def token_capped_stack(model_dir, tmp_path_factory):
+    """One seat; the scheduler takes waiting requests up to 10 prompt tokens (plus the
+    routers' standing credits), the router queues two more."""
+    yield from running_stack(
+        model_dir, tmp_path_factory.mktemp("tokens"),
+        executor_args=["--num-blocks", "128"],
+        scheduler_args=["--max-num-seqs", "1", "--max-waiting-tokens", "10"],
+        router_args=["--max-queued-requests", "2"],
+    )  # fmt: skip
+
+
+def test_waiting_prompt_tokens_are_capped_and_the_rest_refused(token_capped_stack):
+    stack = token_capped_stack
+
+    def one(max_tokens: int, prompt_len: int = 20):
+        try:
+            return len(generate(stack, prompt_token_ids=[0] + [9] * (prompt_len - 1),
+                                max_tokens=max_tokens, ignore_eos=True)[0])  # fmt: skip
+        except grpc.RpcError as e:
+            return e.code()
+
+    with ThreadPoolExecutor(16) as pool:
+        blocker = pool.submit(one, 300, 2)
+        while stack.stats().num_running < 1:
+            time.sleep(0.01)
+        others = [pool.submit(one, 2) for _ in range(15)]
+        time.sleep(0.5)
+        # Without the cap all 15 would wait at the scheduler (--max-waiting-requests 256).
+        assert stack.stats().num_waiting <= 1 + 8  # one past the cap, the standing credits
+        results = [f.result() for f in others]
+    assert blocker.result() == 300
+    refused = [r for r in results if r == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    assert refused and all(r == 2 for r in results if r not in refused)
+
+
 def test_the_router_never_loads_torch(stack):
     """The embedded checkpoint's tokenizer loads without transformers' configuration
     code, which imports torch (router/tokenizer.py): 5 s less of every start-up."""
