@@ -151,4 +151,4 @@ def test_qwen_moe_layers_are_sparse_by_mlp_only_layers_and_the_sparse_step():
           "decoder_sparse_step": 2, "mlp_only_layers": [3]}  # fmt: skip
     moe = ModelConfig.from_hf(hf).moe
     assert moe.sparse_layers == (False, True, False, False, False, True)
-    assert moe.shared_expert_intermediate_size == 0 and not moe.renormalize
+    assert moe.shared_expert_intermediate_size == 0 and not moe.routing.renormalize

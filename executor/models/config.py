@@ -4,6 +4,7 @@ from pathlib import Path
 from typing import Any
 
 from flagstop.executor.models.quantization import ConfigError, QuantConfig
+from flagstop.executor.models.routing import Routing
 from flagstop.scheduler_svc.core.kv_groups import (
     ATTENTION_TYPES,
     FULL_ATTENTION,
@@ -31,6 +32,8 @@ GEMMA = {"Gemma2ForCausalLM", "Gemma3ForCausalLM"}
 # Routing fields of other MoE families (DeepSeek's grouped top-k and scaling, sigmoid
 # scoring) with the value that means "the plain softmax top-k we run":
 # a config that sets one otherwise names a routing scheme we do not know.
+# MoE families with DeepSeek's layout, by the version of its routing (routing.py).
+DEEPSEEK_FAMILIES = {"deepseek_v2": 2, "deepseek_v3": 3}
 PLAIN_ROUTING = {
     "scoring_func": "softmax",
     "topk_method": "greedy",
@@ -43,14 +46,14 @@ PLAIN_ROUTING = {
 @dataclass(slots=True, frozen=True)
 class MoeConfig:
     """The sparse MLP of a Mixture-of-Experts model: each token's top_k of num_experts
-    experts by the router's softmax, their outputs weighted by those probabilities
-    (renormalised over the chosen ones when `renormalize`), plus, for Qwen2-MoE, a
-    shared expert every token takes, scaled by its own sigmoid gate."""
+    experts by its `routing` (routing.py: the softmax top-k, renormalised or not, or
+    DeepSeek's rules), their outputs weighted by the chosen weights, plus shared experts
+    every token takes (Qwen2-MoE's scaled by its own sigmoid gate, DeepSeek's not)."""
 
     num_experts: int
     top_k: int
     intermediate_size: int  # each expert's
-    renormalize: bool
+    routing: Routing  # how the router's logits choose and weigh (routing.py)
     shared_expert_intermediate_size: int  # 0: none
     sparse_layers: tuple[bool, ...]  # per layer: sparse, or a dense MLP
     # gpt-oss: the router and the experts have biases, and the experts' activation is
@@ -60,8 +63,13 @@ class MoeConfig:
     swiglu_alpha: float = 0.0
     swiglu_limit: float = 0.0
 
+    # DeepSeek's shared experts are ungated (Qwen2-MoE scales its one by a sigmoid gate).
+    shared_expert_gated: bool = True
+
     @classmethod
     def from_hf(cls, family: str, hf: dict[str, Any], num_layers: int) -> "MoeConfig":
+        if family in DEEPSEEK_FAMILIES:
+            return cls.deepseek(family, hf, num_layers)
         for name, plain in PLAIN_ROUTING.items():
             if hf.get(name, plain) != plain:
                 raise ConfigError(
@@ -84,7 +92,7 @@ class MoeConfig:
             intermediate_size=_field(
                 hf, "intermediate_size" if local_first else "moe_intermediate_size"),
             # gpt-oss: softmax over the top-k logits, the same as renormalising.
-            renormalize=local_first or bool(hf.get("norm_topk_prob", False)),
+            routing=Routing(renormalize=local_first or bool(hf.get("norm_topk_prob", False))),
             shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0)
             if family == "qwen2_moe" else 0,
             sparse_layers=_sparse_layers(family, hf, num_layers),
@@ -92,6 +100,28 @@ class MoeConfig:
             swiglu_alpha=hf.get("swiglu_alpha", 1.702) if gpt_oss else 0.0,
             swiglu_limit=hf.get("swiglu_limit", 7.0) if gpt_oss else 0.0,
         )  # fmt: skip
+
+    @classmethod
+    def deepseek(cls, family: str, hf: dict[str, Any], num_layers: int) -> "MoeConfig":
+        """DeepSeek-V2/V3's layout (GLM-4.5 and Kimi-K2 share V3's): n_routed_experts
+        routed by routing.py's rule, n_shared_experts ungated ones of moe_intermediate_size
+        each (fused into one), the first first_k_dense_replace layers dense and then every
+        moe_layer_freq-th sparse (vLLM's rule; transformers' is freq 1)."""
+        num_experts, top_k = _field(hf, "n_routed_experts"), _field(hf, "num_experts_per_tok")
+        if not 0 < top_k <= num_experts:
+            raise ConfigError(f"num_experts_per_tok={top_k}: must be 1..{num_experts} experts")
+        inner = _field(hf, "moe_intermediate_size")
+        first_dense = hf.get("first_k_dense_replace") or 0
+        freq = _field(hf, "moe_layer_freq") if "moe_layer_freq" in hf else 1
+        return cls(
+            num_experts=num_experts,
+            top_k=top_k,
+            intermediate_size=inner,
+            routing=Routing.deepseek(hf, version=DEEPSEEK_FAMILIES[family]),
+            shared_expert_intermediate_size=inner * (hf.get("n_shared_experts") or 0),
+            sparse_layers=tuple(i >= first_dense and i % freq == 0 for i in range(num_layers)),
+            shared_expert_gated=False,
+        )
 
 
 def _field(hf: dict[str, Any], name: str, alias: str | None = None) -> int:

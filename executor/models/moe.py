@@ -1,6 +1,7 @@
-"""The sparse MLP of Mixtral, Qwen2-MoE and Qwen3-MoE: a replicated router picks each
-token's top-k experts; this rank's experts (all, a slice of each, or whole ones under
-expert parallelism: executor/parallel.py) compute their tokens' rows, and one
+"""The sparse MLP of Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss and DeepSeek's layout: a
+replicated router picks each token's top-k experts (routing.py); this rank's experts
+(all, a slice of each, or whole ones under expert parallelism: executor/parallel.py)
+compute their tokens' rows, and one
 all-reduce sums the ranks' parts with the shared expert's.
 
 Two kernels run the experts: on the torch backend, tokens grouped by expert with one
@@ -176,7 +177,7 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         moe, hidden = config.moe, config.hidden_size
         assert moe is not None
-        self.tp, self.top_k, self.renormalize = tp, moe.top_k, moe.renormalize
+        self.tp, self.top_k, self.routing = tp, moe.top_k, moe.routing
         # The router, on every rank (quantization tools leave it, and the gates, alone);
         # gpt-oss names it router, with a bias.
         self.gate = Linear(hidden, moe.num_experts, bias=moe.biased)
@@ -184,8 +185,17 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = self.shared_expert_gate = None
         if shared := moe.shared_expert_intermediate_size:
             inner = tp.shard.split(shared)[1]
-            self.shared_expert = SharedExpert(config, inner, f"{prefix}.shared_expert")
-            self.shared_expert_gate = Linear(hidden, 1, bias=False)
+            name = "shared_expert" if moe.shared_expert_gated else "shared_experts"  # DeepSeek's
+            self.shared_expert = SharedExpert(config, inner, f"{prefix}.{name}")
+            if moe.shared_expert_gated:
+                self.shared_expert_gate = Linear(hidden, 1, bias=False)
+        # DeepSeek-V3's per-expert bias on the choice (noaux_tc), float32 as transformers
+        # keeps it: rounded to bf16 it would choose other experts, so it is to be loaded
+        # after the model's cast.
+        self.e_score_correction_bias = None
+        if self.routing.corrected:
+            bias = torch.zeros(moe.num_experts, dtype=torch.float32)
+            self.e_score_correction_bias = nn.Parameter(bias, requires_grad=False)
         self.num_experts = moe.num_experts
         # Rank 0: the (token, expert) pairs each expert took since take_expert_tokens()
         # last read them, on the device (made on first use: the model is built on meta).
@@ -194,18 +204,16 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.route(x)
         out = self.experts(x, topk_weights, topk_ids)
-        if self.shared_expert is not None:
+        if self.shared_expert_gate is not None:
             out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        elif self.shared_expert is not None:
+            out += self.shared_expert(x)
         return self.tp.all_reduce(out)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k] float32, expert ids [T, k]): the softmax in float32 over the
-        router's logits and torch.topk's choice, as transformers computes them (the
-        same ties); renormalised over the chosen experts where the model does."""
-        probs = self.gate(x).float().softmax(dim=-1)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        """(weights [T, k] float32, expert ids [T, k]): the model's routing over the
+        router's logits in float32, as transformers computes it (the same ties)."""
+        weights, ids = self.routing.select(self.gate(x), self.top_k, self.e_score_correction_bias)
         if self.tp.rank == 0:
             counts = torch.bincount(ids.flatten(), minlength=self.num_experts)
             before = self.expert_tokens
