@@ -95,7 +95,8 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	@echo "test order: --randomly-seed=$(SEED) (make test SEED=$(SEED) repeats it)"
-	FLAGSTOP_KERNEL_LAUNCHES=$(LAUNCHES) $(PY) -m pytest -q -p randomly --randomly-seed=$(SEED)
+	FLAGSTOP_KERNEL_LAUNCHES=$(LAUNCHES) $(PY) -m pytest -q -p randomly --randomly-seed=$(SEED) \
+		--durations=15
 	env -u TRITON_INTERPRET $(PY) -m tools.compile_sm90 $(LAUNCHES)
 
 # The same compile report, from a cold Triton cache, into bench/results/kernels_sm90.md
