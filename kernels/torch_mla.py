@@ -17,8 +17,10 @@ import torch
 
 
 def store_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """latent [T, rank + rope_dim] (c, then k_pe) into each token's slot."""
-    cache.view(-1, cache.shape[-1])[slot_mapping] = latent.to(cache.dtype)
+    """latent [T, rank + rope_dim] (c, then k_pe) into each token's slot; slot -1 (a
+    padded row, as store_kv has them) is skipped."""
+    keep = slot_mapping >= 0
+    cache.view(-1, cache.shape[-1])[slot_mapping[keep]] = latent[keep].to(cache.dtype)
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:

@@ -70,3 +70,9 @@ def test_expanded_prefill_and_absorbed_decode_equal_plain_attention(lengths, hea
     expanded = torch_mla.mla_prefill(q_nope, q_pe, cache, tables, one_each, seq_lens, w_uk, w_uv,
                                      scale)  # fmt: skip
     torch.testing.assert_close(absorbed, expanded, rtol=1e-4, atol=1e-4)
+
+
+def test_a_padded_row_is_not_stored():
+    cache = torch.zeros(2, BLOCK, 3)
+    torch_mla.store_latent(torch.ones(3, 3), cache, torch.tensor([5, -1, 0]))
+    assert cache.view(-1, 3).sum(-1).tolist() == [3, 0, 0, 0, 0, 3, 0, 0]

@@ -29,11 +29,10 @@ ARCHITECTURES = {
 }
 SINKS = {"GptOssForCausalLM"}
 GEMMA = {"Gemma2ForCausalLM", "Gemma3ForCausalLM"}
-# Routing fields of other MoE families (DeepSeek's grouped top-k and scaling, sigmoid
-# scoring) with the value that means "the plain softmax top-k we run":
-# a config that sets one otherwise names a routing scheme we do not know.
 # MoE families with DeepSeek's layout, by the version of its routing (routing.py).
 DEEPSEEK_FAMILIES = {"deepseek_v2": 2, "deepseek_v3": 3}
+# Routing fields of the other MoE families with the value that means "the plain softmax
+# top-k they run": a config of theirs that sets one otherwise names a scheme we do not know.
 PLAIN_ROUTING = {
     "scoring_func": "softmax",
     "topk_method": "greedy",

@@ -1,8 +1,8 @@
 """The sparse MLP of Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss and DeepSeek's layout: a
 replicated router picks each token's top-k experts (routing.py); this rank's experts
 (all, a slice of each, or whole ones under expert parallelism: executor/parallel.py)
-compute their tokens' rows, and one
-all-reduce sums the ranks' parts with the shared expert's.
+compute their tokens' rows, and one all-reduce sums the ranks' parts with the shared
+experts'.
 
 Two kernels run the experts: on the torch backend, tokens grouped by expert with one
 GEMM pair per expert that has tokens (torch_moe.grouped_experts), on oneDNN's

@@ -6,7 +6,7 @@ expert groups; for V3 (`noaux_tc`) a per-expert correction bias that steers the 
 but not the weights, and groups ranked by their two best biased scores (V2's
 `group_limited_greedy` ranks them by their best score); and the chosen weights scaled by
 routed_scaling_factor. transformers' DeepseekV2/V3 and Glm4Moe routers are the
-reference (tests/test_routing.py)."""
+reference (tests/test_moe_routing.py)."""
 
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +15,6 @@ import torch
 
 from flagstop.executor.models.quantization import ConfigError
 
-SCORING = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
