@@ -12,6 +12,7 @@ from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkR
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
 
+from flagstop.executor.models.moe import select_experts
 from flagstop.executor.models.quantization import ConfigError
 from flagstop.executor.models.routing import Routing
 
@@ -33,7 +34,7 @@ def compare(router, routing: Routing, top_k: int, num_experts: int, seed: int) -
     x = torch.randn(64, HIDDEN)
     _, want_weights, want_ids = router(x)
     logits = x @ router.weight.T
-    weights, ids = routing.select(logits, top_k, bias if routing.corrected else None)
+    weights, ids = select_experts(routing, logits, top_k, bias if routing.corrected else None)
     torch.testing.assert_close(dense(ids, weights, num_experts),
                                dense(want_ids, want_weights, num_experts))  # fmt: skip
 
@@ -81,9 +82,9 @@ def test_plain_routing_is_the_softmax_top_k():
     logits = torch.randn(32, 8)
     probs = logits.softmax(-1)
     want_weights, want_ids = probs.topk(2, dim=-1)
-    weights, ids = Routing().select(logits, 2)
+    weights, ids = select_experts(Routing(), logits, 2)
     assert torch.equal(ids, want_ids) and torch.equal(weights, want_weights)
-    weights, _ = Routing(renormalize=True).select(logits, 2)
+    weights, _ = select_experts(Routing(renormalize=True), logits, 2)
     torch.testing.assert_close(weights.sum(-1), torch.ones(32))
 
 

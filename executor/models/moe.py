@@ -21,10 +21,46 @@ from flagstop.executor.models.layers import silu_and_mul
 from flagstop.executor.models.linear import QuantLinear, make_linear
 from flagstop.executor.models.onednn import Linear
 from flagstop.executor.models.quantization import LinearScheme
+from flagstop.executor.models.routing import Routing
 from flagstop.executor.parallel import TensorParallel
 from flagstop.kernels import torch_attention, torch_moe
 
 FusedMoe = Callable[..., torch.Tensor]  # torch_moe.fused_moe's signature
+
+
+def select_experts(
+    routing: Routing, logits: torch.Tensor, top_k: int, bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, expert ids [T, k]) from the router's logits [T, E] by
+    the model's rule (routing.py)."""
+    logits = logits.float()
+    if routing.plain:
+        weights, ids = torch.topk(logits.softmax(dim=-1), top_k, dim=-1)
+        return (weights / weights.sum(-1, keepdim=True) if routing.renormalize else weights), ids
+    scores = logits.sigmoid() if routing.scoring == "sigmoid" else logits.softmax(dim=-1)
+    choice = scores + bias if routing.corrected and bias is not None else scores
+    if routing.topk_method != "greedy":
+        choice = _limit_groups(routing, choice)
+    ids = torch.topk(choice, top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if routing.renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * routing.scaling, ids
+
+
+def _limit_groups(routing: Routing, choice: torch.Tensor) -> torch.Tensor:
+    """The choice with the experts outside the topk_group best groups masked out:
+    -inf under noaux_tc (biased scores may be negative), 0 under V2's softmax rule
+    (transformers' value: a zero ties only another masked expert)."""
+    groups = choice.view(choice.shape[0], routing.n_group, -1)
+    if routing.corrected:
+        rank = groups.topk(min(2, groups.shape[-1]), dim=-1)[0].sum(-1)
+    else:
+        rank = groups.max(dim=-1).values
+    best = torch.topk(rank, routing.topk_group, dim=-1, sorted=False)[1]
+    keep = torch.zeros_like(rank, dtype=torch.bool).scatter_(1, best, True)
+    fill = float("-inf") if routing.corrected else 0.0
+    return groups.masked_fill(~keep.unsqueeze(-1), fill).view_as(choice)
 
 
 class Experts(nn.Module):
@@ -213,7 +249,8 @@ class SparseMoeBlock(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, expert ids [T, k]): the model's routing over the
         router's logits in float32, as transformers computes it (the same ties)."""
-        weights, ids = self.routing.select(self.gate(x), self.top_k, self.e_score_correction_bias)
+        weights, ids = select_experts(self.routing, self.gate(x), self.top_k,
+                                      self.e_score_correction_bias)  # fmt: skip
         if self.tp.rank == 0:
             counts = torch.bincount(ids.flatten(), minlength=self.num_experts)
             before = self.expert_tokens

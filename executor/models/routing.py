@@ -1,4 +1,6 @@
-"""How an MoE router turns its logits into each token's experts and weights.
+"""How an MoE router turns its logits into each token's experts and weights: the rule,
+read from the config without torch (the simulator imports the config); moe.py's
+select_experts runs it.
 
 The plain rule (Mixtral, Qwen-MoE, gpt-oss) is a softmax and its top-k. DeepSeek's
 families add: sigmoid scores; a choice limited to the topk_group best of n_group
@@ -10,8 +12,6 @@ reference (tests/test_moe_routing.py)."""
 
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from flagstop.executor.models.quantization import ConfigError
 
@@ -59,35 +59,3 @@ class Routing:
             renormalize=version == 3 and bool(hf.get("norm_topk_prob", True)),
             scaling=float(hf.get("routed_scaling_factor") or 1.0),
         )
-
-    def select(
-        self, logits: torch.Tensor, top_k: int, bias: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k] float32, expert ids [T, k]) from the router's logits [T, E]."""
-        logits = logits.float()
-        if self.plain:
-            weights, ids = torch.topk(logits.softmax(dim=-1), top_k, dim=-1)
-            return (weights / weights.sum(-1, keepdim=True) if self.renormalize else weights), ids
-        scores = logits.sigmoid() if self.scoring == "sigmoid" else logits.softmax(dim=-1)
-        choice = scores + bias if self.corrected and bias is not None else scores
-        if self.topk_method != "greedy":
-            choice = self._limit_groups(choice)
-        ids = torch.topk(choice, top_k, dim=-1, sorted=False)[1]
-        weights = scores.gather(1, ids)
-        if self.renormalize:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * self.scaling, ids
-
-    def _limit_groups(self, choice: torch.Tensor) -> torch.Tensor:
-        """The choice with the experts outside the topk_group best groups masked out:
-        -inf under noaux_tc (biased scores may be negative), 0 under V2's softmax rule
-        (transformers' value: a zero ties only another masked expert)."""
-        groups = choice.view(choice.shape[0], self.n_group, -1)
-        if self.corrected:
-            rank = groups.topk(min(2, groups.shape[-1]), dim=-1)[0].sum(-1)
-        else:
-            rank = groups.max(dim=-1).values
-        best = torch.topk(rank, self.topk_group, dim=-1, sorted=False)[1]
-        keep = torch.zeros_like(rank, dtype=torch.bool).scatter_(1, best, True)
-        fill = float("-inf") if self.corrected else 0.0
-        return groups.masked_fill(~keep.unsqueeze(-1), fill).view_as(choice)
