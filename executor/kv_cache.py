@@ -10,33 +10,45 @@ import torch
 from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.models.config import ModelConfig
 from flagstop.executor.models.llama import KVCache
-from flagstop.scheduler_svc.core.kv_groups import KVCacheGroup, group_size, layer_slots
+from flagstop.scheduler_svc.core.kv_groups import (
+    KVCacheGroup,
+    LayerSpec,
+    group_size,
+    layer_slots,
+)
 from flagstop.scheduler_svc.core.output import NewRequestData, SchedulerOutput
 from flagstop.utils import cdiv
 
 
 def block_bytes(
-    mc: ModelConfig, groups: Sequence[KVCacheGroup], num_kv_heads: int, dtype: torch.dtype,
-    block_size: int,
+    layers: Sequence[LayerSpec], groups: Sequence[KVCacheGroup], block_size: int
 ) -> int:  # fmt: skip
-    """A block's bytes on one rank (its num_kv_heads): K and V of a group's layers (one
-    group: every layer; kv_groups.py)."""
-    return 2 * group_size(groups) * num_kv_heads * mc.head_dim * dtype.itemsize * block_size
+    """A block's bytes on one rank: a group's layers' (one group: every layer;
+    kv_groups.py), each its LayerSpec's bytes a token (K and V, or a latent)."""
+    return group_size(groups) * max(x.kv_bytes_per_token for x in layers) * block_size
+
+
+def layer_shapes(backend, mc: ModelConfig, num_kv_heads: int, num_blocks: int,
+                 block_size: int) -> list[tuple[int, ...]]:  # fmt: skip
+    """A layer's cache tensors in the backend's layout: K and V, or one latent cache."""
+    if mc.mla is not None:
+        return [backend.mla.latent_cache_shape(num_blocks, block_size, mc.mla.latent_width)]
+    return [backend.kv_cache_shape(num_blocks, block_size, num_kv_heads, mc.head_dim)] * 2
 
 
 def allocate(
     backend, mc: ModelConfig, groups: Sequence[KVCacheGroup], num_kv_heads: int,
     num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
 ) -> tuple[list[KVCache], list[KVCache]]:  # fmt: skip
-    """(K, V) tensors of a group's size, zeroed, in the attention backend's layout, and
-    every layer's pair: layer j of each group shares pair j (a block id belongs to one
-    group at a time). Returns (the pairs, the layers' pairs)."""
-    shape = backend.kv_cache_shape(num_blocks, block_size, num_kv_heads, mc.head_dim)
+    """A layer's tensors (layer_shapes) for each of a group's size, zeroed, and every
+    layer's: layer j of each group shares tuple j (a block id belongs to one group at a
+    time). Returns (the tuples, the layers' tuples)."""
+    shapes = layer_shapes(backend, mc, num_kv_heads, num_blocks, block_size)
 
-    def zeros() -> torch.Tensor:
-        return torch.zeros(shape, dtype=dtype, device=device)
+    def zeros() -> KVCache:
+        return tuple(torch.zeros(shape, dtype=dtype, device=device) for shape in shapes)
 
-    pairs = [(zeros(), zeros()) for _ in range(group_size(groups))]
+    pairs = [zeros() for _ in range(group_size(groups))]
     return pairs, [pairs[slot] for _, slot in layer_slots(groups, mc.num_layers)]
 
 

@@ -124,8 +124,7 @@ class ModelRunner:
     @property
     def block_bytes(self) -> int:
         """A block's bytes on this rank, a draft model's cache included."""
-        own = kv_cache.block_bytes(self.model_config, self.kv_groups, self.num_kv_heads,
-                                   self.kv_cache_dtype, self.block_size)  # fmt: skip
+        own = kv_cache.block_bytes(self.kv_layers, self.kv_groups, self.block_size)
         return own + self.drafter.proposer.block_bytes
 
     def _allocate(self, num_blocks: int) -> None:
@@ -160,7 +159,7 @@ class ModelRunner:
         self.compute_logits(plan)
         self.batch = self._new_batch()
         self.model.take_expert_tokens()  # the warm-up's are no step's
-        kv_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_pairs)
+        kv_bytes = sum(t.numel() * t.element_size() for pair in self.kv_pairs for t in pair)
         self.kv_pairs, self.kv_caches = [], []
         return kv_bytes
 

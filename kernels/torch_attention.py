@@ -1,7 +1,8 @@
 """The torch backend's attention kernels (the CPU path, and the oracle of the Triton
 kernels in triton_attention.py), and the backend's module: its experts (torch_moe.py),
 LoRA products (torch_lora.py) and quantized linears (torch_quant.py) are read through
-it, as the Triton backend's are through triton_attention.
+it, as the Triton backend's are through triton_attention; its `mla` module runs
+latent attention (torch_mla.py).
 
 Cache layout, per layer: k_cache and v_cache of kv_cache_shape() = [num_blocks,
 num_kv_heads, block_size, head_dim], head-major inside a block. A token at position p
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from flagstop.kernels import torch_mla as mla  # noqa: F401 (the backend's latent attention)
 from flagstop.kernels.torch_lora import lora_add  # noqa: F401 (the backend's LoRA products)
 from flagstop.kernels.torch_moe import (  # noqa: F401 (the backend's experts)
     fused_moe,

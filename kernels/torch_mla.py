@@ -16,6 +16,11 @@ expands the keys of the whole context. The two are the same sums in another orde
 import torch
 
 
+def latent_cache_shape(num_blocks: int, block_size: int, width: int) -> tuple[int, ...]:
+    """One layer's cache: [num_blocks, block_size, kv_lora_rank + rope_dim]."""
+    return (num_blocks, block_size, width)
+
+
 def store_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """latent [T, rank + rope_dim] (c, then k_pe) into each token's slot; slot -1 (a
     padded row, as store_kv has them) is skipped."""
@@ -66,14 +71,17 @@ def mla_decode(
     seq_lens: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float,
 ) -> torch.Tensor:  # fmt: skip
     """Absorbed: one new token per sequence, q_nope [B, H, nope], q_pe [B, H, rope]
-    -> [B, H, v_dim], reading only the latents."""
+    -> [B, H, v_dim], reading only the latents: the batch's gathered at once, padded to
+    the longest and masked."""
     rank = w_uk.shape[-1]
     q_latent = torch.einsum("bhn,hnr->bhr", q_nope.float(), w_uk.float())
-    out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1])
-    for b in range(seq_lens.shape[0]):
-        latents = _gather(cache, block_tables[b], int(seq_lens[b])).float()
-        c, k_pe = latents[:, :rank], latents[:, rank:]
-        scores = q_latent[b] @ c.T + q_pe[b].float() @ k_pe.T  # [H, S]
-        context = (scores * scale).softmax(-1) @ c  # [H, rank]: still latent
-        out[b] = torch.einsum("hr,hvr->hv", context, w_uv.float()).to(out.dtype)
-    return out
+    longest = int(seq_lens.max())
+    blocks = block_tables[:, : -(-longest // cache.shape[1])].long()
+    latents = cache[blocks].flatten(1, 2)[:, :longest].float()  # [B, S, rank + rope]
+    c, k_pe = latents[..., :rank], latents[..., rank:]
+    scores = torch.einsum("bhr,bsr->bhs", q_latent, c)
+    scores += torch.einsum("bhp,bsp->bhs", q_pe.float(), k_pe)
+    past = torch.arange(longest, device=cache.device)[None, :] >= seq_lens[:, None]
+    probs = (scores * scale).masked_fill(past[:, None, :], float("-inf")).softmax(-1)
+    context = torch.einsum("bhs,bsr->bhr", probs, c)  # still latent
+    return torch.einsum("bhr,hvr->bhv", context, w_uv.float()).to(q_nope.dtype)

@@ -17,6 +17,7 @@ import triton.language as tl
 
 # The triton backend's experts', LoRA and quantized kernels (a backend has torch_attention's
 # functions).
+from flagstop.kernels import triton_mla as mla  # noqa: F401 (latent attention's)
 from flagstop.kernels.triton_lora import lora_add  # noqa: F401
 from flagstop.kernels.triton_moe import fused_moe  # noqa: F401
 from flagstop.kernels.triton_quant import int4_linear, w8_linear  # noqa: F401

@@ -8,6 +8,7 @@ from flagstop.executor.model_runner import ModelRunner
 from flagstop.executor.models.config import ModelConfig
 from flagstop.scheduler_svc.core.kv_groups import kv_cache_groups
 from tests.helpers.checkpoints import (
+    DEEPSEEK_VARIANTS,
     MOE_VARIANTS,
     WINDOW_VARIANTS,
     assert_matches,
@@ -19,7 +20,7 @@ from tests.helpers.checkpoints import (
 from tests.helpers.executor_harness import Harness
 
 ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "llama3-rope-tied", *MOE_VARIANTS,
-                 *WINDOW_VARIANTS]  # fmt: skip
+                 *WINDOW_VARIANTS, *DEEPSEEK_VARIANTS]  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=ARCHITECTURES)

@@ -211,7 +211,9 @@ def test_paged_attention_prefill_in_a_window_with_sinks(
     assert_close(got, expected, dtype)
 
 
-@pytest.mark.parametrize("checkpoint", ["llama", "qwen2-moe", "qwen2-window", "gpt-oss", "gemma2"])
+@pytest.mark.parametrize(
+    "checkpoint", ["llama", "qwen2-moe", "qwen2-window", "gpt-oss", "gemma2", "deepseek-v3"]
+)
 def test_the_model_on_triton_kernels_matches_transformers(tmp_path, checkpoint):
     from flagstop.executor.config import ExecutorConfig
     from flagstop.executor.model_runner import ModelRunner

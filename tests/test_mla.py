@@ -3,6 +3,7 @@ expanded prefill equals plain causal multi-head attention over the up-projected 
 values, and the absorbed decode equals the expanded form, on random shapes, lengths and
 scattered block tables."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -76,3 +77,40 @@ def test_a_padded_row_is_not_stored():
     cache = torch.zeros(2, BLOCK, 3)
     torch_mla.store_latent(torch.ones(3, 3), cache, torch.tensor([5, -1, 0]))
     assert cache.view(-1, 3).sum(-1).tolist() == [3, 0, 0, 0, 0, 3, 0, 0]
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("heads", "rank", "rope"), [(3, 32, 8), (20, 64, 16)])
+def test_the_triton_kernels_equal_their_torch_twins(dtype, heads, rank, rope):
+    """Under TRITON_INTERPRET=1 on a CPU (the device's when there is one): contexts
+    longer than a tile, heads beyond one program's 16, a rope dim padded for tl.dot,
+    chunks after cached prefixes, an FP16 cache read by FP16 GEMMs."""
+    from flagstop.kernels import triton_mla
+
+    gen = torch.Generator().manual_seed(heads)
+    nope, v_dim, scale = 16, 24, 0.2
+    lengths = [37, 5, 70, 1]
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(DEVICE)
+
+    cache, tables = paged([randn(n, rank + rope) for n in lengths], 64, gen)
+    cache, tables = cache.to(DEVICE, dtype), tables.to(DEVICE)
+    w_uk, w_uv = (randn(heads, d, rank).to(dtype) * rank**-0.5 for d in (nope, v_dim))
+    seq_lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    tolerance = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else \
+        {"atol": 3e-3, "rtol": 3e-3}  # fmt: skip
+    news = [37, 2, 40, 1]  # a whole prompt, chunks after 3 and 30 cached, one token
+    starts = torch.tensor([0, *torch.tensor(news).cumsum(0).tolist()], dtype=torch.int32,
+                          device=DEVICE)  # fmt: skip
+    q_nope, q_pe = randn(sum(news), heads, nope).to(dtype), randn(sum(news), heads, rope).to(dtype)
+    args = (q_nope, q_pe, cache, tables, starts, seq_lens, w_uk, w_uv, scale)
+    torch.testing.assert_close(triton_mla.mla_prefill(*args).float(),
+                               torch_mla.mla_prefill(*args).float(), **tolerance)  # fmt: skip
+    q_nope, q_pe = q_nope[: len(lengths)], q_pe[: len(lengths)]
+    args = (q_nope, q_pe, cache, tables, seq_lens, w_uk, w_uv, scale)
+    torch.testing.assert_close(triton_mla.mla_decode(*args).float(),
+                               torch_mla.mla_decode(*args).float(), **tolerance)  # fmt: skip

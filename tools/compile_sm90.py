@@ -34,6 +34,8 @@ ROLES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "_decode_merge_kernel": (("out",), ()),
     "_prefill_kernel": (("query", "out"), ("k_cache", "v_cache")),
     "_sgmv_kernel": (("inp", "w", "out"), ()),
+    "_mla_decode_kernel": (("q_latent", "q_pe"), ("cache",)),
+    "_mla_prefill_kernel": (("query", "key", "value", "out"), ()),
     "_grouped_gemm_kernel": (("a", "b", "c"), ()),
     "_w8_gemm_kernel": (("a", "c"), ()),
     "_int4_gemm_kernel": (("a", "c"), ()),

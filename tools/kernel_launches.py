@@ -13,7 +13,7 @@ import torch
 
 # The modules of Triton kernels, and their kernels (the @triton.jit functions that are
 # launched with a grid, not the device functions they call).
-KERNEL_MODULES = ("triton_attention", "triton_lora", "triton_moe", "triton_quant")
+KERNEL_MODULES = ("triton_attention", "triton_lora", "triton_mla", "triton_moe", "triton_quant")
 TRITON_TYPES = {
     torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
     torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5", torch.int8: "i8",

@@ -1,4 +1,5 @@
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -8,6 +9,7 @@ from flagstop.executor.models.routing import Routing
 from flagstop.scheduler_svc.core.kv_groups import (
     ATTENTION_TYPES,
     FULL_ATTENTION,
+    LATENT_ATTENTION,
     SLIDING_ATTENTION,
     LayerSpec,
 )
@@ -26,7 +28,13 @@ ARCHITECTURES = {
     "Gemma2ForCausalLM": (False, False, None),  # and GemmaStyle, with soft-capping
     "Gemma3ForCausalLM": (False, True, None),  # and GemmaStyle
     "GptOssForCausalLM": (False, False, "gpt_oss"),  # and attention sinks
+    # DeepSeek's layout: latent attention (MlaConfig) and its MoE; GLM-4.5 runs V3's MoE
+    # under GQA with partial rotary (its q/k/v bias is attention_bias, o unbiased).
+    "DeepseekV2ForCausalLM": (False, False, "deepseek_v2"),
+    "DeepseekV3ForCausalLM": (False, False, "deepseek_v3"),
+    "Glm4MoeForCausalLM": (False, False, "deepseek_v3"),
 }
+MLA = {"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"}
 SINKS = {"GptOssForCausalLM"}
 GEMMA = {"Gemma2ForCausalLM", "Gemma3ForCausalLM"}
 # MoE families with DeepSeek's layout, by the version of its routing (routing.py).
@@ -167,6 +175,57 @@ def _layer_types(hf: dict[str, Any], num_layers: int) -> tuple[tuple[str, ...], 
 
 
 @dataclass(slots=True, frozen=True)
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2; executor/models/mla.py):
+    queries through an optional low-rank q_lora_rank, keys and values from one latent
+    of kv_lora_rank values per token plus one shared rotated key of rope_dim, which is
+    all the cache holds; each head's key is [nope_dim from the latent, rope_dim] and its
+    value v_head_dim. rope_interleave: the rotary dimensions are in (even, odd) pairs
+    (V2 always; V3 by its config). scale: the softmax's, YaRN's mscale squared included."""
+
+    q_lora_rank: int  # 0: a full-rank q_proj
+    kv_lora_rank: int
+    nope_dim: int
+    rope_dim: int
+    v_head_dim: int
+    rope_interleave: bool
+    scale: float
+
+    @property
+    def latent_width(self) -> int:
+        """What the cache holds per token: the latent, then the rotated key."""
+        return self.kv_lora_rank + self.rope_dim
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], architecture: str, rope: dict[str, Any]) -> "MlaConfig":
+        nope, rope_dim = _positive(hf, "qk_nope_head_dim"), _positive(hf, "qk_rope_head_dim")
+        scale = (nope + rope_dim) ** -0.5
+        if rope.get("rope_type", rope.get("type", "default")) != "default" and (
+            mscale := rope.get("mscale_all_dim")
+        ):  # transformers' yarn_apply_mscale
+            factor = rope["factor"]
+            m = 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+            scale *= m * m
+        return cls(
+            q_lora_rank=hf.get("q_lora_rank") or 0,
+            kv_lora_rank=_positive(hf, "kv_lora_rank"),
+            nope_dim=nope,
+            rope_dim=rope_dim,
+            v_head_dim=_positive(hf, "v_head_dim"),
+            rope_interleave=architecture == "DeepseekV2ForCausalLM"
+            or bool(hf.get("rope_interleave", True)),
+            scale=scale,
+        )
+
+
+def _positive(hf: dict[str, Any], name: str) -> int:
+    value = hf.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{name}={value!r}: latent attention needs a positive integer")
+    return value
+
+
+@dataclass(slots=True, frozen=True)
 class GemmaStyle:
     """Where Gemma 2 and 3 leave the Llama block: norms of (1 + w) around both the
     attention and the MLP (pre and post: "sandwich"), the embedding scaled by
@@ -226,6 +285,10 @@ class ModelConfig:
     sliding_window: int = 0
     gemma: GemmaStyle | None = None  # None: the Llama block
     attention_sinks: bool = False  # gpt-oss: a learned logit per head in every softmax
+    mla: MlaConfig | None = None  # latent attention (then num_kv_heads is 1: the latent)
+    # The leading dimensions of a head that RoPE rotates (GLM-4.5: half of them; latent
+    # attention: its rope_dim); the rest pass through.
+    rotary_dim: int = 0
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":
@@ -259,6 +322,11 @@ class ModelConfig:
         if eos is None:
             eos = hf.get("eos_token_id")
         quant = QuantConfig.from_hf(hf)
+        mla = MlaConfig.from_hf(hf, architecture, rope) if architecture in MLA else None
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        if architecture == "Glm4MoeForCausalLM":
+            qk_norm, qkv_bias = bool(hf.get("use_qk_norm")), hf.get("attention_bias", False)
+        partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
         return cls(
             architecture=architecture,
             vocab_size=hf["vocab_size"],
@@ -266,14 +334,14 @@ class ModelConfig:
             intermediate_size=hf["intermediate_size"],
             num_layers=num_layers,
             num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            num_kv_heads=1 if mla else hf.get("num_key_value_heads") or num_heads,
+            head_dim=mla.nope_dim + mla.rope_dim if mla else head_dim,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             max_position_embeddings=max_len,
             rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
             rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
             qkv_bias=qkv_bias or hf.get("attention_bias", False),
-            o_bias=hf.get("attention_bias", False),
+            o_bias=hf.get("attention_bias", False) and architecture != "Glm4MoeForCausalLM",
             mlp_bias=hf.get("mlp_bias", False),
             qk_norm=qk_norm,
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
@@ -285,6 +353,8 @@ class ModelConfig:
             sliding_window=window,
             gemma=GemmaStyle.from_hf(hf, local_rope) if architecture in GEMMA else None,
             attention_sinks=architecture in SINKS,
+            mla=mla,
+            rotary_dim=mla.rope_dim if mla else int(head_dim * partial),
         )
 
     def layer_specs(
@@ -292,6 +362,10 @@ class ModelConfig:
     ) -> list[LayerSpec]:
         """Each layer as the KV cache holds it (num_kv_heads: one rank's); all_full: as
         full attention (--disable-hybrid-kv-cache-manager: one group)."""
+        if self.mla is not None:  # one latent and one rotated key per token, every rank
+            latent = LayerSpec(LATENT_ATTENTION, kv_bytes_per_token=self.mla.latent_width
+                               * kv_dtype_bytes)  # fmt: skip
+            return [latent] * self.num_layers
         kv_bytes = 2 * num_kv_heads * self.head_dim * kv_dtype_bytes
         return [LayerSpec(t, self.sliding_window if t == SLIDING_ATTENTION else 0,
                           self.attention_sinks, kv_bytes)

@@ -139,12 +139,24 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(rope: Rope, q: torch.Tensor, k: torch.Tensor):
-    """q [T, H, D], k [T, KVH, D] rotated, returned in their own dtype."""
+    """q [T, H, D], k [T, KVH, D] rotated, returned in their own dtype: their first
+    rotary dimensions (the table's: all of D but under partial rotary, GLM-4.5's)."""
     cos, sin = rope
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    rotary = 2 * cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return torch.cat((_rotate(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
     x1, x2 = x.float().chunk(2, dim=-1)
     out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return out.to(x.dtype)
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's rotary pairs (x0, x1), (x2, x3) ... as rotate-half's halves (x0, x2,
+    ..., x1, x3, ...): rotating that is rotating the pairs, the dimensions permuted, the
+    same for queries and keys, so their dot products are unchanged (transformers'
+    apply_rotary_pos_emb_interleave returns this order too)."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)

@@ -24,6 +24,7 @@ from flagstop.executor.models.layers import (
     silu_and_mul,
 )
 from flagstop.executor.models.linear import QuantLinear, make_linear
+from flagstop.executor.models.mla import LatentAttention
 from flagstop.executor.models.moe import Experts, QuantExperts, SparseMoeBlock
 from flagstop.executor.models.onednn import Linear
 from flagstop.executor.models.quantization import ConfigError
@@ -36,7 +37,8 @@ from flagstop.scheduler_svc.core.kv_groups import (
     layer_slots,
 )
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
+# A layer's cache tensors: K and V, or latent attention's one latent cache.
+KVCache = tuple[torch.Tensor, ...]
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -128,7 +130,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel, index: int) -> None:
         super().__init__()
         prefix = f"model.layers.{index}"  # the checkpoint's names, which quantization uses
-        self.self_attn = Attention(config, tp, f"{prefix}.self_attn", index)
+        attention = Attention if config.mla is None else LatentAttention
+        self.self_attn = attention(config, tp, f"{prefix}.self_attn", index)
         sparse = config.moe is not None and config.moe.sparse_layers[index]
         mlp = SparseMoeBlock if sparse else MLP
         self.mlp = mlp(config, tp, f"{prefix}.mlp")
@@ -159,7 +162,10 @@ class LlamaForCausalLM(nn.Module):
         self.config, self.tp = config, tp
         # One table shared by every layer (Gemma's window layers: a second one).
         self.rotary = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+            config.rotary_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
+            config.rope_scaling,
         )
         self.rotary_tables = [self.rotary]
         if (gemma := config.gemma) is not None:
@@ -234,9 +240,15 @@ class LlamaForCausalLM(nn.Module):
                 module.kernels = backend
 
     def set_kv_cache_dtype(self, dtype: torch.dtype) -> None:
-        """The cache's dtype: an FP8 one gives each layer its K and V scales."""
+        """The cache's dtype: an FP8 one gives each layer its K and V scales (a latent
+        layer: its one scale, the checkpoint's k_scale)."""
         for index, layer in enumerate(self.layers):
             attention = layer.self_attn
+            if isinstance(attention, LatentAttention):
+                scales = self.checkpoint_kv_scales.get(index)
+                attention.kv_scale = None if dtype != torch.float8_e4m3fn else \
+                    float(scales[0, 0]) if scales is not None else 1.0  # fmt: skip
+                continue
             if dtype != torch.float8_e4m3fn:
                 attention.fp8_scales = None
                 continue

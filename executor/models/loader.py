@@ -28,6 +28,8 @@ PACKED = {
     "shared_expert.gate_proj": ("shared_expert.gate_up_proj", 0),
     "shared_expert.up_proj": ("shared_expert.gate_up_proj", 1),
 }
+# Latent attention's q_proj (DeepSeek-V2 without q_lora_rank) is its own, not packed.
+MLA_OWN = ("self_attn.q_proj",)
 VOCAB = ("embed_tokens.weight", "lm_head.weight")
 # An expert's tensor, Qwen's names and Mixtral's (w1 gate, w3 up, w2 down), after
 # Mixtral's block_sparse_moe is renamed mlp -> (our stacked tensor, part).
@@ -58,16 +60,21 @@ MXFP4 = re.compile(
 )
 
 
-def target(hf_name: str) -> Target:
+def target(hf_name: str, mla: bool = False) -> Target:
+    """mla: the model's attention is latent (its projections are not packed)."""
     name = hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
     name = name.replace(".mlp.router.", ".mlp.gate.")  # gpt-oss' router
+    # DeepSeek's router bias is the block's (moe.py), not the gate Linear's; its
+    # n_shared_experts are one fused shared expert (moe.py's SharedExpert).
+    name = name.replace(".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias")
+    name = name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
     if match := EXPERT.match(name):
         if match[3] not in EXPERT_PARTS:
             raise ValueError(f"unexpected expert tensor {hf_name!r}")
         ours, part = EXPERT_PARTS[match[3]]
         return Target(f"{match[1]}.{ours}", part, int(match[2]))
     for hf, (ours, part) in PACKED.items():
-        if f".{hf}." in name:
+        if f".{hf}." in name and not (mla and hf in MLA_OWN):
             return Target(name.replace(hf, ours), part)
     return Target(name)
 
@@ -85,6 +92,8 @@ def inner_size(name: str, c: ModelConfig, shard: Shard) -> tuple[int, int]:
 def rank_slice(t: Target, c: ModelConfig, shard: Shard) -> tuple[int, int, int] | None:
     """(dim, start, length) of the checkpoint tensor this rank holds; None: all of it."""
     d, name = c.head_dim, t.name
+    if c.mla is not None and (region := _latent_slice(name, c, shard)) is not None:
+        return region
     if "qkv_proj" in name:
         first, count = shard.heads(c.num_heads) if t.part == 0 else shard.kv_heads(c.num_kv_heads)
         return 0, first * d, count * d
@@ -101,6 +110,20 @@ def rank_slice(t: Target, c: ModelConfig, shard: Shard) -> tuple[int, int, int] 
     if name.endswith("self_attn.sinks"):  # one per query head
         return (0, *shard.heads(c.num_heads))
     return None
+
+
+def _latent_slice(name: str, c: ModelConfig, shard: Shard) -> tuple[int, int, int] | None:
+    """Latent attention's head-split tensors: the query's and kv_b_proj's rows, and
+    o_proj's columns, of this rank's heads (the a-projections are whole on every rank)."""
+    first, count = shard.heads(c.num_heads)
+    mla, per_head = c.mla, None
+    if name.endswith(("q_b_proj.weight", "self_attn.q_proj.weight")):
+        per_head, dim = mla.nope_dim + mla.rope_dim, 0
+    elif name.endswith("kv_b_proj.weight"):
+        per_head, dim = mla.nope_dim + mla.v_head_dim, 0
+    elif name.endswith("o_proj.weight"):
+        per_head, dim = mla.v_head_dim, 1
+    return None if per_head is None else (dim, first * per_head, count * per_head)
 
 
 def packed_offset(t: Target, c: ModelConfig, shard: Shard) -> int:
@@ -151,7 +174,7 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
                         tensor = _dequantized(f, mx[1], experts, model.norm.weight.dtype)
                         loaded |= _take_stacked(model, params, STACKED.match(mx[1]), tensor)
                     continue
-                t = target(hf_name)
+                t = target(hf_name, config.mla is not None)
                 if t.name == "lm_head.weight" and config.tie_word_embeddings:
                     continue
                 if t.name not in params:
@@ -227,7 +250,7 @@ class QuantizedLayers:
             raise ValueError(f"{layer}: only {sorted(tensors)} of its quantized tensors found")
 
     def _load(self, layer: str, tensors: dict[str, torch.Tensor]) -> None:
-        t = target(layer + ".weight")
+        t = target(layer + ".weight", self.config.mla is not None)
         if t.expert is not None:  # an expert's: our stacked w13_* / w2_*, its local index
             t = Target(t.name, t.part, t.expert - self.first_expert)
             name_of = f"{t.name}_{{}}".format
@@ -360,9 +383,15 @@ def load_model(
     # Built and cast on meta, so no memory is spent on a random init the checkpoint
     # overwrites; quantized layers get their tensors after the cast (their dtypes).
     model = model.to(dtype=dtype).to_empty(device=device)
+    for module in model.modules():  # DeepSeek's routing bias stays float32 (moe.py)
+        if getattr(module, "e_score_correction_bias", None) is not None:
+            module.e_score_correction_bias.data = module.e_score_correction_bias.float()
     linear.materialize(model, device)
     model.tie_weights()  # to_empty gives the tied parameters separate storage
     load_weights(model, model_dir)
+    for module in model.modules():  # what layers derive from their weights (mla.py)
+        if hasattr(module, "after_load"):
+            module.after_load(dtype)
     for table in model.rotary_tables:
         table.build(device)
     model = model.eval()

@@ -18,7 +18,12 @@ from dataclasses import dataclass
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
-ATTENTION_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+ATTENTION_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)  # a config's layer_types
+# Multi-head latent attention (DeepSeek): every token kept, as full attention keeps them,
+# but a block holds one latent per token instead of each KV head's key and value, so
+# its layers are a group of their own (their bytes per token are not full attention's).
+LATENT_ATTENTION = "latent_attention"
+KV_KINDS = (*ATTENTION_TYPES, LATENT_ATTENTION)
 
 
 @dataclass(slots=True, frozen=True)
@@ -33,8 +38,8 @@ class LayerSpec:
     kv_bytes_per_token: int = 0  # K and V of this layer, one token, one rank
 
     def __post_init__(self) -> None:
-        if self.attention not in ATTENTION_TYPES:
-            raise ValueError(f"attention type {self.attention!r}: one of {ATTENTION_TYPES}")
+        if self.attention not in KV_KINDS:
+            raise ValueError(f"attention type {self.attention!r}: one of {KV_KINDS}")
         if (self.attention == SLIDING_ATTENTION) != (self.sliding_window > 0):
             raise ValueError(
                 f"a {self.attention} layer with sliding_window={self.sliding_window}: a "
@@ -59,7 +64,7 @@ class KVCacheGroup:
         return self.sliding_window > 0
 
     def describe(self) -> str:
-        kind = f"window {self.sliding_window}" if self.is_window else "full"
+        kind = f"window {self.sliding_window}" if self.is_window else self.attention.split("_")[0]
         return f"{kind} x{len(self.layers)}"
 
 

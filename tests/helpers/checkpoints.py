@@ -9,9 +9,12 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV2Config,
+    DeepseekV3Config,
     Gemma2Config,
     Gemma3TextConfig,
     GenerationConfig,
+    Glm4MoeConfig,
     GptOssConfig,
     LlamaConfig,
     MistralConfig,
@@ -114,6 +117,47 @@ WINDOW_VARIANTS = {
     ),
 }  # fmt: skip
 VARIANTS |= WINDOW_VARIANTS
+# DeepSeek's layout: latent attention (queries through a low rank or not, interleaved
+# rotary, YaRN with its mscale) and its MoE (sigmoid noaux_tc in groups with the
+# correction bias, V2's softmax group-limited greedy, shared experts, the first layer
+# dense); GLM-4.5's is V3's MoE under GQA with partial rotary, q/k norms and biases.
+_LATENT = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24)
+_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "original_max_position_embeddings": 128,
+    "beta_fast": 32,
+    "beta_slow": 1,
+}  # Kimi-K2's shape of it
+DEEPSEEK_VARIANTS = {
+    "deepseek-v3": lambda: DeepseekV3Config(
+        **{**COMMON, "num_hidden_layers": 3, "num_key_value_heads": 4}, **_LATENT,
+        q_lora_rank=48, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
+    ),
+    "deepseek-v2": lambda: DeepseekV2Config(
+        **{**COMMON, "num_key_value_heads": 4}, **_LATENT, q_lora_rank=None,
+        n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=64,
+        n_shared_experts=2, first_k_dense_replace=1, topk_method="group_limited_greedy",
+        n_group=4, topk_group=2, routed_scaling_factor=1.5,
+    ),
+    # Kimi-K2: one group of many experts, a longer context by YaRN, non-interleaved here.
+    "kimi-k2": lambda: DeepseekV3Config(
+        **{**COMMON, "num_key_value_heads": 4}, **_LATENT, q_lora_rank=48,
+        n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=32,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+        routed_scaling_factor=2.827, rope_parameters=_YARN, rope_interleave=False,
+    ),
+    "glm4-moe": lambda: Glm4MoeConfig(
+        **{**COMMON, "num_hidden_layers": 3}, n_routed_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=64, n_shared_experts=1, first_k_dense_replace=1,
+        attention_bias=True, use_qk_norm=True, routed_scaling_factor=2.5,
+    ),
+}  # fmt: skip
+VARIANTS |= DEEPSEEK_VARIANTS
 
 
 def write_checkpoint(name: str, out: Path) -> Path:
