@@ -2,10 +2,12 @@
 locally trained byte-level BPE tokenizer, in the normal Hugging Face layout; with
 --arch, a Mixture-of-Experts one (Qwen3-MoE or Mixtral) of the same size class, for
 tests and benches of the sparse path, or one of mixed attention (Gemma 3: sliding-window
-layers beside full ones), gpt-oss (sinks, YaRN, biased experts).
+layers beside full ones), gpt-oss (sinks, YaRN, biased experts), DeepSeek-V3 (latent
+attention, its routing) or GLM-4.5 (V3's MoE under GQA with partial rotary).
 
     python -m tools.make_model [--size nano|tiny|small]
-                               [--arch llama|qwen3_moe|mixtral|gemma3|gpt_oss]
+                               [--arch llama|qwen3_moe|mixtral|gemma3|gpt_oss|
+                                       deepseek_v3|glm4_moe]
                                [--out DIR] [--seed N] [--thinking] [--harmony]
 
 The default initialisation (std 0.02) makes greedy continuations collapse into short
@@ -117,7 +119,26 @@ ARCHS = {
                                     "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                     "truncate": False,  # 2048 = 32 x 64 positions
                                     "original_max_position_embeddings": 64}},
+    # DeepSeek-V3's shape (docs/mla.md): latent attention (a query rank, a latent of
+    # kv_lora_rank and a shared rotated key, interleaved), the first layer dense, then
+    # 8 experts top-2 in 4 groups of which 2 are chosen, sigmoid scores with a
+    # correction bias, one shared expert, routed_scaling_factor 2.5.
+    "deepseek_v3": {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+                    "rope_interleave": True, "n_group": 4, "topk_group": 2,
+                    "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+                    "first_k_dense_replace": 1, "n_shared_experts": 1,
+                    "num_nextn_predict_layers": 0, "head_dim": 16},  # transformers': rope's
+    # GLM-4.5's: V3's MoE (one group) under GQA with half the head rotated, q/k norms
+    # and q/k/v biases.
+    "glm4_moe": {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
+                 "use_qk_norm": True, "attention_bias": True, "n_group": 1, "topk_group": 1,
+                 "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+                 "first_k_dense_replace": 1, "n_shared_experts": 1,
+                 "num_nextn_predict_layers": 0,
+                 "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                     "partial_rotary_factor": 0.5}},
 }  # fmt: skip
+DEEPSEEK_LAYOUT = ("deepseek_v3", "glm4_moe")  # routed + shared experts, first layer dense
 GEMMA_PATTERN = 6  # a global layer after every 5 local ones
 NUM_EXPERTS, EXPERTS_PER_TOKEN = 8, 2
 
@@ -174,11 +195,12 @@ def model_config(size: str, vocab: "Vocabulary", arch: str = "llama") -> dict:
         **dims,
         **moe_fields(arch, dims["intermediate_size"] // 4),
         **gemma_fields(arch, dims),
+        **latent_fields(arch, dims),
         "head_dim": dims["hidden_size"] // dims["num_attention_heads"],
         "max_position_embeddings": 2048,
         "rms_norm_eps": 1e-5,
         **({} if arch in ("gemma3", "gpt_oss") else {"hidden_act": "silu", "rope_theta": 10000.0}),
-        "attention_bias": False,
+        **({"attention_bias": False} if arch != "glm4_moe" else {}),
         "mlp_bias": False,
         "tie_word_embeddings": False,
         **vocab.ids(),
@@ -202,7 +224,21 @@ def gemma_fields(arch: str, dims: dict) -> dict:
             // dims["num_attention_heads"]}  # fmt: skip
 
 
+def latent_fields(arch: str, dims: dict) -> dict:
+    """DeepSeek-V3's latent attention at the size: the latent a quarter of the hidden
+    size (V3: 512 of 7168, with 128 heads), a rotated key of 16, heads of 32 + 16."""
+    if arch != "deepseek_v3":
+        return {}
+    h = dims["hidden_size"]
+    return {"q_lora_rank": 3 * h // 8, "kv_lora_rank": h // 4, "qk_nope_head_dim": 32,
+            "qk_rope_head_dim": 16, "v_head_dim": 32,
+            "num_key_value_heads": dims["num_attention_heads"]}  # fmt: skip
+
+
 def moe_fields(arch: str, expert_size: int) -> dict:
+    if arch in DEEPSEEK_LAYOUT:
+        return {"n_routed_experts": NUM_EXPERTS, "num_experts_per_tok": EXPERTS_PER_TOKEN,
+                "moe_intermediate_size": expert_size}  # fmt: skip
     if arch == "qwen3_moe":
         return {"num_experts": NUM_EXPERTS, "num_experts_per_tok": EXPERTS_PER_TOKEN,
                 "moe_intermediate_size": expert_size}  # fmt: skip
@@ -217,7 +253,8 @@ def mlp_shapes(config: dict, prefix: str) -> dict[str, tuple[int, ...]]:
     Mixtral's block_sparse_moe w1/w3/w2)."""
     h, i = config["hidden_size"], config["intermediate_size"]
     arch = config["model_type"]
-    if arch in ("llama", "gemma3_text"):
+    layer = int(prefix.split(".")[2])
+    if arch in ("llama", "gemma3_text") or layer < config.get("first_k_dense_replace", 0):
         return {f"{prefix}mlp.{n}_proj.weight": s for n, s in
                 (("gate", (i, h)), ("up", (i, h)), ("down", (h, i)))}  # fmt: skip
     if arch == "gpt_oss":  # stacked, gate and up interleaved; a biased router
@@ -231,6 +268,17 @@ def mlp_shapes(config: dict, prefix: str) -> dict[str, tuple[int, ...]]:
         block, names = f"{prefix}mlp.", ("gate_proj", "up_proj", "down_proj")
         i = config["moe_intermediate_size"]
     shapes = {f"{block}gate.weight": (NUM_EXPERTS, h)}
+    if arch in DEEPSEEK_LAYOUT:  # the routing's correction bias, the shared experts
+        shared = i * config["n_shared_experts"]
+        shapes[f"{block}gate.e_score_correction_bias"] = (NUM_EXPERTS,)
+        shapes |= {
+            f"{block}shared_experts.{n}.weight": s
+            for n, s in (
+                ("gate_proj", (shared, h)),
+                ("up_proj", (shared, h)),
+                ("down_proj", (h, shared)),
+            )
+        }
     for e in range(NUM_EXPERTS):
         for name, shape in zip(names, ((i, h), (i, h), (h, i)), strict=True):
             shapes[f"{block}experts.{e}.{name}.weight"] = shape
@@ -251,13 +299,18 @@ def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
         shapes |= {
             p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
+            **(latent_shapes(config, p) if "kv_lora_rank" in config else {
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, q),
+            }),
             **mlp_shapes(config, p),
-        }
-        if config["model_type"] in ("qwen3_moe", "gemma3_text"):  # per-head q/k RMSNorm
+        }  # fmt: skip
+        if config["model_type"] == "glm4_moe":  # biased q/k/v
+            shapes |= {p + f"self_attn.{n}_proj.bias": (size,)
+                       for n, size in (("q", q), ("k", kv), ("v", kv))}  # fmt: skip
+        if config["model_type"] in ("qwen3_moe", "gemma3_text", "glm4_moe"):  # q/k RMSNorm
             shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
         if config["model_type"] == "gpt_oss":  # biased attention, sinks
             shapes |= {p + f"self_attn.{n}_proj.bias": (size,)
@@ -267,6 +320,19 @@ def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
             shapes |= {p + "pre_feedforward_layernorm.weight": (h,),
                        p + "post_feedforward_layernorm.weight": (h,)}  # fmt: skip
     return shapes
+
+
+def latent_shapes(config: dict, p: str) -> dict[str, tuple[int, ...]]:
+    """A latent attention layer's tensors (DeepSeek-V3's names)."""
+    h, heads, a = config["hidden_size"], config["num_attention_heads"], p + "self_attn."
+    q_rank, kv_rank = config["q_lora_rank"], config["kv_lora_rank"]
+    nope, rope, v = (config[k] for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+    return {a + "q_a_proj.weight": (q_rank, h), a + "q_a_layernorm.weight": (q_rank,),
+            a + "q_b_proj.weight": (heads * (nope + rope), q_rank),
+            a + "kv_a_proj_with_mqa.weight": (kv_rank + rope, h),
+            a + "kv_a_layernorm.weight": (kv_rank,),
+            a + "kv_b_proj.weight": (heads * (nope + v), kv_rank),
+            a + "o_proj.weight": (h, heads * v)}  # fmt: skip
 
 
 def random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
