@@ -127,7 +127,7 @@ ARCHS = {
                     "rope_interleave": True, "n_group": 4, "topk_group": 2,
                     "routed_scaling_factor": 2.5, "norm_topk_prob": True,
                     "first_k_dense_replace": 1, "n_shared_experts": 1,
-                    "num_nextn_predict_layers": 0, "head_dim": 16},  # transformers': rope's
+                    "num_nextn_predict_layers": 1, "head_dim": 16},  # transformers': rope's
     # GLM-4.5's: V3's MoE (one group) under GQA with half the head rotated, q/k norms
     # and q/k/v biases.
     "glm4_moe": {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
@@ -319,7 +319,22 @@ def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
         if config["model_type"] == "gemma3_text":  # the MLP's sandwich
             shapes |= {p + "pre_feedforward_layernorm.weight": (h,),
                        p + "post_feedforward_layernorm.weight": (h,)}  # fmt: skip
+    if config.get("num_nextn_predict_layers"):  # DeepSeek's prediction layer, after the rest
+        shapes |= prediction_layer_shapes(config)
     return shapes
+
+
+def prediction_layer_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """model.layers.{num_hidden_layers}: a decoder layer (sparse, latent) with enorm,
+    hnorm, eh_proj, shared_head and its own embedding (DeepSeek-V3's layout; the
+    speculative method mtp drafts with it)."""
+    h, v, n = config["hidden_size"], config["vocab_size"], config["num_hidden_layers"]
+    p = f"model.layers.{n}."
+    return {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            **latent_shapes(config, p), **mlp_shapes(config, p),
+            p + "enorm.weight": (h,), p + "hnorm.weight": (h,), p + "eh_proj.weight": (h, 2 * h),
+            p + "shared_head.norm.weight": (h,), p + "shared_head.head.weight": (v, h),
+            p + "embed_tokens.weight": (v, h)}  # fmt: skip
 
 
 def latent_shapes(config: dict, p: str) -> dict[str, tuple[int, ...]]:

@@ -108,6 +108,18 @@ class Attention(nn.Module):
         return self.o_proj(out.flatten(1))
 
 
+def use_backend(model: nn.Module, backend: ModuleType) -> None:
+    """The kernels module a model's attention runs on; its experts run its fused_moe,
+    its quantized layers its linears."""
+    for module in model.modules():
+        if isinstance(module, Attention | LatentAttention):
+            module.backend = backend
+        elif isinstance(module, Experts):
+            module.fused = backend.fused_moe
+        elif isinstance(module, QuantLinear | QuantExperts):
+            module.kernels = backend
+
+
 def _norm(config: ModelConfig) -> type[RMSNorm]:
     return GemmaRMSNorm if config.gemma is not None else RMSNorm
 
@@ -201,6 +213,11 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    def shared_weights(self) -> list[torch.Tensor]:
+        """Weights another module may read as they are (the LM head tied to the
+        embedding): oneDNN's packing keeps them."""
+        return [self.embed_tokens.weight]
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -230,14 +247,7 @@ class LlamaForCausalLM(nn.Module):
         return logits
 
     def set_attention_backend(self, backend: ModuleType) -> None:
-        """The kernels module attention runs on; the experts run its fused_moe."""
-        for layer in self.layers:
-            layer.self_attn.backend = backend
-        for module in self.modules():
-            if isinstance(module, Experts):
-                module.fused = backend.fused_moe
-            elif isinstance(module, QuantLinear | QuantExperts):
-                module.kernels = backend
+        use_backend(self, backend)
 
     def set_kv_cache_dtype(self, dtype: torch.dtype) -> None:
         """The cache's dtype: an FP8 one gives each layer its K and V scales (a latent

@@ -3,6 +3,7 @@ tensor parallelism each rank reads only its own slice of each tensor (safetensor
 get_slice reads the bytes of the slice, never the whole tensor)."""
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -147,7 +148,22 @@ def read(f, hf_name: str, region: tuple[int, int, int] | None, full_rows: int | 
     return piece[start : start + length] if dim == 0 else piece[:, start : start + length]
 
 
-def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
+# A decoder layer's tensors by its index: those at num_hidden_layers and beyond are
+# multi-token-prediction layers (DeepSeek's, GLM-4.5's), which the main model skips (as
+# transformers does) and the `mtp` drafter loads (executor/spec/mtp.py).
+LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def main_layers(num_layers: int) -> Callable[[str], bool]:
+    """The main model's tensors: every one but the prediction layers'."""
+    return lambda name: (m := LAYER.match(name)) is None or int(m[1]) < num_layers
+
+
+def load_weights(
+    model: nn.Module, model_dir: str | Path, keep: Callable[[str], bool] | None = None
+) -> None:
+    """keep: which checkpoint tensors are this model's (default: the main model's)."""
+    keep = keep or main_layers(model.config.num_layers)
     params = dict(model.named_parameters())
     config, shard = model.config, model.tp.shard
     first_expert, num_experts = shard.experts(config.moe.num_experts) if config.moe else (0, 0)
@@ -159,7 +175,9 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for hf_name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if "rotary_emb.inv_freq" in hf_name or quantized.take(f, hf_name):
+                if not keep(hf_name) or "rotary_emb.inv_freq" in hf_name:
+                    continue
+                if quantized.take(f, hf_name):
                     continue
                 if (kv := KV_SCALE.match(hf_name)) is not None:
                     _take_kv_scale(model, int(kv[1]), kv[2], f.get_tensor(hf_name))
@@ -380,6 +398,17 @@ def load_model(
     config = ModelConfig.from_pretrained(model_dir)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, tp)
+    model = build(model, model_dir, dtype, device, backend)
+    for table in model.rotary_tables:
+        table.build(device)
+    return model
+
+
+def build(
+    model: nn.Module, model_dir: str | Path, dtype: torch.dtype, device: torch.device,
+    backend: ModuleType, keep: Callable[[str], bool] | None = None,
+) -> nn.Module:  # fmt: skip
+    """A model made on meta, given its weights (those keep() takes) on `device`."""
     # Built and cast on meta, so no memory is spent on a random init the checkpoint
     # overwrites; quantized layers get their tensors after the cast (their dtypes).
     model = model.to(dtype=dtype).to_empty(device=device)
@@ -388,14 +417,12 @@ def load_model(
             module.e_score_correction_bias.data = module.e_score_correction_bias.float()
     linear.materialize(model, device)
     model.tie_weights()  # to_empty gives the tied parameters separate storage
-    load_weights(model, model_dir)
+    load_weights(model, model_dir, keep)
     for module in model.modules():  # what layers derive from their weights (mla.py)
         if hasattr(module, "after_load"):
             module.after_load(dtype)
-    for table in model.rotary_tables:
-        table.build(device)
     model = model.eval()
     model.set_attention_backend(backend)  # before packing: the experts pack for torch's
     if onednn.usable(device, dtype):
-        onednn.pack(model, shared={id(model.embed_tokens.weight)})
+        onednn.pack(model, shared={id(p) for p in model.shared_weights()})
     return model

@@ -15,9 +15,10 @@ DEFAULT_PROMPT_LOOKUP = 5
 class SpeculativeConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
-    method: Literal["ngram", "draft_model", "suffix"]
+    method: Literal["ngram", "draft_model", "suffix", "mtp"]
     """ngram: prompt lookup; draft_model: a smaller checkpoint of the same tokenizer;
-    suffix: suffix decoding over the prompt and earlier outputs (arctic-inference)"""
+    suffix: suffix decoding over the prompt and earlier outputs (arctic-inference);
+    mtp: the checkpoint's own multi-token prediction layer (DeepSeek-V3, GLM-4.5)"""
     num_speculative_tokens: int = Field(3, ge=1, le=MAX_SPEC_TOKENS)
     """draft tokens a request gets a step at most (suffix: the cap of its adaptive length)"""
     prompt_lookup_min: PositiveInt | None = None

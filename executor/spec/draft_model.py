@@ -64,6 +64,9 @@ class DraftModelProposer:
     def remove(self, req_id: str) -> None:
         pass
 
+    def computed(self, batch, inputs, hidden) -> None:
+        pass  # it runs its own forward over the tokens
+
     def reset(self) -> None:
         self.num_computed[:] = 0
 

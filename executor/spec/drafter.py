@@ -85,6 +85,11 @@ class Drafter:
         counts = np.asarray(num_sampled or [1] * len(num_known), np.int64)
         self.proposer.verified(batch, sampling_rows, num_known, counts)
 
+    def computed(self, batch: InputBatch, inputs, hidden: torch.Tensor) -> None:
+        """After rank 0's step: the forward's inputs and final hidden states (the mtp
+        drafter catches up on them)."""
+        self.proposer.computed(batch, inputs, hidden)
+
     def reset(self) -> None:
         self.proposer.reset()
 

@@ -3,7 +3,7 @@ requests come and go, proposes each step's drafts on rank 0 (the one place draft
 are decided: under tensor parallelism the other ranks take them from it), and hears
 what verification kept."""
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -11,6 +11,9 @@ import torch
 from flagstop.executor.input_batch import InputBatch
 from flagstop.executor.spec.config import SpeculativeConfig
 from flagstop.executor.spec.ngram import propose_ngram
+
+if TYPE_CHECKING:
+    from flagstop.executor.step_inputs import StepInputs
 
 
 class Proposer(Protocol):
@@ -39,6 +42,10 @@ class Proposer(Protocol):
     ) -> None:
         """After the step: rows[i] had num_known[i] tokens and took num_sampled[i]."""
 
+    def computed(self, batch: InputBatch, inputs: "StepInputs", hidden: torch.Tensor) -> None:
+        """After the step (once verified): its forward's inputs and final hidden states,
+        for a drafter that reads the target's (mtp)."""
+
     def reset(self) -> None:
         """A new scheduler stream: no request is left."""
 
@@ -65,6 +72,9 @@ class NoProposer:
     def verified(self, batch, rows, num_known, num_sampled) -> None:
         pass
 
+    def computed(self, batch, inputs, hidden) -> None:
+        pass
+
     def reset(self) -> None:
         pass
 
@@ -89,6 +99,10 @@ def make_proposer(config: SpeculativeConfig, runner) -> Proposer:
     pool and attention backend)."""
     if config.method == "ngram":
         return NgramProposer(config)
+    if config.method == "mtp":
+        from flagstop.executor.spec.mtp import MtpProposer
+
+        return MtpProposer(runner)
     if config.method == "suffix":
         from flagstop.executor.spec.suffix import SuffixProposer
 

@@ -163,7 +163,11 @@ VARIANTS |= DEEPSEEK_VARIANTS
 def write_checkpoint(name: str, out: Path) -> Path:
     if name == "llama":
         return write_model(out, "tiny", seed=0)
-    config = VARIANTS[name]()
+    return write_config(VARIANTS[name](), out)
+
+
+def write_config(config, out: Path) -> Path:
+    """A random checkpoint of a transformers config (the tests' weight scales)."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():

@@ -1,0 +1,267 @@
+"""DeepSeek's multi-token prediction layers as a drafter: the speculative method `mtp`
+(vLLM's name), for checkpoints with num_nextn_predict_layers (DeepSeek-V3/R1, Kimi-K2,
+GLM-4.5: `model.layers.{num_hidden_layers}.*`, which the main model skips).
+
+The layer at position i reads the token after it, token i+1, and the main model's
+final hidden state at i: x = eh_proj([enorm(embed(token i+1)), hnorm(hidden i)]), one
+decoder layer of the model's own kind (latent attention and MoE for DeepSeek), then
+shared_head.norm and shared_head.head give the logits of token i+2 (the DeepSeek-V3
+report, section 2.2; vLLM's DeepSeekMTP, whose choices are kept: the embedding at
+position 0 is zeroed, and the layer's output before its norm feeds the next draft).
+
+Run on rank 0, with its own paged cache on the target's block ids (as a draft model's):
+- after each step (`computed`) it catches up over every position the target computed
+  and kept, with the hidden states of that forward, which yields each request's first
+  draft (the token after the one just sampled);
+- at the next step (`propose`) the same layer is chained for the further drafts, each
+  fed the draft before it and its own output hidden state.
+A position the target took from the prefix cache was never seen here: the blocks hold
+what the request that computed them wrote (the next token of that request, which may
+differ at a block's last slot), so drafts there may be worse, never wrong: verification
+is lossless."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from flagstop.executor import kv_cache
+from flagstop.executor.input_batch import InputBatch
+from flagstop.executor.models.config import ModelConfig
+from flagstop.executor.models.layers import RMSNorm
+from flagstop.executor.models.llama import DecoderLayer, VocabParallelEmbedding, use_backend
+from flagstop.executor.models.loader import LAYER, build
+from flagstop.executor.models.onednn import Linear
+from flagstop.executor.parallel import SINGLE
+from flagstop.executor.spec.proposer import NoProposer
+from flagstop.executor.step_inputs import StepInputs, flatten
+from flagstop.scheduler_svc.core.kv_groups import FULL_ATTENTION
+from flagstop.server import StartupError
+
+
+def num_mtp_layers(model_dir: str) -> int:
+    """num_nextn_predict_layers of the checkpoint's config (GLM-4.5 also num_mtp_layers)."""
+    hf = json.loads((Path(model_dir) / "config.json").read_text())
+    return int(hf.get("num_nextn_predict_layers") or 0)
+
+
+class SharedHead(nn.Module):
+    def __init__(self, config: ModelConfig, own_head: bool) -> None:
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.head = Linear(config.hidden_size, config.vocab_size, bias=False) if own_head else None
+
+
+class MtpLayer(DecoderLayer):
+    """`model.layers.{index}`: a decoder layer (attention, MLP, their norms) with the
+    prediction layer's enorm, hnorm, eh_proj and shared_head; embed_tokens and
+    shared_head.head are its own when the checkpoint has them, else the model's."""
+
+    def __init__(self, config: ModelConfig, index: int, own_embed: bool, own_head: bool):
+        super().__init__(config, SINGLE, index)
+        size, eps = config.hidden_size, config.rms_norm_eps
+        self.enorm, self.hnorm = RMSNorm(size, eps), RMSNorm(size, eps)
+        self.eh_proj = Linear(2 * size, size, bias=False)
+        self.shared_head = SharedHead(config, own_head)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, size, SINGLE) \
+            if own_embed else None  # fmt: skip
+
+
+def _with_one_more_layer(config: ModelConfig) -> ModelConfig:
+    """The model's config with the prediction layer as its last layer (a full-attention
+    one, sparse where the model's last layer is)."""
+    moe = config.moe
+    if moe is not None:
+        moe = dataclasses.replace(moe, sparse_layers=(*moe.sparse_layers, moe.sparse_layers[-1]))
+    return dataclasses.replace(config, num_layers=config.num_layers + 1, moe=moe,
+                               layer_types=(*config.layer_types, FULL_ATTENTION))  # fmt: skip
+
+
+class MtpModel(nn.Module):
+    """The first prediction layer, named as the checkpoint names it (layers.{index}),
+    reading the target model's rotary tables (and embedding, head if it has none)."""
+
+    def __init__(self, target: nn.Module, own_embed: bool, own_head: bool) -> None:
+        super().__init__()
+        self.config = _with_one_more_layer(target.config)
+        self.tp, self.index = SINGLE, target.config.num_layers
+        self.layers = nn.ModuleDict({str(self.index): MtpLayer(
+            self.config, self.index, own_embed, own_head)})  # fmt: skip
+        self.checkpoint_kv_scales: dict[int, torch.Tensor] = {}  # the loader's; unused
+        self._target = (target,)  # not a submodule: its weights are the target's
+
+    @property
+    def layer(self) -> MtpLayer:
+        return self.layers[str(self.index)]
+
+    @property
+    def norm(self) -> RMSNorm:  # the loader reads the model's dtype from it
+        return self.layer.enorm
+
+    def tie_weights(self) -> None:
+        pass
+
+    def shared_weights(self) -> list[torch.Tensor]:
+        return []
+
+    def set_attention_backend(self, backend) -> None:
+        use_backend(self, backend)
+
+    def forward(self, input_ids, positions, hidden, kv_cache_, meta) -> torch.Tensor:
+        """The layer's output before shared_head.norm, [tokens, hidden]."""
+        target, layer = self._target[0], self.layer
+        embed = layer.embed_tokens or target.embed_tokens
+        x = embed(input_ids).masked_fill((positions == 0)[:, None], 0)
+        x = layer.eh_proj(torch.cat((layer.enorm(x), layer.hnorm(hidden)), dim=-1))
+        ropes = tuple(table.lookup(positions) for table in target.rotary_tables)
+        x, residual = DecoderLayer.forward(layer, ropes, x, None, kv_cache_, meta)
+        return x + residual
+
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The argmax token of each row's logits."""
+        head = self.layer.shared_head.head or self._target[0].lm_head
+        logits = head(self.layer.shared_head.norm(hidden))[:, : self.config.vocab_size]
+        return logits.argmax(dim=-1)
+
+
+def load_mtp(runner) -> MtpModel:
+    target, model_dir = runner.model, runner.config.model
+    index = target.config.num_layers
+    names = set()
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            names |= {n for n in f.keys() if (m := LAYER.match(n)) and int(m[1]) == index}  # noqa: SIM118
+    if not any(".eh_proj." in n for n in names):
+        raise StartupError(f"speculative method mtp: {model_dir} has no tensors of its "
+                           f"prediction layer model.layers.{index}")  # fmt: skip
+    own_embed = f"model.layers.{index}.embed_tokens.weight" in names
+    own_head = f"model.layers.{index}.shared_head.head.weight" in names
+    with torch.device("meta"):
+        model = MtpModel(target, own_embed, own_head)
+    prefix = f"model.layers.{index}."
+    return build(model, model_dir, runner.dtype, runner.device, runner.attention_backend,
+                 keep=lambda name: name.startswith(prefix))  # fmt: skip
+
+
+class MtpProposer(NoProposer):
+    def __init__(self, runner) -> None:
+        if runner.model_config.moe is None and runner.model_config.mla is None:
+            raise StartupError("speculative method mtp: DeepSeek's layout's prediction "
+                               "layers (DeepSeek-V2/V3, Kimi-K2, GLM-4.5)")  # fmt: skip
+        if num_mtp_layers(runner.config.model) < 1:
+            raise StartupError(f"speculative method mtp: {runner.config.model} has no "
+                               "prediction layer (num_nextn_predict_layers is 0)")  # fmt: skip
+        self.runner = runner
+        self.model = load_mtp(runner)
+        rows = runner.config.max_num_seqs
+        self.num_computed = np.zeros(rows, np.int64)  # positions its cache holds
+        # Each row's first draft and the hidden state it came from, for num_tokens
+        # tokens (ready): a row that has gained tokens since has none.
+        self.first_draft = np.zeros(rows, np.int64)
+        self.ready = np.full(rows, -1, np.int64)
+        self.last_hidden: dict[int, torch.Tensor] = {}
+        self.kv_caches: list = []
+
+    @property
+    def block_bytes(self) -> int:
+        mc, runner = self.model.config, self.runner
+        specs = mc.layer_specs(mc.num_kv_heads, runner.dtype.itemsize)
+        return specs[-1].kv_bytes_per_token * runner.block_size
+
+    def allocate(self, num_blocks: int) -> None:
+        mc, runner = self.model.config, self.runner
+        shapes = kv_cache.layer_shapes(runner.attention_backend, mc, mc.num_kv_heads, num_blocks,
+                                       runner.block_size)  # fmt: skip
+        self.kv_caches = [tuple(torch.zeros(s, dtype=runner.dtype, device=runner.device)
+                                for s in shapes)]  # fmt: skip
+
+    def add(self, req_id: str, row: int, batch: InputBatch) -> None:
+        self.num_computed[row], self.ready[row] = 0, -1
+        self.last_hidden.pop(row, None)
+
+    def reset(self) -> None:
+        self.num_computed[:], self.ready[:] = 0, -1
+        self.last_hidden.clear()
+
+    def _forward(self, batch, rows, starts, num_new, input_ids_by_token, hidden):
+        """The layer over rows[i]'s positions starts[i] .. + num_new[i]; the inputs are
+        given per flattened token by input_ids_by_token(flat) and hidden(flat).
+        Returns (flat, its output)."""
+        device = self.runner.device
+        flat = flatten(batch, rows, starts, num_new)
+
+        def t(array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(array).to(device, non_blocking=True)
+
+        _, positions, attention = flat.tensors(batch, t)
+        out = self.model(t(input_ids_by_token(flat)), positions, hidden(flat),
+                         self.kv_caches[0], attention[0])  # fmt: skip
+        return flat, out
+
+    @torch.inference_mode()
+    def computed(self, batch: InputBatch, inputs: StepInputs, hidden: torch.Tensor) -> None:
+        """After a step: its forward computed each token's position (inputs) with the
+        final hidden state hidden[j]; the positions the target kept (below the row's
+        computed count) are caught up on, and each row's first draft taken."""
+        token_rows, positions = inputs.token_rows, inputs.positions.cpu().numpy()
+        kept = positions < batch.num_computed_tokens[token_rows]
+        if not kept.any():
+            return
+        index = np.flatnonzero(kept)
+        token_rows, positions = token_rows[index], positions[index]
+        rows, first = np.unique(token_rows, return_index=True)
+        starts, counts = positions[first], np.bincount(token_rows, minlength=len(batch.num_tokens))
+        source_start = np.zeros(len(batch.num_tokens), np.int64)
+        source_start[rows] = first
+        start_of = np.zeros_like(source_start)
+        start_of[rows] = starts
+        kept_hidden = hidden[torch.from_numpy(index).to(hidden.device)]
+
+        def source(flat) -> torch.Tensor:
+            at = source_start[flat.token_rows] + flat.positions - start_of[flat.token_rows]
+            return kept_hidden[torch.from_numpy(at).to(hidden.device)]
+
+        flat, out = self._forward(
+            batch, rows, starts, counts[rows],
+            lambda flat: batch.token_ids[flat.token_rows, flat.positions + 1], source,
+        )  # fmt: skip
+        last = torch.from_numpy(flat.last_indices()).to(out.device)
+        drafts = self.model.greedy(out[last]).cpu().numpy()
+        ends = starts + counts[rows]
+        self.num_computed[rows] = ends
+        caught_up = ends == batch.num_tokens[rows] - 1  # their next token is a draft
+        for i in np.flatnonzero(caught_up):
+            row = int(rows[i])
+            self.first_draft[row], self.ready[row] = drafts[i], batch.num_tokens[row]
+            self.last_hidden[row] = out[last[i]]
+
+    @torch.inference_mode()
+    def propose(self, batch: InputBatch, rows: np.ndarray, slots: np.ndarray):
+        """The first draft from the catch-up, then the layer chained for the rest."""
+        known = batch.num_tokens[rows]
+        ready = self.ready[rows] == known
+        drafts = np.zeros((len(rows), int(slots.max())), np.int64)
+        drafts[:, 0] = self.first_draft[rows]
+        hidden = {int(r): self.last_hidden[int(r)] for r in rows[ready]}
+        active = np.flatnonzero(ready & (slots > 1))
+        for j in range(1, drafts.shape[1]):
+            active = active[slots[active] > j]
+            if not len(active):
+                break
+            by_row = np.zeros(len(batch.num_tokens), np.int64)
+            by_row[rows[active]] = drafts[active, j - 1]
+            flat, out = self._forward(
+                batch, rows[active], known[active] + j - 2, np.ones(len(active), np.int64),
+                lambda flat, by_row=by_row: by_row[flat.token_rows],
+                lambda flat: torch.stack([hidden[int(r)] for r in flat.token_rows]),
+            )  # fmt: skip
+            order = flat.last_indices()  # rows[active] as given
+            drafts[active, j] = self.model.greedy(out[torch.from_numpy(order)]).cpu().numpy()
+            for i, k in zip(active.tolist(), order.tolist(), strict=True):
+                hidden[int(rows[i])] = out[k]
+        counts = np.where(ready, slots, 0)
+        return [drafts[i, :k] for i, k in enumerate(counts.tolist())], None
