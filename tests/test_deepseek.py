@@ -127,3 +127,58 @@ def test_the_stack_on_two_expert_parallel_ranks_streams_what_transformers_genera
         assert sum(v for k, v in drafts.items() if "spec_decode_num_draft_tokens" in k) > 0
     finally:
         assert stack.stop() == {"router": 0, "scheduler": 0, "executor": 0}, stack.logs()
+
+
+def test_fp8_block_weights_as_deepseek_ships_them_serve_the_dequantized_model(
+    deepseek_dir, tmp_path
+):
+    """transformers' fine-grained FP8 (quant_method fp8, e4m3 weights and a
+    weight_scale_inv per 32 x 32 block here, activations per token and 32-column group),
+    the routers and the prediction layer's embedding, head and eh_proj left in float:
+    every latent projection and expert stays FP8 in memory; W_uk and W_uv are kv_b_proj's
+    dequantized weight; prefill logits are transformers' on the dequantized weights with
+    the same activations quantized, within the tolerance of test_quantization (0.10;
+    measured 0.027-0.049 over 8 prompts: the experts' down projections quantize their
+    inputs here and not there, and a random model's routing amplifies it)."""
+    from flagstop.executor.models.linear import QuantLinear
+    from flagstop.executor.models.moe import QuantExperts
+    from tests.test_quantization import ACT_REL_TOL, expert_weight, fp8_groups
+    from tools import quantize_model
+
+    path = quantize_model.quantize(deepseek_dir, "fp8-hf", tmp_path / "fp8")
+    model = runner(path).model
+    attention = model.layers[1].self_attn
+    for name in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
+        assert getattr(attention, name).weight.dtype == torch.float8_e4m3fn, name
+    assert isinstance(model.layers[1].mlp.experts, QuantExperts)
+    assert model.layers[1].mlp.e_score_correction_bias.dtype == torch.float32
+    w = attention.kv_b_proj.dequantize().view(attention.num_heads, -1, attention.w_uk.shape[-1])
+    assert torch.equal(torch.cat((attention.w_uk, attention.w_uv), 1), w)
+    reference = load_reference(deepseek_dir)
+    with torch.no_grad():
+        for name, layer in model.named_modules():
+            if isinstance(layer, QuantLinear) and "layers.4." not in name:
+                weight, start = layer.dequantize(), 0
+                for hf in layer.layers:  # gate and up packed in one
+                    target = reference.get_submodule(hf)
+                    rows = target.weight.shape[0]
+                    target.weight.copy_(weight[start : start + rows])
+                    start += rows
+                    if "kv_b_proj" not in hf:  # its weight is used as is: W_uk, W_uv
+                        target.register_forward_pre_hook(fp8_groups(layer.scheme.act.group))
+            elif isinstance(layer, QuantExperts):
+                theirs = reference.get_submodule(f"model.{name}")
+                for e in range(layer.num_experts):
+                    theirs.gate_up_proj[e] = expert_weight(layer, "w13", e)
+                    theirs.down_proj[e] = expert_weight(layer, "w2", e)
+                # Each token's input quantized as ours are (not the down projection's:
+                # transformers' fused experts have no seam there).
+                quantize = fp8_groups(layer.scheme.act.group)
+                theirs.register_forward_pre_hook(lambda m, a, q=quantize: (*q(m, a), *a[1:]))
+    harness, errors = Harness(runner(path)), []
+    for seed in range(8):
+        harness.add(f"r{seed}", prompt(seed, 6 + 3 * seed))
+        got = harness.logits({f"r{seed}": 6 + 3 * seed})[f"r{seed}"]
+        want = reference(torch.tensor([prompt(seed, 6 + 3 * seed)])).logits[0, -1]
+        errors.append(relative_error(want.float(), got))
+    assert max(errors) < ACT_REL_TOL, errors
