@@ -72,7 +72,7 @@ COMPOSE := $(if $(strip $(PROFILES)),COMPOSE_PROFILES=$(subst $() ,$(comma),$(st
 	$(if $(SPEC),SPEC='$(SPEC)') $(if $(filter-out grpcio,$(GRPC_SERVER)),GRPC_SERVER=$(GRPC_SERVER)) \
 	$(DOCKER_COMPOSE) -f compose/compose.yaml $(if $(GPU),-f compose/compose.gpu.yaml)
 
-.PHONY: venv test test-fast kernels-sm90 lint bench bench-executor bench-kv-tier bench-kv-groups bench-lora bench-replicas bench-structured model proto serve up down logs ps clean
+.PHONY: venv test test-fast kernels-sm90 lint bench bench-executor bench-kv-tier bench-kv-groups bench-mla bench-lora bench-replicas bench-structured model proto serve up down logs ps clean
 
 venv: $(STAMP)
 
@@ -212,6 +212,10 @@ bench-kv-tier: $(STAMP)
 # every layer full, a long-context workload side by side (about 3 minutes).
 bench-kv-groups: $(STAMP)
 	$(PY) bench/kv_groups_bench.py
+	$(PY) bench/report.py
+
+bench-mla: $(STAMP)
+	$(PY) bench/mla_bench.py
 	$(PY) bench/report.py
 
 bench-executor: $(STAMP)

@@ -18,7 +18,7 @@ ORDER = [
     "peers", "serve", "serve_backends", "overhead", "overhead_router", "overhead_levers",
     "replicas", "scheduler", "slo", "replay_check",
     "detokenizer", "tracing", "executor", "executor_moe", "executor_quant", "moe", "tp",
-    "structured", "spec", "overhead_spec", "lora", "kv_tier", "kv_disagg", "kv_groups",
+    "structured", "spec", "overhead_spec", "lora", "kv_tier", "kv_disagg", "kv_groups", "mla",
 ]  # fmt: skip
 
 

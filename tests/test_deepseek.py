@@ -182,3 +182,10 @@ def test_fp8_block_weights_as_deepseek_ships_them_serve_the_dequantized_model(
         want = reference(torch.tensor([prompt(seed, 6 + 3 * seed)])).logits[0, -1]
         errors.append(relative_error(want.float(), got))
     assert max(errors) < ACT_REL_TOL, errors
+
+
+def test_lora_on_latent_attention_is_refused_in_one_line(deepseek_dir):
+    from flagstop.executor.lora.adapter import AdapterError
+
+    with pytest.raises(AdapterError, match="--max-loras: LoRA on latent attention"):
+        runner(deepseek_dir, max_loras=1)

@@ -207,6 +207,29 @@ def test_tensor_parallel_on_both_sides(model_dir, tmp_path, reference):
         stack.stop(10)
 
 
+def test_latent_blocks_move_between_replicas(tmp_path):
+    """DeepSeek-V3's latent cache (one latent and one rotated key a token): the decode
+    executor reads the prefill executor's latent blocks. (On two ranks every rank holds
+    the whole latent, so the rank-to-rank mapping is tested by the sharded K/V above.)"""
+    from tests.helpers.checkpoints import load_reference
+    from tools.make_model import write_model
+
+    needs_mooncake()
+    model = write_model(tmp_path / "flagstop-tiny-deepseek_v3", "tiny", arch="deepseek_v3")
+    stack = start_disaggregated(model, tmp_path, router_args=["--pd-threshold", "0"])
+    try:
+        rng, reference = random.Random(8), load_reference(model)
+        for length in (6, 45):
+            token_ids = prompt(rng, length)
+            tokens, _ = greedy(stack, token_ids, 8, ignore_eos=True)
+            assert tokens == reference_generate(reference, token_ids, 8), length
+        assert loaded_tokens(stack) == 6 + 45
+        for scheduler in (PREFILL, DECODE):
+            stack.wait_idle(10, scheduler)
+    finally:
+        stack.stop(10)
+
+
 def test_a_replica_whose_kv_layout_differs_is_refused_in_one_line(model_dir, tmp_path):
     """Block sizes 16 and 32 (simulated executors: only their descriptions matter)."""
     stack = start_disaggregated(

@@ -7,9 +7,10 @@ import time
 
 import pytest
 
-from tests.helpers.checkpoints import reference_generate
+from tests.helpers.checkpoints import load_reference, reference_generate
 from tests.helpers.metrics import scrape
 from tests.helpers.streams import Streams, assert_token_exact
+from tools.make_model import write_model
 from tools.stack import generate, start_stack
 
 NUM_BLOCKS = 24  # 384 slots of 16 tokens: three flush prompts evict everything
@@ -41,13 +42,17 @@ def _greedy(stack, prompt: list[int], max_tokens: int) -> list[int]:
 
 
 @pytest.mark.processes
-@pytest.mark.parametrize("variant", ["host", "file", "tp2"])
+@pytest.mark.parametrize("variant", ["host", "file", "tp2", "latent"])
 def test_a_prefix_the_pool_evicted_loads_back_token_exact(variant, model_dir, tmp_path, reference):
+    """latent: DeepSeek-V3's latent blocks (make model ARCH=deepseek_v3) in the tier."""
     args = ["--num-blocks", str(NUM_BLOCKS), "--kv-offload-bytes", str(64 << 20)]
     if variant == "file":
         args += ["--kv-offload-path", str(tmp_path / "tier.bin")]
     if variant == "tp2":
         args += ["--tensor-parallel-size", "2"]
+    if variant == "latent":
+        model_dir = write_model(tmp_path / "flagstop-tiny-deepseek_v3", "tiny", arch="deepseek_v3")
+        reference = load_reference(model_dir)
     stack = start_stack(model_dir, tmp_path, executor_args=args)
     try:
         first, answers = _first_turns_then_flush(stack, 7)

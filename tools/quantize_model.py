@@ -141,8 +141,14 @@ def _calibrate_inputs(model) -> None:
 LINEAR_WEIGHT = re.compile(r"^model\.layers\.\d+\..+\.weight$")
 # Routers, and DeepSeek's prediction layer's embedding, head and eh_proj (its FP8
 # checkpoints keep them in bf16).
-ROUTERS = (".mlp.gate.weight", ".block_sparse_moe.gate.weight", ".shared_expert_gate.weight",
-           ".embed_tokens.weight", ".shared_head.head.weight", ".eh_proj.weight")
+ROUTERS = (
+    ".mlp.gate.weight",
+    ".block_sparse_moe.gate.weight",
+    ".shared_expert_gate.weight",
+    ".embed_tokens.weight",
+    ".shared_head.head.weight",
+    ".eh_proj.weight",
+)
 UNQUANTIZED = ["lm_head", "re:.*mlp\\.gate$", "re:.*block_sparse_moe\\.gate$",
                "re:.*shared_expert_gate$", "re:.*embed_tokens$", "re:.*shared_head\\.head$",
                "re:.*eh_proj$"]  # fmt: skip

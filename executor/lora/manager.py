@@ -144,6 +144,9 @@ def lora_manager(model, max_loras: int, max_rank: int, modules: list[tuple[str, 
     refused naming the one that failed."""
     if not max_loras:
         return NoLoRA()
+    if model.config.mla is not None:
+        raise AdapterError(f"--max-loras: LoRA on latent attention ({model.config.architecture}) "
+                           "is not served; start without --max-loras")  # fmt: skip
     manager = LoRAManager(model, max_loras, max_rank)
     for name, path in modules:
         try:
