@@ -103,7 +103,8 @@ test: $(STAMP)
 # (docs/kernels.md quotes it).
 kernels-sm90: $(STAMP)
 	FLAGSTOP_KERNEL_LAUNCHES=$(LAUNCHES) $(PY) -m pytest -q -m "not processes" tests/test_kernels.py \
-		tests/test_lora.py tests/test_moe.py tests/test_quantization.py tests/test_executor_model.py
+		tests/test_lora.py tests/test_moe.py tests/test_quantization.py tests/test_executor_model.py \
+		tests/test_mla.py
 	env -u TRITON_INTERPRET TRITON_CACHE_DIR=$$(mktemp -d) \
 		$(PY) -m tools.compile_sm90 $(LAUNCHES) --out bench/results/kernels_sm90.md
 

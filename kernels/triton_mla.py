@@ -22,6 +22,8 @@ import triton.language as tl
 from flagstop.kernels.torch_mla import latent_cache_shape, store_latent  # noqa: F401
 
 # Heads one decode program serves (tl.dot needs 16 rows), and context tokens a tile.
+# At DeepSeek-V3's sizes (rank 512; keys of 192) 8 warps share the accumulators:
+# compiled for sm_90a with 4, the bf16 decode spilled 88 bytes at 255 registers.
 BLOCK_H = 16
 BLOCK_N = 32
 # Queries and keys a prefill tile.
@@ -92,6 +94,7 @@ def mla_decode(q_nope, q_pe, cache, block_tables, seq_lens, w_uk, w_uv, scale):
         num_heads, RANK=rank, ROPE=rope, RANK_PAD=triton.next_power_of_2(rank),
         ROPE_PAD=max(16, triton.next_power_of_2(rope)), BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N,
         BLOCK_SIZE=cache.shape[1], IEEE=q_nope.dtype == torch.float32,
+        num_warps=8 if rank >= 256 else 4,
     )  # fmt: skip
     return torch.einsum("bhr,hvr->bhv", context.to(q_nope.dtype), w_uv.to(q_nope.dtype))
 
@@ -181,5 +184,6 @@ def mla_prefill(q_nope, q_pe, cache, block_tables, query_start_loc, seq_lens, w_
         QK_PAD=max(16, triton.next_power_of_2(qk_dim)),
         V_PAD=max(16, triton.next_power_of_2(v_dim)), BLOCK_M=PREFILL_BLOCK_M,
         BLOCK_N=PREFILL_BLOCK_N, IEEE=dtype == torch.float32,
+        num_warps=8 if qk_dim > 128 else 4,
     )  # fmt: skip
     return out

@@ -82,16 +82,26 @@ def test_a_padded_row_is_not_stored():
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize(("heads", "rank", "rope"), [(3, 32, 8), (20, 64, 16)])
-def test_the_triton_kernels_equal_their_torch_twins(dtype, heads, rank, rope):
+SMALL, OVER_16, V3_PER_RANK = (3, 32, 8, 16, 24), (20, 64, 16, 16, 24), (16, 512, 64, 128, 128)
+
+
+# DeepSeek-V3's shapes in float32 only: tools/compile_sm90 derives the bf16 and FP8 KV
+# launches from a float32 one.
+@pytest.mark.parametrize(("dtype", "heads", "rank", "rope", "nope", "v_dim"),
+                         [(d, *shape) for shape in (SMALL, OVER_16)
+                          for d in (torch.float32, torch.float16)]
+                         + [(torch.float32, *V3_PER_RANK)],
+                         ids=["small-fp32", "small-fp16", "heads-over-16-fp32",
+                              "heads-over-16-fp16", "deepseek-v3-per-rank"])  # fmt: skip
+def test_the_triton_kernels_equal_their_torch_twins(dtype, heads, rank, rope, nope, v_dim):
     """Under TRITON_INTERPRET=1 on a CPU (the device's when there is one): contexts
     longer than a tile, heads beyond one program's 16, a rope dim padded for tl.dot,
-    chunks after cached prefixes, an FP16 cache read by FP16 GEMMs."""
+    chunks after cached prefixes, an FP16 cache read by FP16 GEMMs; and DeepSeek-V3's
+    per-rank shapes at TP=8, so that the launch compiled for sm_90a is the real one."""
     from flagstop.kernels import triton_mla
 
     gen = torch.Generator().manual_seed(heads)
-    nope, v_dim, scale = 16, 24, 0.2
+    scale = 0.2
     lengths = [37, 5, 70, 1]
 
     def randn(*shape):
