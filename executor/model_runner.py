@@ -100,7 +100,6 @@ class ModelRunner:
         self.grammars = GrammarRows(config.model, mc.vocab_size, mc.eos_token_ids,
                                     config.max_num_seqs)  # fmt: skip
         self.last_inputs: StepInputs | None = None  # ranks > 0: awaiting sampled tokens
-        self.hidden: torch.Tensor | None = None  # the last forward's final hidden states
         self.transfers = NO_TRANSFERS  # what the last step found ended, for its result
         self.kv_worker: KVWorker = NoKVWorker()  # the real one once the cache is sized
         # Every rank holds the same block ids: the pool is the smallest rank's (on
@@ -200,7 +199,7 @@ class ModelRunner:
         inputs = prepare_inputs(self.batch, scheduled, self.device, drafts)
         self.lora.set_rows(self.batch, inputs.rows, inputs.token_rows)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attention)
-        self.hidden = hidden  # the step's, for the drafter (execute)
+        inputs.hidden = hidden  # for a drafter that reads them (drafter.computed)
         logits = self.model.compute_logits(hidden[inputs.all_logits_indices])
         if plan.kv_connector:
             self.kv_worker.after_forward(plan.kv_connector)  # saves what it computed
@@ -238,7 +237,7 @@ class ModelRunner:
         self.advance(inputs, output.token_ids, output.num_sampled_tokens or None)
         self.drafter.verified(self.batch, inputs.sampling_rows, num_known,
                               output.num_sampled_tokens)  # fmt: skip
-        self.drafter.computed(self.batch, inputs, self.hidden)
+        self.drafter.computed(self.batch, inputs)
         if self.batch.failed_rows:  # after advance: a step in flight may still decode them
             rows = inputs.sampling_rows
             if output.num_sampled_tokens:

@@ -47,6 +47,9 @@ class StepInputs:
     # rows per sampling request (its last token's, then each draft's), and sampling
     # one row each (the distribution at that position).
     drafts: "Drafts | None" = None
+    # The forward's final hidden states [tokens, hidden], once it ran (the mtp drafter
+    # catches up on them).
+    hidden: torch.Tensor | None = None
 
     @property
     def all_logits_indices(self) -> torch.Tensor:

@@ -64,7 +64,7 @@ class DraftModelProposer:
     def remove(self, req_id: str) -> None:
         pass
 
-    def computed(self, batch, inputs, hidden) -> None:
+    def computed(self, batch, inputs) -> None:
         pass  # it runs its own forward over the tokens
 
     def reset(self) -> None:

@@ -13,7 +13,7 @@ from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.grammar_rows import GrammarRows
 from flagstop.executor.input_batch import InputBatch, ScheduledRows
 from flagstop.executor.spec.proposer import NoProposer, Proposer, make_proposer
-from flagstop.executor.step_inputs import Drafts
+from flagstop.executor.step_inputs import Drafts, StepInputs
 from flagstop.scheduler_svc.core.output import SchedulerOutput
 
 
@@ -85,10 +85,10 @@ class Drafter:
         counts = np.asarray(num_sampled or [1] * len(num_known), np.int64)
         self.proposer.verified(batch, sampling_rows, num_known, counts)
 
-    def computed(self, batch: InputBatch, inputs, hidden: torch.Tensor) -> None:
-        """After rank 0's step: the forward's inputs and final hidden states (the mtp
-        drafter catches up on them)."""
-        self.proposer.computed(batch, inputs, hidden)
+    def computed(self, batch: InputBatch, inputs: StepInputs) -> None:
+        """After rank 0's step: its inputs, with the forward's final hidden states (the
+        mtp drafter catches up on them)."""
+        self.proposer.computed(batch, inputs)
 
     def reset(self) -> None:
         self.proposer.reset()

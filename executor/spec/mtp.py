@@ -158,7 +158,6 @@ class MtpProposer(NoProposer):
         self.runner = runner
         self.model = load_mtp(runner)
         rows = runner.config.max_num_seqs
-        self.num_computed = np.zeros(rows, np.int64)  # positions its cache holds
         # Each row's first draft and the hidden state it came from, for num_tokens
         # tokens (ready): a row that has gained tokens since has none.
         self.first_draft = np.zeros(rows, np.int64)
@@ -180,11 +179,11 @@ class MtpProposer(NoProposer):
                                 for s in shapes)]  # fmt: skip
 
     def add(self, req_id: str, row: int, batch: InputBatch) -> None:
-        self.num_computed[row], self.ready[row] = 0, -1
+        self.ready[row] = -1
         self.last_hidden.pop(row, None)
 
     def reset(self) -> None:
-        self.num_computed[:], self.ready[:] = 0, -1
+        self.ready[:] = -1
         self.last_hidden.clear()
 
     def _forward(self, batch, rows, starts, num_new, input_ids_by_token, hidden):
@@ -203,11 +202,12 @@ class MtpProposer(NoProposer):
         return flat, out
 
     @torch.inference_mode()
-    def computed(self, batch: InputBatch, inputs: StepInputs, hidden: torch.Tensor) -> None:
-        """After a step: its forward computed each token's position (inputs) with the
-        final hidden state hidden[j]; the positions the target kept (below the row's
+    def computed(self, batch: InputBatch, inputs: StepInputs) -> None:
+        """After a step: its forward computed each token's position with the final
+        hidden state inputs.hidden[j]; the positions the target kept (below the row's
         computed count) are caught up on, and each row's first draft taken."""
-        token_rows, positions = inputs.token_rows, inputs.positions.cpu().numpy()
+        token_rows, hidden = inputs.token_rows, inputs.hidden
+        positions = inputs.positions.cpu().numpy()
         kept = positions < batch.num_computed_tokens[token_rows]
         if not kept.any():
             return
@@ -231,9 +231,9 @@ class MtpProposer(NoProposer):
         )  # fmt: skip
         last = torch.from_numpy(flat.last_indices()).to(out.device)
         drafts = self.model.greedy(out[last]).cpu().numpy()
-        ends = starts + counts[rows]
-        self.num_computed[rows] = ends
-        caught_up = ends == batch.num_tokens[rows] - 1  # their next token is a draft
+        # Rows whose last position is the last known token's predecessor: the layer's
+        # output there predicts the token after the known ones, the first draft.
+        caught_up = starts + counts[rows] == batch.num_tokens[rows] - 1
         for i in np.flatnonzero(caught_up):
             row = int(rows[i])
             self.first_draft[row], self.ready[row] = drafts[i], batch.num_tokens[row]

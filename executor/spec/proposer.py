@@ -42,9 +42,9 @@ class Proposer(Protocol):
     ) -> None:
         """After the step: rows[i] had num_known[i] tokens and took num_sampled[i]."""
 
-    def computed(self, batch: InputBatch, inputs: "StepInputs", hidden: torch.Tensor) -> None:
-        """After the step (once verified): its forward's inputs and final hidden states,
-        for a drafter that reads the target's (mtp)."""
+    def computed(self, batch: InputBatch, inputs: "StepInputs") -> None:
+        """After the step (once verified): its inputs and the forward's final hidden
+        states (inputs.hidden), for a drafter that reads the target's (mtp)."""
 
     def reset(self) -> None:
         """A new scheduler stream: no request is left."""
@@ -72,7 +72,7 @@ class NoProposer:
     def verified(self, batch, rows, num_known, num_sampled) -> None:
         pass
 
-    def computed(self, batch, inputs, hidden) -> None:
+    def computed(self, batch, inputs) -> None:
         pass
 
     def reset(self) -> None:
