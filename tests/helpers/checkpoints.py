@@ -190,8 +190,8 @@ def load_reference(path: Path):
 
 
 # Greedy outputs by reference model, then (prompt, length): the fault tests compare
-# the same long workloads against the same session-wide reference, at ~6 s of
-# transformers decoding (12 s of CPU on 2 cores) per 8 streams when recomputed.
+# the same long workloads against the same session-wide reference, at ~4 s of
+# transformers decoding (8 s of CPU on 2 cores) per 8 streams when recomputed.
 _GREEDY: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 

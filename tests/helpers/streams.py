@@ -17,7 +17,7 @@ def long_greedy_workload(n: int = 8, seed: int = 1) -> list[tuple[list[int], int
     rng = random.Random(seed)
     return [
         ([0] + [rng.randrange(3, 512) for _ in range(rng.randrange(4, 40))],
-         rng.randrange(150, 250))
+         rng.randrange(100, 160))
         for _ in range(n)
     ]  # fmt: skip
 
