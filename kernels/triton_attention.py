@@ -18,6 +18,7 @@ import triton.language as tl
 # The triton backend's experts', LoRA and quantized kernels (a backend has torch_attention's
 # functions).
 from flagstop.kernels import triton_mla as mla  # noqa: F401 (latent attention's)
+from flagstop.kernels.triton_common import dot as _dot
 from flagstop.kernels.triton_lora import lora_add  # noqa: F401
 from flagstop.kernels.triton_moe import fused_moe  # noqa: F401
 from flagstop.kernels.triton_quant import int4_linear, w8_linear  # noqa: F401
@@ -72,14 +73,6 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
         ROW=row,
         ROW_PAD=triton.next_power_of_2(row),
     )
-
-
-@triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    """a @ b; fp32 in IEEE precision (no TF32), so that it compares tightly."""
-    if IEEE:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a.to(b.dtype), b)
 
 
 @triton.jit

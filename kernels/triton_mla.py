@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from flagstop.kernels.torch_mla import latent_cache_shape, store_latent  # noqa: F401
+from flagstop.kernels.triton_common import dot, online_softmax
 
 # Heads one decode program serves (tl.dot needs 16 rows), and context tokens a tile.
 # At DeepSeek-V3's sizes (rank 512; keys of 192) 8 warps share the accumulators:
@@ -29,13 +30,6 @@ BLOCK_N = 32
 # Queries and keys a prefill tile.
 PREFILL_BLOCK_M = 32
 PREFILL_BLOCK_N = 32
-
-
-@triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    if IEEE:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a.to(b.dtype), b)
 
 
 @triton.jit
@@ -69,14 +63,9 @@ def _mla_decode_kernel(
         k_pe = tl.load(cache + row[:, None] + RANK + p[None, :],
                        mask=valid[:, None] & (p < ROPE)[None, :], other=0.0)  # fmt: skip
         c = c.to(ql.dtype)
-        s = (_dot(ql, tl.trans(c), IEEE) + _dot(qp, tl.trans(k_pe.to(qp.dtype)), IEEE)) * scale
+        s = (dot(ql, tl.trans(c), IEEE) + dot(qp, tl.trans(k_pe.to(qp.dtype)), IEEE)) * scale
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        probs = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(probs, 1)  # noqa: E741
-        acc = acc * alpha[:, None] + _dot(probs.to(c.dtype), c, IEEE)
-        m = m_new
+        m, l, acc = online_softmax(s, c, m, l, acc, IEEE)  # noqa: E741
     tl.store(out + seq * stride_out_seq + heads[:, None] * stride_out_head + r[None, :],
              acc / l[:, None], mask=head_ok[:, None] & (r < RANK)[None, :])  # fmt: skip
 
@@ -136,15 +125,10 @@ def _mla_prefill_kernel(
             mask=valid[:, None] & (e < V_DIM)[None, :],
             other=0.0,
         )
-        s = _dot(q, tl.trans(k), IEEE) * scale
+        s = dot(q, tl.trans(k), IEEE) * scale
         seen = valid[None, :] & (pos[None, :] <= query_pos[:, None])
         s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        probs = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(probs, 1)  # noqa: E741
-        acc = acc * alpha[:, None] + _dot(probs.to(v.dtype), v, IEEE)
-        m = m_new
+        m, l, acc = online_softmax(s, v, m, l, acc, IEEE)  # noqa: E741
     tl.store(out + (q_first + rows)[:, None] * stride_out_tok + head * stride_out_head
              + e[None, :], (acc / l[:, None]).to(out.dtype.element_ty),
              mask=row_ok[:, None] & (e < V_DIM)[None, :])  # fmt: skip

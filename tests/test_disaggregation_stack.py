@@ -195,16 +195,21 @@ def test_tensor_parallel_on_both_sides(model_dir, tmp_path, reference):
     stack = start_disaggregated(model_dir, tmp_path, executor_args=["--tensor-parallel-size", "2"],
                                 router_args=["--pd-threshold", "0"])  # fmt: skip
     try:
-        rng = random.Random(6)
-        for length in (5, 70):
-            token_ids = prompt(rng, length)
-            tokens, _ = greedy(stack, token_ids, 10, ignore_eos=True)
-            assert tokens == reference_generate(reference, token_ids, 10), length
-        assert loaded_tokens(stack) == 5 + 70
-        for scheduler in (PREFILL, DECODE):
-            stack.wait_idle(10, scheduler)
+        assert_prompts_load_token_exact(stack, reference, random.Random(6), (5, 70), 10)
     finally:
         stack.stop(10)
+
+
+def assert_prompts_load_token_exact(stack, reference, rng, lengths, max_tokens: int) -> None:
+    """Prompts of these lengths, each prefilled on one side and loaded on the other,
+    decode transformers' tokens; both replicas then idle."""
+    for length in lengths:
+        token_ids = prompt(rng, length)
+        tokens, _ = greedy(stack, token_ids, max_tokens, ignore_eos=True)
+        assert tokens == reference_generate(reference, token_ids, max_tokens), length
+    assert loaded_tokens(stack) == sum(lengths)
+    for scheduler in (PREFILL, DECODE):
+        stack.wait_idle(10, scheduler)
 
 
 def test_latent_blocks_move_between_replicas(tmp_path):
@@ -218,14 +223,7 @@ def test_latent_blocks_move_between_replicas(tmp_path):
     model = write_model(tmp_path / "flagstop-tiny-deepseek_v3", "tiny", arch="deepseek_v3")
     stack = start_disaggregated(model, tmp_path, router_args=["--pd-threshold", "0"])
     try:
-        rng, reference = random.Random(8), load_reference(model)
-        for length in (6, 45):
-            token_ids = prompt(rng, length)
-            tokens, _ = greedy(stack, token_ids, 8, ignore_eos=True)
-            assert tokens == reference_generate(reference, token_ids, 8), length
-        assert loaded_tokens(stack) == 6 + 45
-        for scheduler in (PREFILL, DECODE):
-            stack.wait_idle(10, scheduler)
+        assert_prompts_load_token_exact(stack, load_reference(model), random.Random(8), (6, 45), 8)
     finally:
         stack.stop(10)
 

@@ -100,14 +100,19 @@ def _engine(runner, jobs, num_blocks=None, **config):
     return run_engine(runner, jobs, SchedulerConfig(**{**base, **config}), num_blocks=num_blocks)
 
 
+def assert_greedy(reference, jobs: list[Job], outputs: list[list[int]]) -> None:
+    for job, out in zip(jobs, outputs, strict=True):
+        assert out == reference_generate(reference, job.prompt, job.max_tokens)
+
+
 def test_greedy_drafts_of_the_echo_layer_are_mostly_accepted_and_change_nothing(echo):
     path, reference = echo
     jobs = _jobs(6, 1)
     run = _engine(_runner(path, MTP), jobs)
-    for job, out in zip(jobs, run.outputs, strict=True):
-        assert out == reference_generate(reference, job.prompt, job.max_tokens)
+    assert_greedy(reference, jobs, run.outputs)
     stats = run.scheduler.drafts.stats
-    # Measured: ~0.6 of drafts accepted (the layer misses the first token's context).
+    # Measured: 0.64 of drafts accepted (0.80 at k = 1; the layer misses the first
+    # token's context).
     assert stats.num_accepted_tokens > 0.3 * stats.num_draft_tokens > 0
     assert max(run.tokens_per_request_step) == 4  # all three drafts and the bonus, once
 
@@ -118,8 +123,7 @@ def test_preempted_and_chunked_requests_keep_greedy_outputs(echo):
     run = _engine(_runner(path, MTP, num_blocks=24), jobs, num_blocks=24,
                   max_num_batched_tokens=16)  # fmt: skip
     assert run.scheduler.num_preemptions > 0
-    for job, out in zip(jobs, run.outputs, strict=True):
-        assert out == reference_generate(reference, job.prompt, job.max_tokens)
+    assert_greedy(reference, jobs, run.outputs)
     assert run.scheduler.drafts.stats.num_accepted_tokens > 0
 
 
@@ -136,8 +140,7 @@ def test_glms_prediction_layer_drafts_on_gqa_and_changes_nothing(glm):
     path, reference = glm
     jobs = _jobs(4, 4)
     run = _engine(_runner(path, MTP), jobs)
-    for job, out in zip(jobs, run.outputs, strict=True):
-        assert out == reference_generate(reference, job.prompt, job.max_tokens)
+    assert_greedy(reference, jobs, run.outputs)
     assert run.scheduler.drafts.stats.num_draft_tokens > 0
 
 

@@ -25,12 +25,7 @@ from tests.helpers.checkpoints import (
     write_checkpoint,
 )
 from tests.helpers.executor_harness import Harness
-from tests.helpers.streams import (
-    Streams,
-    assert_matches_reference,
-    assert_token_exact,
-    run_concurrently,
-)
+from tests.helpers.streams import Streams, assert_greedy_under_pressure, assert_token_exact
 from tests.helpers.streams import long_greedy_workload as fault_workload
 from tests.helpers.streams import short_greedy_workload as workload
 from tests.helpers.tp_scenarios import config, run_group, run_scenarios
@@ -139,13 +134,7 @@ def tp_stack(model_dir, tmp_path_factory):
 
 @pytest.mark.processes
 def test_the_stack_on_two_ranks_equals_transformers(tp_stack, reference):
-    before = tp_stack.stats()
-    requests = workload(3, n=12, shared_prefix=True)
-    outputs = run_concurrently(tp_stack, requests)
-    assert_matches_reference(reference, requests, outputs)
-    after = tp_stack.wait_idle()
-    assert after.num_preemptions > before.num_preemptions, "the pool was meant to force preemption"
-    assert after.prefix_cache_hits > before.prefix_cache_hits, "prefixes were meant to be shared"
+    assert_greedy_under_pressure(tp_stack, reference, workload(3, n=12, shared_prefix=True))
     stub = executor_pb2_grpc.ExecutorStub(tp_stack.channel(tp_stack.executor))
     info = stub.Describe(executor_pb2.DescribeExecutorRequest(), timeout=5)
     assert info.tensor_parallel_size == 2 and info.model.num_blocks == 24

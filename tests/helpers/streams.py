@@ -103,6 +103,16 @@ def run_concurrently(stack, requests):
         return list(pool.map(one, requests))
 
 
+def assert_greedy_under_pressure(stack, reference, requests) -> None:
+    """The requests, run concurrently, equal transformers, and the run preempted and hit
+    the prefix cache (what the small pool and the shared prefixes were meant to force)."""
+    before = stack.stats()
+    assert_matches_reference(reference, requests, run_concurrently(stack, requests))
+    after = stack.wait_idle()
+    assert after.num_preemptions > before.num_preemptions, "the pool was meant to force preemption"
+    assert after.prefix_cache_hits > before.prefix_cache_hits, "prefixes were meant to be shared"
+
+
 def assert_matches_reference(reference, requests, outputs):
     expected = [reference_generate(reference, p, n) for p, n in requests]
     every = [t for tokens in expected for t in tokens]
