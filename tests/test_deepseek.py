@@ -24,6 +24,8 @@ from tests.helpers.streams import short_greedy_workload as workload
 from tools.make_model import SIZES, write_model
 from tools.stack import start_stack
 
+pytestmark = pytest.mark.numeric  # no clock in its in-process tests (Makefile: test)
+
 TINY = SIZES["tiny"]
 
 

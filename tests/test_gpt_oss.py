@@ -14,6 +14,8 @@ from tests.helpers.checkpoints import load_reference, prompt, write_checkpoint
 from tests.helpers.executor_harness import Harness
 from tests.test_executor_model import make_harness
 
+pytestmark = pytest.mark.numeric  # no clock in its in-process tests (Makefile: test)
+
 
 def _random_mxfp4(shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """blocks [..., G, 16] of every nibble and scales [..., G] around 2^-3."""

@@ -15,6 +15,8 @@ from flagstop.kernels import (
 )
 from flagstop.utils import cdiv
 
+pytestmark = pytest.mark.numeric  # no clock in its in-process tests (Makefile: test)
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}

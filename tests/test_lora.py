@@ -16,6 +16,8 @@ from tests.helpers.adapters import http, make_adapter, merged_reference
 from tests.helpers.checkpoints import TOL, load_reference, prompt, reference_logits
 from tests.helpers.executor_harness import Harness
 
+pytestmark = pytest.mark.numeric  # no clock in its in-process tests (Makefile: test)
+
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):

@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 
 from flagstop.kernels import torch_mla
 
+pytestmark = pytest.mark.numeric  # no clock in its in-process tests (Makefile: test)
+
 BLOCK = 4
 
 

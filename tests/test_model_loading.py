@@ -14,6 +14,8 @@ from flagstop.kernels.torch_attention import gather_kv, store_kv
 from tests.helpers.checkpoints import write_checkpoint
 from tools.make_model import write_model
 
+pytestmark = pytest.mark.numeric  # no clock in its in-process tests (Makefile: test)
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):

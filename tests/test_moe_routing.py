@@ -16,6 +16,8 @@ from flagstop.executor.models.moe import select_experts
 from flagstop.executor.models.quantization import ConfigError
 from flagstop.executor.models.routing import Routing
 
+pytestmark = pytest.mark.numeric  # no clock in its in-process tests (Makefile: test)
+
 HIDDEN = 16
 
 

@@ -27,6 +27,8 @@ from tests.helpers.checkpoints import (
 )
 from tools.inprocess import Job, run_engine
 
+pytestmark = pytest.mark.numeric  # no clock in its in-process tests (Makefile: test)
+
 MTP = {"method": "mtp", "num_speculative_tokens": 3}
 
 

@@ -28,6 +28,8 @@ from tests.helpers.checkpoints import (
 from tests.helpers.executor_harness import Harness
 from tools import quantize_model
 
+pytestmark = pytest.mark.numeric  # no clock in its in-process tests (Makefile: test)
+
 CT_SCHEMES = list(quantize_model.CT_PRESETS)
 WEIGHT_ONLY = {"w8a16", "w4a16", "w4a16-asym", "gptq", "awq"}
 # Activations quantized per token or group: a value a hair from a rounding boundary can

@@ -20,6 +20,8 @@ from tests.helpers.checkpoints import (
 )
 from tools.inprocess import Job, run_engine
 
+pytestmark = pytest.mark.numeric  # no clock in its in-process tests (Makefile: test)
+
 WINDOW = 8  # the checkpoints' (tests/helpers/checkpoints.py WINDOW_VARIANTS)
 
 

@@ -26,6 +26,8 @@ from flagstop.scheduler_svc.core.speculative import num_draft_slots
 from tests.helpers.checkpoints import load_reference, prompt, reference_generate
 from tools.inprocess import Job, run_engine
 
+pytestmark = pytest.mark.numeric  # no clock in its in-process tests (Makefile: test)
+
 # -- the n-gram proposer (vLLM's tests/v1/spec_decode/test_ngram.py cases) ---------
 
 
