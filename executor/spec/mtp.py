@@ -140,6 +140,11 @@ def load_mtp(runner) -> MtpModel:
                            f"prediction layer model.layers.{index}")  # fmt: skip
     own_embed = f"model.layers.{index}.embed_tokens.weight" in names
     own_head = f"model.layers.{index}.shared_head.head.weight" in names
+    if runner.tp.size > 1 and not (own_embed and own_head):
+        # The model's embedding and head are split over the ranks; the layer runs on one.
+        raise StartupError(f"speculative method mtp: model.layers.{index} has no "
+                           "embed_tokens or shared_head.head of its own, which tensor "
+                           "parallelism needs")  # fmt: skip
     with torch.device("meta"):
         model = MtpModel(target, own_embed, own_head)
     prefix = f"model.layers.{index}."
