@@ -6,6 +6,7 @@ so the catch-up and the chaining feed it the right tokens at the right positions
 
 import json
 import random
+import shutil
 
 import pytest
 import torch
@@ -154,3 +155,25 @@ def test_mtp_without_a_prediction_layer_is_refused_in_one_line(tmp_path):
     llama = write_checkpoint("llama", tmp_path / "llama")
     with pytest.raises(StartupError, match="speculative method mtp: DeepSeek's layout"):
         _runner(llama, MTP)
+
+
+def test_under_tensor_parallelism_a_layer_without_its_own_head_is_refused(echo, tmp_path):
+    """The model's embedding and head are split over the ranks, the layer runs on one:
+    it needs its own (DeepSeek's and GLM's checkpoints have them)."""
+    from types import SimpleNamespace
+
+    from flagstop.executor.spec.mtp import load_mtp
+
+    path = shutil.copytree(echo[0], tmp_path / "headless")
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.1.shared_head.head.weight"]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    target = _runner(path, None).model
+    one_rank = SimpleNamespace(model=target, config=SimpleNamespace(model=str(path)),
+                               tp=SimpleNamespace(size=1), dtype=torch.float32,
+                               device=torch.device("cpu"), attention_backend=target.layers[0]
+                               .self_attn.backend)  # fmt: skip
+    assert load_mtp(one_rank).layer.shared_head.head is None  # the model's head serves
+    two_ranks = SimpleNamespace(**{**vars(one_rank), "tp": SimpleNamespace(size=2)})
+    with pytest.raises(StartupError, match=r"no embed_tokens or shared_head\.head of its own"):
+        load_mtp(two_ranks)
