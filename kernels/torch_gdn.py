@@ -94,3 +94,11 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> t
     out = F.conv1d(padded[None], weight[:, None, :].to(x.dtype), groups=weight.shape[0])[0]
     state.copy_(padded[:, padded.shape[1] - (width - 1) :])
     return F.silu(out).transpose(0, 1)
+
+
+def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+    """One new input a sequence (decode): x [B, C], states [B, C, width - 1] updated in
+    place; returns SiLU of the convolution [B, C]."""
+    window = torch.cat((states.to(x.dtype), x[:, :, None]), dim=2)  # [B, C, width]
+    states.copy_(window[:, :, 1:])
+    return F.silu((window * weight.to(x.dtype)).sum(-1))
