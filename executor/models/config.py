@@ -203,9 +203,7 @@ class MlaConfig:
         if rope.get("rope_type", rope.get("type", "default")) != "default" and (
             mscale := rope.get("mscale_all_dim")
         ):  # transformers' yarn_apply_mscale
-            factor = rope["factor"]
-            m = 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
-            scale *= m * m
+            scale *= yarn_mscale(rope["factor"], mscale) ** 2
         return cls(
             q_lora_rank=hf.get("q_lora_rank") or 0,
             kv_lora_rank=_positive(hf, "kv_lora_rank"),
@@ -216,6 +214,13 @@ class MlaConfig:
             or bool(hf.get("rope_interleave", True)),
             scale=scale,
         )
+
+
+def yarn_mscale(factor: float, k: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched `factor` times: 0.1 k ln(factor)
+    + 1 (1 without stretching); the rotary tables' attention factor and DeepSeek's softmax
+    scale are made of it."""
+    return 1.0 if factor <= 1 else 0.1 * k * math.log(factor) + 1.0
 
 
 def _positive(hf: dict[str, Any], name: str) -> int:

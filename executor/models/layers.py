@@ -4,6 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flagstop.executor.models.config import yarn_mscale
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
@@ -70,11 +72,9 @@ def rope_attention_factor(scaling: dict | None) -> float:
     if (given := scaling.get("attention_factor")) is not None:
         return float(given)
     factor, mscale, mscale_all = (scaling.get(k) for k in ("factor", "mscale", "mscale_all_dim"))
-
-    def m(scale: float, k: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * k * math.log(scale) + 1.0
-
-    return m(factor, mscale) / m(factor, mscale_all) if mscale and mscale_all else m(factor)
+    if mscale and mscale_all:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
+    return yarn_mscale(factor)
 
 
 def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: dict):

@@ -44,7 +44,7 @@ from flagstop.server import StartupError
 
 
 def num_mtp_layers(model_dir: str) -> int:
-    """num_nextn_predict_layers of the checkpoint's config (GLM-4.5 also num_mtp_layers)."""
+    """num_nextn_predict_layers of the checkpoint's config (DeepSeek's and GLM-4.5's name)."""
     hf = json.loads((Path(model_dir) / "config.json").read_text())
     return int(hf.get("num_nextn_predict_layers") or 0)
 
