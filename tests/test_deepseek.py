@@ -109,11 +109,13 @@ def test_the_stack_on_two_expert_parallel_ranks_streams_what_transformers_genera
     deepseek_dir, tmp_path
 ):
     """With the checkpoint's prediction layer drafting (mtp, on rank 0): its random
-    weights' drafts are mostly rejected, and verification keeps the tokens exact."""
+    weights' drafts are mostly rejected, and verification keeps the tokens exact. A pool
+    of 10 blocks (160 tokens) for 10 concurrent requests: at 16, drafting requests
+    finished fast enough that one CI run's arrival order never preempted."""
     mtp = json.dumps({"method": "mtp", "num_speculative_tokens": 2})
     stack = start_stack(
         deepseek_dir, tmp_path,
-        executor_args=["--num-blocks", "16", "--tensor-parallel-size", "2", "--expert-parallel",
+        executor_args=["--num-blocks", "10", "--tensor-parallel-size", "2", "--expert-parallel",
                        "--speculative-config", mtp],
         scheduler_args=["--max-num-batched-tokens", "32", "--max-num-seqs", "8"],
     )  # fmt: skip
