@@ -1,11 +1,12 @@
 """KV cache groups in the scheduler core: the groups built from a model's layers, a
-window group letting go of what left the window, and prefix hits every group can
-serve. The state machine (test_scheduler_state_machine.py) draws group layouts too."""
+window group letting go of what left the window, a recurrent group holding one state
+block whatever the length, and prefix hits every group can serve. The state machine (test_scheduler_state_machine.py) draws group layouts too."""
 
 from flagstop.scheduler_svc.core.config import SchedulerConfig
 from flagstop.scheduler_svc.core.kv_cache_manager import KVCacheManager
 from flagstop.scheduler_svc.core.kv_groups import (
     FULL_ATTENTION,
+    LINEAR_ATTENTION,
     SLIDING_ATTENTION,
     LayerSpec,
     describe_groups,
@@ -133,4 +134,69 @@ def test_a_window_hit_needs_the_whole_window_before_it():
     kv.pool.uncache(window_group[3])
     # Position 20 misses block 3; position 16 would need blocks 2 and 3: also missing;
     # position 12 needs blocks 1 and 2, both cached.
+    assert len(kv.get_computed_blocks(second)) == 3
+
+
+LINEAR = LayerSpec(LINEAR_ATTENTION)
+QWEN3_NEXT = [LINEAR, LINEAR, LINEAR, FULL] * 12  # full_attention_interval 4, 48 layers
+
+
+def test_qwen3_next_layers_make_a_full_group_and_three_recurrent_ones():
+    groups = kv_cache_groups(QWEN3_NEXT)
+    assert [(g.attention, len(g.layers)) for g in groups] == [
+        (FULL_ATTENTION, 12), *[(LINEAR_ATTENTION, 12)] * 3]  # fmt: skip
+    assert groups[0].layers == tuple(range(3, 48, 4))
+    assert [g.window for g in groups] == [0, 2, 2, 2]
+    assert describe_groups(groups) == "full x12 + linear x12 + linear x12 + linear x12"
+
+
+def test_a_request_holds_one_state_block_in_each_recurrent_group_from_100_to_8k_tokens():
+    # Asserted from the block pool after every step: the full group grows with the
+    # sequence, each recurrent group holds the block of the last computed token (and,
+    # while a chunk is in flight, the blocks of the positions it computes).
+    config = SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8, max_model_len=16384,
+                             block_size=16)  # fmt: skip
+    groups = kv_cache_groups(QWEN3_NEXT)
+    scheduler = Scheduler(config, 1 + 2000, kv_groups=groups)
+    executor = HashModelExecutor(1 + 2000, 16, 100, groups=groups)
+    held_at: dict[str, list[tuple[int, list[int]]]] = {"short": [], "long": []}
+
+    def after_step(plan) -> None:
+        check_invariants(scheduler)
+        in_use = scheduler.kv.pool.num_usable_blocks - scheduler.kv.pool.num_free_blocks
+        held_now = 0
+        for rid in scheduler.kv.req_blocks:
+            num_new = plan.num_scheduled_tokens.get(rid, 0)
+            held = [_held(scheduler, rid, g) for g in (1, 2, 3)]
+            assert all(h <= cdiv(num_new, 16) + 1 for h in held), (held, num_new)
+            held_at[rid].append((scheduler.requests[rid].num_computed_tokens, held))
+            held_now += _held(scheduler, rid, 0) + sum(held)
+        assert in_use == held_now
+
+    lengths = {"short": 100, "long": 8192}
+    for rid, length in lengths.items():
+        prompt = [(length * i) % 97 + 1 for i in range(length)]  # no prefix in common
+        scheduler.add_request(_request(rid, prompt, max_tokens=40))
+    Driver(scheduler, executor, depth=1, on_step=after_step).run()
+    for rid in held_at:  # decoding: the state's block (the next one's from a boundary on)
+        decodes = [held for n, held in held_at[rid] if n > lengths[rid] and n % 16 != 1]
+        assert len(decodes) > 30 and all(held == [1, 1, 1] for held in decodes)
+    check_idle(scheduler)
+
+
+def test_a_recurrent_hit_needs_the_state_at_its_block_boundary():
+    kv = KVCacheManager(64, 4, groups=kv_cache_groups([LINEAR, FULL]))
+    first = _request("a", list(range(1, 21)))
+    kv.update_block_hashes(first)
+    assert kv.allocate_slots(first, 20) is not None
+    kv.free("a")
+    second = _request("b", [*range(1, 19), 30, 31])  # shares 18 tokens: 4 full blocks
+    kv.update_block_hashes(second)
+    hits = kv.get_computed_blocks(second)
+    assert len(hits) == 4
+    full, linear = hits.groups
+    # Position 16 resumes from the state at 16, in block 3: the blocks before it, null.
+    assert [b is kv.pool.null_block for b in linear] == [True] * 3 + [False]
+    # Without the state at 16 the hit falls back to the boundary whose state is kept.
+    kv.pool.uncache(linear[3])
     assert len(kv.get_computed_blocks(second)) == 3

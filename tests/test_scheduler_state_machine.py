@@ -5,9 +5,10 @@ are aborted mid-way (tests/helpers/fake_kv_tier.py). As a prefill replica, reque
 are handed off after their first token and their blocks held under leases that end
 late; as a decode replica, requests arrive with their prompt's KV waiting at a
 prefill replica, and their loads finish late, fail or are aborted. With KV cache
-groups (full attention, sliding windows, or both as gpt-oss and Gemma 3 mix them),
-every group's invariants hold after every step and each window group reads its own
-window back (tests/helpers/hash_model.py)."""
+groups (full attention, sliding windows, or both as gpt-oss and Gemma 3 mix them, and
+recurrent layers beside full attention as Qwen3-Next mixes them), every group's
+invariants hold after every step, each window group reads its own window back and each
+recurrent group the state of exactly the tokens computed (tests/helpers/hash_model.py)."""
 
 import itertools
 import os
@@ -20,7 +21,12 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from flagstop.scheduler_svc.core.config import SchedulerConfig
 from flagstop.scheduler_svc.core.disaggregation import DecodeConnector, PrefillConnector
 from flagstop.scheduler_svc.core.kv_connector import KVHandoff
-from flagstop.scheduler_svc.core.kv_groups import SLIDING_ATTENTION, LayerSpec, kv_cache_groups
+from flagstop.scheduler_svc.core.kv_groups import (
+    LINEAR_ATTENTION,
+    SLIDING_ATTENTION,
+    LayerSpec,
+    kv_cache_groups,
+)
 from flagstop.scheduler_svc.core.request import FinishReason, Request, StopParams
 from flagstop.scheduler_svc.core.scheduler import Scheduler
 from tests.helpers.fake_kv_tier import FakeTierWorker, FlakyHostTier, prefill_side_blocks
@@ -30,11 +36,14 @@ from tests.helpers.scheduler_invariants import check_idle, check_invariants
 VOCAB, EOS, BLOCK_SIZE, MAX_MODEL_LEN = 24, frozenset({0}), 4, 64
 PREFIXES = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21, 22, 23, 1, 2, 3, 4]]
 _FULL, _WINDOW = LayerSpec(), lambda w: LayerSpec(SLIDING_ATTENTION, w)
+_LINEAR = LayerSpec(LINEAR_ATTENTION)
 LAYOUTS = {
     "full": lambda w: [_FULL] * 2,
     "window": lambda w: [_WINDOW(w)] * 2,  # Mistral: every layer windowed
     "alternating": lambda w: [_WINDOW(w), _FULL] * 2,  # gpt-oss
     "five_to_one": lambda w: [*[_WINDOW(w)] * 5, _FULL],  # Gemma 3
+    "recurrent": lambda w: [_LINEAR, _LINEAR, _LINEAR, _FULL] * 2,  # Qwen3-Next
+    "recurrent_window": lambda w: [_LINEAR, _WINDOW(w), _FULL],
 }
 
 
@@ -85,7 +94,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         # Prefill/decode disaggregation: this scheduler's side (instead of a tier).
         kv_role=st.sampled_from(["", "", "", "prefill", "decode"]),
         # KV cache groups: the layers' attention types (windows of W tokens).
-        layout=st.sampled_from(["full", "full", "window", "alternating", "five_to_one"]),
+        layout=st.sampled_from(["full", "full", "window", "alternating", "five_to_one",
+                                "recurrent", "recurrent", "recurrent_window"]),
         window=st.sampled_from([2, 4, 5, 9]),
         seed=st.integers(0, 2**16),
     )

@@ -89,10 +89,10 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.groups = list(groups or kv_cache_groups([]))
         self.num_groups = len(self.groups)
-        # (group index, window) of the window groups: the only ones that skip blocks.
-        self.window_groups = [(g, x.sliding_window) for g, x in enumerate(self.groups)
-                              if x.is_window]  # fmt: skip
-        self.full_groups = [g for g, x in enumerate(self.groups) if not x.is_window]
+        # (group index, window) of the window groups, a recurrent one's included (a
+        # window of 2: kv_groups.py): the only ones that skip blocks.
+        self.window_groups = [(g, x.window) for g, x in enumerate(self.groups) if x.window]
+        self.full_groups = [g for g, x in enumerate(self.groups) if not x.window]
         self.pool = BlockPool(num_blocks, null_block=bool(self.window_groups))
         # A group's cached blocks are keyed by its hashes and its index: the same tokens
         # are different KV in each group's layers.
@@ -161,8 +161,8 @@ class KVCacheManager:
     def _hit_blocks(self, hashes: list[bytes], g: int, num_hit: int) -> list[KVCacheBlock]:
         group, key = self.groups[g], self.group_keys[g]
         first = 0
-        if group.is_window:  # the blocks before its window are not needed: null
-            first = max(0, num_hit - cdiv(group.sliding_window - 1, self.block_size))
+        if group.window:  # the blocks before its window are not needed: null
+            first = max(0, num_hit - cdiv(group.window - 1, self.block_size))
         get = self.pool.cached_blocks.__getitem__
         hits = [get(h + key if key else h) for h in hashes[first:num_hit]]
         return [self.pool.null_block] * first + hits if first else hits  # type: ignore[list-item]

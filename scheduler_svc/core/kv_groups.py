@@ -10,6 +10,17 @@ and 12 full layers needs a block per 16 tokens per group, each of 12 layers' byt
 and its window layers hold a window's worth whatever the length, where one group of
 24 layers would hold every token in every layer.
 
+A recurrent (linear-attention) layer keeps no KV per token but one state per request
+(Qwen3-Next's gated DeltaNet: a convolution window and a matrix per head). Its group
+holds, in the block of a request's last computed token, the state after that token,
+and in each full block it completed, the state at that block's end: a query at p
+reads the state in p - 1's block, so for the pool the group is a window of 2 tokens
+(vLLM's "align" mode). The blocks it let go of keep their hashes, so a later request
+with the same prefix resumes from the state at the longest block boundary every
+group still holds, and only there. The state lives in the block's page (the bytes a
+full-attention layer's K and V of block_size tokens take: the executor sizes blocks
+so that one state fits), so a request holds constant bytes in these layers.
+
 Both sides build the groups from the same description with this one function, so the
 scheduler's block ids and the executor's tensors agree by construction."""
 
@@ -23,7 +34,11 @@ ATTENTION_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)  # a config's layer_types
 # but a block holds one latent per token instead of each KV head's key and value, so
 # its layers are a group of their own (their bytes per token are not full attention's).
 LATENT_ATTENTION = "latent_attention"
-KV_KINDS = (*ATTENTION_TYPES, LATENT_ATTENTION)
+# A recurrent layer (transformers' layer_types name for Qwen3-Next's gated DeltaNet).
+LINEAR_ATTENTION = "linear_attention"
+KV_KINDS = (*ATTENTION_TYPES, LATENT_ATTENTION, LINEAR_ATTENTION)
+# A recurrent group's window for the pool: the previous token's block and the query's.
+RECURRENT_WINDOW = 2
 
 
 @dataclass(slots=True, frozen=True)
@@ -35,7 +50,7 @@ class LayerSpec:
     attention: str = FULL_ATTENTION
     sliding_window: int = 0  # tokens a query sees, itself included; 0: all
     sinks: bool = False
-    kv_bytes_per_token: int = 0  # K and V of this layer, one token, one rank
+    kv_bytes_per_token: int = 0  # K and V of this layer, one token, one rank (recurrent: 0)
 
     def __post_init__(self) -> None:
         if self.attention not in KV_KINDS:
@@ -63,6 +78,15 @@ class KVCacheGroup:
     def is_window(self) -> bool:
         return self.sliding_window > 0
 
+    @property
+    def is_recurrent(self) -> bool:
+        return self.attention == LINEAR_ATTENTION
+
+    @property
+    def window(self) -> int:
+        """The tokens before and at a query whose blocks it needs (0: every token)."""
+        return RECURRENT_WINDOW if self.is_recurrent else self.sliding_window
+
     def describe(self) -> str:
         kind = f"window {self.sliding_window}" if self.is_window else self.attention.split("_")[0]
         return f"{kind} x{len(self.layers)}"
@@ -80,7 +104,7 @@ def kv_cache_groups(layers: Sequence[LayerSpec]) -> list[KVCacheGroup]:
         by_kind.setdefault(layer.kind, []).append(index)
     group_size = min(len(indices) for indices in by_kind.values())
     # Full attention first: the scheduler's fast paths read group 0's table length.
-    kinds = sorted(by_kind, key=lambda kind: kind[1])
+    kinds = sorted(by_kind, key=lambda kind: (kind[0] == LINEAR_ATTENTION, kind[1]))
     return [
         KVCacheGroup(attention, window, tuple(by_kind[(attention, window)][i : i + group_size]))
         for attention, window in kinds

@@ -14,7 +14,12 @@ rollbacks, trims and multi-token outputs go through the same read-back.
 With KV cache groups (kv_groups.py) each token is written through every group's block
 table, tagged with its group; the hash reads the first full-attention group, and
 every window group's read of the window before each sampled position must find its
-own entries (a block freed too early, or another group's block, fails it)."""
+own entries (a block freed too early, or another group's block, fails it). A recurrent
+group's blocks hold states instead (kv_groups.py): a forward reads the state after the
+request's computed tokens from that last token's block, which must be the state of
+exactly those tokens (a hit on another prefix's state, or a block freed too early,
+fails it), writes the state at each block end it passes and after its last token, and
+after a verification the state after the accepted tokens (the rollback)."""
 
 import hashlib
 import random
@@ -63,6 +68,10 @@ class _CachedRequest:
     num_computed_tokens: int
 
 
+def _digest(tokens: list[int]) -> bytes:
+    return hashlib.blake2b(repr(tuple(tokens)).encode(), digest_size=8).digest()
+
+
 def split_groups(block_ids, num_groups: int) -> list[list[int]]:
     """A plan's position-major block ids as one list per group."""
     return [list(block_ids[g::num_groups]) for g in range(num_groups)]
@@ -76,11 +85,15 @@ class HashModelExecutor:
         """draft_error_rate: the chance that a proposed draft token is wrong."""
         self.groups = groups or kv_cache_groups([])
         self.windows = [g.sliding_window for g in self.groups]
+        self.recurrent = [g for g, group in enumerate(self.groups) if group.is_recurrent]
+        self.nulls = any(g.window for g in self.groups)
         full = [g for g, window in enumerate(self.windows) if not window]
         self.hash_group = full[0] if full else None  # None: the windows alone
         self.block_size = block_size
         self.vocab_size = vocab_size
-        self.kv: list[tuple[int, int, int] | None] = [None] * (num_blocks * block_size)
+        # Slot -> (token, position, group); a recurrent group's block holds its state
+        # in its first slot: ("state", tokens it has seen, group, their digest).
+        self.kv: list[tuple | None] = [None] * (num_blocks * block_size)
         self.requests: dict[str, _CachedRequest] = {}
         self.draft_error_rate = draft_error_rate
         self.rng = random.Random(seed)
@@ -89,7 +102,7 @@ class HashModelExecutor:
 
     def _slot(self, state: _CachedRequest, position: int, group: int = 0) -> int:
         block = state.block_ids[group][position // self.block_size]
-        assert not (block == 0 and any(self.windows)), f"position {position}: the null block"
+        assert not (block == 0 and self.nulls), f"position {position}: the null block"
         return block * self.block_size + position % self.block_size
 
     def execute(self, plan: SchedulerOutput) -> list[list[int]]:
@@ -112,7 +125,9 @@ class HashModelExecutor:
                 written = written + drafts[rid]
             for pos, token in enumerate(written, start):
                 for g in range(len(self.groups)):
-                    self.kv[self._slot(state, pos, g)] = (token, pos, g)
+                    if g not in self.recurrent:
+                        self.kv[self._slot(state, pos, g)] = (token, pos, g)
+            self._advance_states(state, start, state.token_ids[:start] + written)
         sampled, num_drafts = [], []
         for rid, num_new in plan.num_scheduled_tokens.items():
             state = self.requests[rid]
@@ -123,6 +138,25 @@ class HashModelExecutor:
         if slots:
             self.num_drafts[plan.step_id] = num_drafts
         return sampled
+
+    def _advance_states(self, state: _CachedRequest, start: int, tokens: list[int]) -> None:
+        """Each recurrent group's state read at start, then written at each block end
+        after it and after the last of tokens."""
+        bs, end = self.block_size, len(tokens)
+        ends = [*range((start // bs + 1) * bs, end, bs), end]
+        for g in self.recurrent:
+            if start:
+                block = state.block_ids[g][(start - 1) // bs]
+                assert block != 0, f"the state after {start} tokens: the null block"
+                found = self.kv[block * bs]
+                assert found == ("state", start, g, _digest(tokens[:start])), (
+                    f"group {g}: block {block} holds {found} for the state after {start}")
+            for n in ends:
+                self._write_state(state, g, n, tokens)
+
+    def _write_state(self, state: _CachedRequest, g: int, n: int, tokens: list[int]) -> None:
+        block = state.block_ids[g][(n - 1) // self.block_size]
+        self.kv[block * self.block_size] = ("state", n, g, _digest(tokens[:n]))
 
     def _propose(self, tokens: list[int], num_slots: int) -> list[int]:
         """Up to num_slots drafts: the right continuation, wrong from a coin's first
@@ -144,9 +178,13 @@ class HashModelExecutor:
             token = self._sample(state)
             emitted.append(token)
             if token != draft:
-                return emitted
+                break
             state.num_computed_tokens += 1  # the draft's K/V is in the cache
-        emitted.append(self._sample(state))
+        else:
+            emitted.append(self._sample(state))
+        if drafts:  # the recurrent states roll back to the tokens kept
+            for g in self.recurrent:
+                self._write_state(state, g, state.num_computed_tokens, state.token_ids)
         return emitted
 
     def _apply_diff(self, plan: SchedulerOutput) -> None:
