@@ -34,11 +34,12 @@ class InputBatch:
 
     def __init__(
         self, max_num_reqs: int, max_model_len: int, block_size: int, vocab_size: int,
-        speculative: bool = False, num_groups: int = 1,
+        speculative: bool = False, num_groups: int = 1, recurrent_groups: tuple[int, ...] = (),
     ) -> None:  # fmt: skip
         """speculative: the scheduler may count drafts of steps in flight as computed
         before their rejection is known: its num_computed_tokens may run ahead.
-        num_groups: KV cache groups, each with its block table (kv_groups.py)."""
+        num_groups: KV cache groups, each with its block table (kv_groups.py), of which
+        recurrent_groups hold states (their step metadata is a RecurrentMetadata)."""
         self.max_num_reqs, self.max_model_len = max_num_reqs, max_model_len
         self.speculative = speculative
         self.block_size, self.vocab_size = block_size, vocab_size
@@ -49,7 +50,7 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(max_num_reqs, np.int64)
         # Per KV cache group (block_table: the first group's, full attention if any),
         # all of one length: a plan's ids come position-major, a group's each.
-        self.num_groups = num_groups
+        self.num_groups, self.recurrent_groups = num_groups, recurrent_groups
         self.block_tables = [np.zeros((max_num_reqs, cdiv(max_model_len, block_size)), np.int32)
                              for _ in range(num_groups)]  # fmt: skip
         self.block_table = self.block_tables[0]

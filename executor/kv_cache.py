@@ -28,6 +28,18 @@ def block_bytes(
     return group_size(groups) * max(x.kv_bytes_per_token for x in layers) * block_size
 
 
+def block_size_for(mc: ModelConfig, layers: Sequence[LayerSpec], block_size: int,
+                   tp_size: int) -> int:  # fmt: skip
+    """The block size the cache runs: block_size, or with recurrent layers the smallest
+    multiple of it whose page (a full-attention layer's K and V of its tokens, on one
+    rank) holds one layer's state (kv_groups.py; vLLM raises the attention block size
+    of a hybrid model the same way)."""
+    if mc.linear is None:
+        return block_size
+    page = max(x.kv_bytes_per_token for x in layers) * block_size
+    return block_size * cdiv(mc.linear.state_bytes(tp_size), page)
+
+
 def layer_shapes(backend, mc: ModelConfig, num_kv_heads: int, num_blocks: int,
                  block_size: int) -> list[tuple[int, ...]]:  # fmt: skip
     """A layer's cache tensors in the backend's layout: K and V, or one latent cache."""

@@ -93,7 +93,8 @@ class ModelRunner:
         self.kv_groups = kv_cache_groups(self.kv_layers)
         self.model.set_kv_groups(self.kv_groups)
         self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
-        self.block_size = config.block_size
+        self.block_size = kv_cache.block_size_for(mc, self.kv_layers, config.block_size, tp.size)
+        self.model.block_size = self.block_size
         self.num_speculative_tokens = config.num_speculative_tokens
         self.speculative_method = config.speculative_method
         self.drafter = make_drafter(config, self, tp.rank)
@@ -168,6 +169,7 @@ class ModelRunner:
             self.config.max_num_seqs, self.max_model_len, self.block_size,
             self.model_config.vocab_size, speculative=self.num_speculative_tokens > 0,
             num_groups=len(self.kv_groups),
+            recurrent_groups=tuple(g for g, x in enumerate(self.kv_groups) if x.is_recurrent),
         )  # fmt: skip
 
     # -- a step ------------------------------------------------------------------
@@ -280,6 +282,7 @@ class ModelRunner:
         # num_sampled).
         num_scheduled = inputs.num_scheduled
         if inputs.drafts is not None:
+            self.model.accept_drafts(num_sampled or [])
             num_scheduled = num_scheduled.copy()
             num_scheduled[np.isin(inputs.rows, inputs.sampling_rows)] -= inputs.drafts.num_drafts
         self.batch.advance(inputs.rows, num_scheduled, inputs.sampling_rows, token_ids,

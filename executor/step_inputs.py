@@ -9,6 +9,7 @@ import torch
 
 from flagstop.executor.attention import AttentionMetadata
 from flagstop.executor.input_batch import BatchDesync, InputBatch, ScheduledRows
+from flagstop.executor.models.gdn import RecurrentMetadata
 from flagstop.executor.sampling import Penalties, SamplingMetadata
 from flagstop.utils import cdiv
 
@@ -32,7 +33,7 @@ class Drafts:
 class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
-    attention: list[AttentionMetadata]  # per KV cache group
+    attention: list[AttentionMetadata | RecurrentMetadata]  # per KV cache group
     logits_indices: torch.Tensor  # rows of the hidden states to sample from, plan order
     sampling: SamplingMetadata
     rows: np.ndarray  # batch row of each scheduled request, plan order
@@ -66,6 +67,7 @@ def prepare_inputs(
     """The flattened forward's tensors of one step (InputBatch.scheduled_rows, with
     the drafts already written after their requests' tokens), on the device."""
     rows, num_scheduled, seq_lens, samples, _ = scheduled
+    extra = None
     if drafts is not None:
         extra = np.zeros(len(rows), np.int64)
         extra[samples] = drafts.num_drafts
@@ -91,7 +93,7 @@ def prepare_inputs(
     if (batch.num_prompt_logprobs[rows] >= 0).any():
         flat_starts = (cu_tokens - flat.num_new)[position_in_order]
         prompt_indices, prompt_chunks = prompt_positions(batch, rows, num_scheduled, flat_starts)
-    input_ids, positions, attention = flat.tensors(batch, t)
+    input_ids, positions, attention = flat.tensors(batch, t, extra, samples)
     return StepInputs(
         input_ids=input_ids,
         positions=positions,
@@ -119,31 +121,72 @@ class Flattened:
     seq_lens: np.ndarray  # per request, attention order
     rows: np.ndarray  # per request, attention order
     position_in_order: np.ndarray  # request i (as given) is at this place
+    order: np.ndarray  # the request (as given) at each place
 
     def last_indices(self) -> np.ndarray:
         """The flat index of each request's last new token, requests as given."""
         return self.cu_tokens[self.position_in_order] - 1
 
     def tensors(
-        self, batch: InputBatch, t
-    ) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata]]:
-        """(input ids, positions, attention metadata per KV cache group) on the device,
-        from the batch's token table and block tables."""
+        self, batch: InputBatch, t, num_drafts: np.ndarray | None = None,
+        samples: np.ndarray | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata | RecurrentMetadata]]:  # fmt: skip
+        """(input ids, positions, metadata per KV cache group) on the device, from the
+        batch's token table and block tables (num_drafts: per request as given, the
+        drafts after its tokens; samples: the sampling requests, in their order)."""
         bs = batch.block_size
         block_index, offsets = self.positions // bs, self.positions % bs
         max_blocks = cdiv(int(self.seq_lens.max()), bs)
         seq_lens = t(self.seq_lens.astype(np.int32))
         query_start_loc = t(np.concatenate(([0], self.cu_tokens)).astype(np.int32))
         num_decodes = int((self.num_new == 1).sum())
-        attention = []
-        for table in batch.block_tables:
+        metadata: list[AttentionMetadata | RecurrentMetadata] = []
+        for g, table in enumerate(batch.block_tables):
+            if g in batch.recurrent_groups:
+                metadata.append(self.recurrent(table, bs, num_decodes, num_drafts, samples, t))
+                continue
             slots = table[self.token_rows, block_index].astype(np.int64) * bs + offsets
-            attention.append(AttentionMetadata(
+            metadata.append(AttentionMetadata(
                 slot_mapping=t(slots), block_tables=t(table[self.rows, :max_blocks]),
                 seq_lens=seq_lens, query_start_loc=query_start_loc, num_decodes=num_decodes,
             ))  # fmt: skip
         input_ids = t(batch.token_ids[self.token_rows, self.positions])
-        return input_ids, t(self.positions), attention
+        return input_ids, t(self.positions), metadata
+
+    def recurrent(self, table: np.ndarray, bs: int, num_decodes: int,
+                  num_drafts: np.ndarray | None, samples: np.ndarray | None,
+                  t) -> RecurrentMetadata:  # fmt: skip
+        """A recurrent group's metadata (kv_groups.py): each sequence reads the state in
+        its last computed token's block and writes the state at each block end it passes
+        and after its last token; one with drafts keeps a state a token until the
+        verification says which it keeps."""
+        computed = self.seq_lens - self.num_new
+        rows = self.rows
+        src = np.where(computed > 0, table[rows, np.maximum(computed - 1, 0) // bs], -1)
+        decode_blocks = table[rows[:num_decodes], (self.seq_lens[:num_decodes] - 1) // bs]
+        drafted = np.zeros(len(rows), np.int64) if num_drafts is None else \
+            num_drafts[self.order]  # fmt: skip
+        sample_row = np.full(len(rows), -1)
+        if samples is not None:
+            sample_row[samples] = np.arange(len(samples))
+        snapshots, blocks, drafts = [], [], []
+        for i in range(num_decodes, len(rows)):
+            row, start, end = rows[i], int(computed[i]), int(self.seq_lens[i])
+            if drafted[i]:
+                counts = list(range(1, end - start + 1))
+                blocks.append([-1] * len(counts))
+                targets = [int(table[row, (start + c - 1) // bs]) for c in counts]
+                drafts.append((i, int(sample_row[self.order[i]]), start, targets))
+            else:
+                counts = [b - start for b in range((start // bs + 1) * bs, end, bs)]
+                counts.append(end - start)
+                blocks.append([int(table[row, (start + c - 1) // bs]) for c in counts])
+            snapshots.append(counts)
+        return RecurrentMetadata(
+            query_start_loc=[0, *self.cu_tokens.tolist()], num_decodes=num_decodes,
+            src_blocks=t(src.astype(np.int64)), decode_blocks=t(decode_blocks.astype(np.int64)),
+            snapshots=snapshots, snapshot_blocks=blocks, drafts=drafts,
+        )
 
 
 def flatten(
@@ -162,7 +205,7 @@ def flatten(
     position_in_order = np.empty_like(order)
     position_in_order[order] = np.arange(len(order))
     return Flattened(o_num, cu_tokens, positions, rows[order][token_seq], seq_lens[order],
-                     rows[order], position_in_order)  # fmt: skip
+                     rows[order], position_in_order, order)  # fmt: skip
 
 
 def prompt_positions(batch: InputBatch, rows, num_scheduled, flat_starts):

@@ -1,6 +1,6 @@
 """The gated delta rule (Gated DeltaNet: Yang, Kautz, Hatamizadeh, arXiv 2412.06464),
 the recurrent layers of Qwen3-Next and Qwen3.5, and their causal depthwise convolution,
-on the CPU: the torch path and the twin of any GPU kernel (issue 52, in progress).
+on the CPU: the torch path and the twin of the GPU kernels (kernels/fla_gdn.py).
 
 Per head the layer keeps a state S [dk, dv] and, for each token with its query q and
 key k (both L2-normalised, q also scaled by dk^-0.5), value v, decay g <= 0 (log space)

@@ -186,5 +186,5 @@ def test_fp8_block_weights_as_deepseek_ships_them_serve_the_dequantized_model(
 def test_lora_on_latent_attention_is_refused_in_one_line(deepseek_dir):
     from flagstop.executor.lora.adapter import AdapterError
 
-    with pytest.raises(AdapterError, match="--max-loras: LoRA on latent attention"):
+    with pytest.raises(AdapterError, match="--max-loras: LoRA on a model with latent attention"):
         runner(deepseek_dir, max_loras=1)

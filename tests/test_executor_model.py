@@ -10,6 +10,7 @@ from flagstop.scheduler_svc.core.kv_groups import kv_cache_groups
 from tests.helpers.checkpoints import (
     DEEPSEEK_VARIANTS,
     MOE_VARIANTS,
+    RECURRENT_VARIANTS,
     WINDOW_VARIANTS,
     assert_matches,
     load_reference,
@@ -22,7 +23,7 @@ from tests.helpers.executor_harness import Harness
 pytestmark = pytest.mark.numeric  # no clock in its in-process tests (Makefile: test)
 
 ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "llama3-rope-tied", *MOE_VARIANTS,
-                 *WINDOW_VARIANTS, *DEEPSEEK_VARIANTS]  # fmt: skip
+                 *WINDOW_VARIANTS, *DEEPSEEK_VARIANTS, *RECURRENT_VARIANTS]  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=ARCHITECTURES)

@@ -1,9 +1,8 @@
-"""The gated delta rule's torch path (kernels/torch_gdn.py, issue 52's first part)
-against transformers' own torch fallback (the math its Qwen3-Next runs without
-flash-linear-attention): the chunked form in blocks and the recurrent one, a chunk
-continuing from a state, grouped value heads, the causal convolution carried across
-chunks; and Qwen3-Next's whole gated DeltaNet layer (executor/models/gdn.py) over steps
-of chunks and decodes, its states in slots, against transformers' layer."""
+"""The gated delta rule's torch path (kernels/torch_gdn.py) against transformers' own
+torch fallback (the math its Qwen3-Next runs without flash-linear-attention): the
+chunked form in blocks and the recurrent one, a chunk continuing from a state, grouped
+value heads, the causal convolution carried across chunks. The layer over paged states:
+tests/test_executor_model.py's and tests/test_recurrent.py's recurrent models."""
 
 import pytest
 import torch
@@ -95,57 +94,3 @@ def test_the_convolution_carried_across_chunks_equals_one_pass():
                      for s in (slice(0, 2), slice(2, 3), slice(3, 11))])  # fmt: skip
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(state, x[-3:].T)
-
-
-def transformers_layer(seed: int = 0):
-    """Qwen3-Next's gated DeltaNet layer at small sizes (2 key heads, 4 value heads),
-    random weights, and ours holding the same."""
-    from transformers import Qwen3NextConfig
-    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
-
-    from flagstop.executor.models.gdn import GatedDeltaNet, GdnShape
-
-    config = Qwen3NextConfig(hidden_size=64, linear_num_key_heads=2, linear_num_value_heads=4,
-                             linear_key_head_dim=16, linear_value_head_dim=8,
-                             linear_conv_kernel_dim=4, num_hidden_layers=1,
-                             layer_types=["linear_attention"])  # fmt: skip
-    torch.manual_seed(seed)
-    theirs = Qwen3NextGatedDeltaNet(config, 0).eval()
-    with torch.no_grad():
-        for p in theirs.parameters():
-            p.copy_(torch.randn_like(p) * (0.3 if p.dim() > 1 else 0.5))
-    ours = GatedDeltaNet(64, GdnShape(2, 4, 16, 8, 4), config.rms_norm_eps)
-    ours.load_state_dict(theirs.state_dict())
-    return theirs, ours
-
-
-def test_the_layer_over_a_step_equals_transformers_through_chunks_and_decodes():
-    """Two sequences: one prefilled in two chunks then decoded, one prefilled whole
-    beside the other's decode; each output row equals transformers' over the whole
-    sequence so far (the layer is causal), the states in their slots carried between."""
-    from flagstop.executor.models.gdn import RecurrentMetadata
-
-    theirs, ours = transformers_layer()
-    gen = torch.Generator().manual_seed(1)
-    xs = [torch.randn(14, 64, generator=gen), torch.randn(9, 64, generator=gen)]
-    with torch.no_grad():
-        want = [theirs(x[None])[0] for x in xs]
-    conv, delta = torch.zeros(3, 2 * 32 + 32, 3), torch.zeros(3, 4, 16, 8)
-    slots = {"a": 2, "b": 0}
-
-    def step(parts: list[tuple[str, slice]], num_decodes: int) -> list[torch.Tensor]:
-        x = torch.cat([xs["ab".index(r)][rows] for r, rows in parts])
-        bounds = [0]
-        for _, rows in parts:
-            bounds.append(bounds[-1] + rows.stop - rows.start)
-        meta = RecurrentMetadata(bounds, torch.tensor([slots[r] for r, _ in parts]), num_decodes)
-        with torch.no_grad():
-            out = ours(x, meta, conv, delta)
-        return [out[bounds[i] : bounds[i + 1]] for i in range(len(parts))]
-
-    (a1,) = step([("a", slice(0, 5))], 0)
-    a2, b1 = step([("a", slice(5, 12)), ("b", slice(0, 8))], 0)
-    a3, b2 = step([("a", slice(12, 13)), ("b", slice(8, 9))], 2)  # two decodes
-    (a4,) = step([("a", slice(13, 14))], 1)  # from the states the decodes left
-    torch.testing.assert_close(torch.cat([a1, a2, a3, a4]), want[0], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(torch.cat([b1, b2]), want[1], atol=1e-4, rtol=1e-4)

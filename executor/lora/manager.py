@@ -144,8 +144,10 @@ def lora_manager(model, max_loras: int, max_rank: int, modules: list[tuple[str, 
     refused naming the one that failed."""
     if not max_loras:
         return NoLoRA()
-    if model.config.mla is not None:
-        raise AdapterError(f"--max-loras: LoRA on latent attention ({model.config.architecture}) "
+    config = model.config
+    if config.mla is not None or config.linear is not None:
+        kind = "latent attention" if config.mla is not None else "gated DeltaNet layers"
+        raise AdapterError(f"--max-loras: LoRA on a model with {kind} ({config.architecture}) "
                            "is not served; start without --max-loras")  # fmt: skip
     manager = LoRAManager(model, max_loras, max_rank)
     for name, path in modules:

@@ -10,6 +10,7 @@ from flagstop.scheduler_svc.core.kv_groups import (
     ATTENTION_TYPES,
     FULL_ATTENTION,
     LATENT_ATTENTION,
+    LINEAR_ATTENTION,
     SLIDING_ATTENTION,
     LayerSpec,
 )
@@ -33,7 +34,15 @@ ARCHITECTURES = {
     "DeepseekV2ForCausalLM": (False, False, "deepseek_v2"),
     "DeepseekV3ForCausalLM": (False, False, "deepseek_v3"),
     "Glm4MoeForCausalLM": (False, False, "deepseek_v3"),
+    # Gated DeltaNet layers beside gated full attention (LinearAttentionConfig).
+    "Qwen3NextForCausalLM": (False, True, "qwen3_next"),
+    "Qwen3_5ForCausalLM": (False, True, None),
+    "Qwen3_5MoeForCausalLM": (False, True, "qwen3_next"),
 }
+# Recurrent models: the architecture -> whether its projections are packed by key head
+# (Qwen3-Next's in_proj_qkvz and in_proj_ba) rather than one a part (Qwen3.5's).
+LINEAR = {"Qwen3NextForCausalLM": True, "Qwen3_5ForCausalLM": False,
+          "Qwen3_5MoeForCausalLM": False}  # fmt: skip
 MLA = {"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"}
 SINKS = {"GptOssForCausalLM"}
 GEMMA = {"Gemma2ForCausalLM", "Gemma3ForCausalLM"}
@@ -84,6 +93,8 @@ class MoeConfig:
                     f"(it runs softmax top-k, {name}={plain!r})"
                 )
         local_first = family in ("mixtral", "gpt_oss")
+        # Qwen3.5-MoE's config has no norm_topk_prob: it always renormalises.
+        renormalize = hf.get("norm_topk_prob", family == "qwen3_next")
         num_experts = _field(
             hf,
             "num_local_experts" if local_first else "num_experts",
@@ -99,9 +110,9 @@ class MoeConfig:
             intermediate_size=_field(
                 hf, "intermediate_size" if local_first else "moe_intermediate_size"),
             # gpt-oss: softmax over the top-k logits, the same as renormalising.
-            routing=Routing(renormalize=local_first or bool(hf.get("norm_topk_prob", False))),
+            routing=Routing(renormalize=local_first or bool(renormalize)),
             shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size", 0)
-            if family == "qwen2_moe" else 0,
+            if family in ("qwen2_moe", "qwen3_next") else 0,
             sparse_layers=_sparse_layers(family, hf, num_layers),
             biased=gpt_oss,
             swiglu_alpha=hf.get("swiglu_alpha", 1.702) if gpt_oss else 0.0,
@@ -152,10 +163,25 @@ def _sparse_layers(family: str, hf: dict[str, Any], num_layers: int) -> tuple[bo
     return tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
 
 
-def _layer_types(hf: dict[str, Any], num_layers: int) -> tuple[tuple[str, ...], int]:
+def _layer_types(hf: dict[str, Any], num_layers: int, recurrent: bool = False
+                 ) -> tuple[tuple[str, ...], int]:  # fmt: skip
     """(each layer's attention type, the window) as transformers reads them: an
     explicit layer_types, else Qwen's rule (use_sliding_window, and then the layers
-    from max_window_layers on), else Mistral's (a sliding_window: every layer)."""
+    from max_window_layers on), else Mistral's (a sliding_window: every layer).
+    recurrent (Qwen3-Next, Qwen3.5): linear_attention layers but every
+    full_attention_interval-th (transformers' default 4) unless layer_types says."""
+    if recurrent:
+        interval = hf.get("full_attention_interval", 4)
+        types = hf.get("layer_types") or [
+            FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION
+            for i in range(num_layers)]  # fmt: skip
+        if len(types) != num_layers or not set(types) <= {FULL_ATTENTION, LINEAR_ATTENTION}:
+            raise ConfigError(f"layer_types={types!r}: full_attention or linear_attention "
+                              f"per layer ({num_layers})")  # fmt: skip
+        if FULL_ATTENTION not in types:
+            raise ConfigError("layer_types: no full_attention layer; flagstop sizes a "
+                              "recurrent layer's state by a full-attention layer's block")  # fmt: skip
+        return tuple(types), 0
     window = hf.get("sliding_window") or 0
     if not hf.get("use_sliding_window", True):
         window = 0
@@ -231,6 +257,58 @@ def _positive(hf: dict[str, Any], name: str) -> int:
 
 
 @dataclass(slots=True, frozen=True)
+class LinearAttentionConfig:
+    """Gated DeltaNet layers (Qwen3-Next, Qwen3.5; executor/models/gdn.py): per value
+    head a state [head_k_dim, head_v_dim], the value heads in groups sharing a key
+    head, and a causal convolution of conv_width over the queries', keys' and values'
+    channels. per_key_head: the input projections packed by key head (Qwen3-Next's
+    in_proj_qkvz and in_proj_ba) rather than one a part (Qwen3.5's in_proj_qkv, _z,
+    _b, _a)."""
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_width: int
+    per_key_head: bool = True
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """The convolved channels: queries, keys, values."""
+        return 2 * self.key_dim + self.value_dim
+
+    def state_bytes(self, tp_size: int = 1) -> int:
+        """One layer's state on one rank of tp_size, float32: the delta rule's matrix
+        per value head and the convolution's last conv_width - 1 inputs."""
+        delta = self.num_v_heads * self.head_k_dim * self.head_v_dim
+        return 4 * (delta + self.conv_dim * (self.conv_width - 1)) // tp_size
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], per_key_head: bool) -> "LinearAttentionConfig":
+        def positive(name: str) -> int:
+            value = hf.get(name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name}={value!r}: gated DeltaNet needs a positive integer")
+            return value
+
+        config = cls(positive("linear_num_key_heads"), positive("linear_num_value_heads"),
+                     positive("linear_key_head_dim"), positive("linear_value_head_dim"),
+                     positive("linear_conv_kernel_dim"), per_key_head)  # fmt: skip
+        if config.num_v_heads % config.num_k_heads:
+            raise ConfigError(f"linear_num_value_heads={config.num_v_heads}: a multiple of "
+                              f"linear_num_key_heads={config.num_k_heads}")  # fmt: skip
+        return config
+
+
+@dataclass(slots=True, frozen=True)
 class GemmaStyle:
     """Where Gemma 2 and 3 leave the Llama block: norms of (1 + w) around both the
     attention and the MLP (pre and post: "sandwich"), the embedding scaled by
@@ -294,6 +372,10 @@ class ModelConfig:
     # The leading dimensions of a head that RoPE rotates (GLM-4.5: half of them; latent
     # attention: its rope_dim); the rest pass through.
     rotary_dim: int = 0
+    # Gated DeltaNet layers (their layer_types are linear_attention); with them the full
+    # attention's output is gated (sigmoid of a second half of q_proj, per head) and
+    # every norm is Gemma's (1 + w).
+    linear: LinearAttentionConfig | None = None
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":
@@ -323,7 +405,7 @@ class ModelConfig:
         rope = rope.get(FULL_ATTENTION, rope)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         max_len = hf.get("max_position_embeddings", 2048)
-        layer_types, window = _layer_types(hf, num_layers)
+        layer_types, window = _layer_types(hf, num_layers, architecture in LINEAR)
         if eos is None:
             eos = hf.get("eos_token_id")
         quant = QuantConfig.from_hf(hf)
@@ -336,7 +418,7 @@ class ModelConfig:
             architecture=architecture,
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
+            intermediate_size=hf.get("intermediate_size") or 0,  # 0: every layer sparse
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=1 if mla else hf.get("num_key_value_heads") or num_heads,
@@ -360,7 +442,14 @@ class ModelConfig:
             attention_sinks=architecture in SINKS,
             mla=mla,
             rotary_dim=mla.rope_dim if mla else int(head_dim * partial),
+            linear=LinearAttentionConfig.from_hf(hf, LINEAR[architecture])
+            if architecture in LINEAR else None,
         )
+
+    @property
+    def attention_gated(self) -> bool:
+        """Whether full attention's output is gated per head (the recurrent Qwens')."""
+        return self.linear is not None
 
     def layer_specs(
         self, num_kv_heads: int, kv_dtype_bytes: int, all_full: bool = False
@@ -372,6 +461,13 @@ class ModelConfig:
                                * kv_dtype_bytes)  # fmt: skip
             return [latent] * self.num_layers
         kv_bytes = 2 * num_kv_heads * self.head_dim * kv_dtype_bytes
+        if self.linear is not None:  # a state per request: no bytes a token (kv_groups.py)
+            if all_full:
+                raise ConfigError("--disable-hybrid-kv-cache-manager: this model's "
+                                  "linear_attention layers keep a state, not KV a token; "
+                                  "serve it with the hybrid manager")  # fmt: skip
+            return [LayerSpec(t, kv_bytes_per_token=kv_bytes if t == FULL_ATTENTION else 0)
+                    for t in self.layer_types]  # fmt: skip
         return [LayerSpec(t, self.sliding_window if t == SLIDING_ATTENTION else 0,
                           self.attention_sinks, kv_bytes)
                 if not all_full else LayerSpec(sinks=self.attention_sinks,

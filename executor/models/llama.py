@@ -14,6 +14,7 @@ from torch import nn
 
 from flagstop.executor.attention import AttentionMetadata, Band, FP8Scales, paged_attention
 from flagstop.executor.models.config import ModelConfig
+from flagstop.executor.models.gdn import GatedDeltaNet
 from flagstop.executor.models.layers import (
     GemmaRMSNorm,
     RMSNorm,
@@ -31,6 +32,7 @@ from flagstop.executor.models.quantization import ConfigError
 from flagstop.executor.parallel import SINGLE, TensorParallel
 from flagstop.kernels import torch_attention
 from flagstop.scheduler_svc.core.kv_groups import (
+    LINEAR_ATTENTION,
     SLIDING_ATTENTION,
     KVCacheGroup,
     kv_cache_groups,
@@ -59,6 +61,11 @@ class VocabParallelEmbedding(nn.Embedding):
         return self.tp.all_reduce(out.masked_fill_(~mine.unsqueeze(-1), 0))
 
 
+def _norm(config: ModelConfig) -> type[RMSNorm]:
+    """Gemma's and the recurrent Qwens' norms are (1 + w), Llama's w."""
+    return GemmaRMSNorm if config.gemma is not None or config.linear is not None else RMSNorm
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel, prefix: str, index: int) -> None:
         super().__init__()
@@ -67,16 +74,19 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * config.head_dim
         self.kv_size = self.num_kv_heads * config.head_dim
+        # Qwen3-Next's: q_proj gives each head its query and an output gate.
+        self.gated = config.attention_gated
+        q_rows = self.q_size * (2 if self.gated else 1)
         gemma = config.gemma
         self.scale = (gemma.query_pre_attn_scalar if gemma else config.head_dim) ** -0.5
         qkv = tuple(f"{prefix}.{name}_proj" for name in "qkv")
         self.qkv_proj = make_linear(
-            config, qkv, config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias
+            config, qkv, config.hidden_size, q_rows + 2 * self.kv_size, config.qkv_bias
         )
         self.o_proj = make_linear(
             config, (f"{prefix}.o_proj",), self.q_size, config.hidden_size, config.o_bias, tp
         )
-        norm = GemmaRMSNorm if gemma else RMSNorm
+        norm = _norm(config)
         self.q_norm = norm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = norm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.backend: ModuleType = torch_attention
@@ -95,8 +105,12 @@ class Attention(nn.Module):
         self, ropes: tuple[Rope, ...], x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         rope = ropes[self.rope_index]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
+        q_rows = self.q_size * (2 if self.gated else 1)
+        q, k, v = self.qkv_proj(x).split([q_rows, self.kv_size, self.kv_size], dim=-1)
+        gate = None
+        if self.gated:
+            q, gate = q.view(-1, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
@@ -105,6 +119,8 @@ class Attention(nn.Module):
         band = Band.of(self.window, self.sinks, self.softcap)
         out = paged_attention(self.backend, q, k, v, kv_cache, meta, self.scale, self.fp8_scales,
                               band)  # fmt: skip
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
         return self.o_proj(out.flatten(1))
 
 
@@ -118,10 +134,6 @@ def use_backend(model: nn.Module, backend: ModuleType) -> None:
             module.fused = backend.fused_moe
         elif isinstance(module, QuantLinear | QuantExperts):
             module.kernels = backend
-
-
-def _norm(config: ModelConfig) -> type[RMSNorm]:
-    return GemmaRMSNorm if config.gemma is not None else RMSNorm
 
 
 class MLP(nn.Module):
@@ -142,8 +154,14 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel, index: int) -> None:
         super().__init__()
         prefix = f"model.layers.{index}"  # the checkpoint's names, which quantization uses
-        attention = Attention if config.mla is None else LatentAttention
-        self.self_attn = attention(config, tp, f"{prefix}.self_attn", index)
+        if config.layer_types and config.layer_types[index] == LINEAR_ATTENTION:
+            self.linear_attn = GatedDeltaNet(config, tp, f"{prefix}.linear_attn")
+            mixer: nn.Module = self.linear_attn
+        else:
+            attention = Attention if config.mla is None else LatentAttention
+            self.self_attn = mixer = attention(config, tp, f"{prefix}.self_attn", index)
+        # The token mixer, by either name (a tuple: not registered twice).
+        self.mixer = (mixer,)
         sparse = config.moe is not None and config.moe.sparse_layers[index]
         mlp = SparseMoeBlock if sparse else MLP
         self.mlp = mlp(config, tp, f"{prefix}.mlp")
@@ -160,7 +178,7 @@ class DecoderLayer(nn.Module):
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(ropes, x, kv_cache, meta)
+        x = self.mixer[0](ropes, x, kv_cache, meta)
         if not self.sandwich:
             x, residual = self.post_attention_layernorm(x, residual)
             return self.mlp(x), residual
@@ -193,6 +211,8 @@ class LlamaForCausalLM(nn.Module):
         self.set_kv_groups(kv_cache_groups(config.layer_specs(1, 1)))
         mlps = (layer.mlp for layer in self.layers)
         self.moe_blocks = [mlp for mlp in mlps if isinstance(mlp, SparseMoeBlock)]
+        self.recurrent_layers = [m for m in self.modules() if isinstance(m, GatedDeltaNet)]
+        self.block_size = 0  # the cache's, once the runner knows it (accept_drafts)
         self.norm = _norm(config)(config.hidden_size, config.rms_norm_eps)
         # The checkpoint's K/V cache scales by layer, [2, this rank's KV heads] (the
         # loader's; an FP8 cache without them scales by 1.0).
@@ -208,6 +228,12 @@ class LlamaForCausalLM(nn.Module):
     def set_kv_groups(self, groups: list[KVCacheGroup]) -> None:
         """The KV cache groups the runner holds (its own when the hybrid manager is off)."""
         self.layer_groups = [g for g, _ in layer_slots(groups, self.config.num_layers)]
+
+    def accept_drafts(self, num_sampled: list[int]) -> None:
+        """The last step's verification kept num_sampled tokens per sampling request:
+        the recurrent layers keep their states after those (a no-op without them)."""
+        for layer in self.recurrent_layers:
+            layer.accept(num_sampled, self.block_size)
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -253,7 +279,9 @@ class LlamaForCausalLM(nn.Module):
         """The cache's dtype: an FP8 one gives each layer its K and V scales (a latent
         layer: its one scale, the checkpoint's k_scale)."""
         for index, layer in enumerate(self.layers):
-            attention = layer.self_attn
+            attention = layer.mixer[0]
+            if isinstance(attention, GatedDeltaNet):
+                continue  # float32 states in the blocks' pages, whatever the cache's dtype
             if isinstance(attention, LatentAttention):
                 scales = self.checkpoint_kv_scales.get(index)
                 attention.kv_scale = None if dtype != torch.float8_e4m3fn else \

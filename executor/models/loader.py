@@ -95,8 +95,14 @@ def rank_slice(t: Target, c: ModelConfig, shard: Shard) -> tuple[int, int, int] 
     d, name = c.head_dim, t.name
     if c.mla is not None and (region := _latent_slice(name, c, shard)) is not None:
         return region
+    if ".linear_attn." in name:
+        return _recurrent_slice(name, c, shard)
     if "qkv_proj" in name:
-        first, count = shard.heads(c.num_heads) if t.part == 0 else shard.kv_heads(c.num_kv_heads)
+        if t.part == 0:  # a gated attention's q_proj: each head's query, then its gate
+            first, count = shard.heads(c.num_heads)
+            q = d * (2 if c.attention_gated else 1)
+            return 0, first * q, count * q
+        first, count = shard.kv_heads(c.num_kv_heads)
         return 0, first * d, count * d
     if "gate_up_proj" in name or name.endswith(".w13"):
         return (0, *inner_size(name, c, shard))
@@ -110,6 +116,31 @@ def rank_slice(t: Target, c: ModelConfig, shard: Shard) -> tuple[int, int, int] 
         return 0, first, max(0, min(rows, c.vocab_size - first))
     if name.endswith("self_attn.sinks"):  # one per query head
         return (0, *shard.heads(c.num_heads))
+    return None
+
+
+def _recurrent_slice(name: str, c: ModelConfig, shard: Shard) -> tuple[int, int, int] | None:
+    """A gated DeltaNet layer's tensors split by head: Qwen3-Next's projections packed by
+    key head, Qwen3.5's z, b and a by value head, out_proj's columns by value head. The
+    convolution and Qwen3.5's in_proj_qkv hold q, k and v as three slices: read whole,
+    they are cut by the layer (gdn.py's after_load)."""
+    linear = c.linear
+    assert linear is not None
+    group = linear.num_v_heads // linear.num_k_heads
+    first_k, num_k = shard.split(linear.num_k_heads)
+    first_v, num_v = shard.split(linear.num_v_heads)
+    per_key = {"in_proj_qkvz.": 2 * linear.head_k_dim + 2 * group * linear.head_v_dim,
+               "in_proj_ba.": 2 * group}  # fmt: skip
+    for part, rows in per_key.items():
+        if part in name:
+            return 0, first_k * rows, num_k * rows
+    per_value = {"in_proj_z.": linear.head_v_dim, "in_proj_b.": 1, "in_proj_a.": 1,
+                 ".dt_bias": 1, ".A_log": 1}  # fmt: skip
+    for part, rows in per_value.items():
+        if part in name:
+            return 0, first_v * rows, num_v * rows
+    if "out_proj." in name:
+        return 1, first_v * linear.head_v_dim, num_v * linear.head_v_dim
     return None
 
 
@@ -134,7 +165,7 @@ def packed_offset(t: Target, c: ModelConfig, shard: Shard) -> int:
     if "gate_up_proj" in t.name or t.name.endswith(".w13"):
         return inner_size(t.name, c, shard)[1]
     q, kv = shard.heads(c.num_heads)[1] * c.head_dim, shard.kv_heads(c.num_kv_heads)[1] * c.head_dim
-    return q + (t.part - 1) * kv
+    return q * (2 if c.attention_gated else 1) + (t.part - 1) * kv
 
 
 def read(f, hf_name: str, region: tuple[int, int, int] | None, full_rows: int | None):

@@ -154,7 +154,8 @@ def load_mtp(runner) -> MtpModel:
 
 class MtpProposer(NoProposer):
     def __init__(self, runner) -> None:
-        if runner.model_config.moe is None and runner.model_config.mla is None:
+        mc = runner.model_config
+        if (mc.moe is None and mc.mla is None) or mc.linear is not None:
             raise StartupError("speculative method mtp: DeepSeek's layout's prediction "
                                "layers (DeepSeek-V2/V3, Kimi-K2, GLM-4.5)")  # fmt: skip
         if num_mtp_layers(runner.config.model) < 1:

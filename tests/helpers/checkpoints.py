@@ -21,8 +21,11 @@ from transformers import (
     MixtralConfig,
     Qwen2Config,
     Qwen2MoeConfig,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3MoeConfig,
+    Qwen3NextConfig,
 )
 
 from tools.make_model import WEIGHT_SCALE, write_model
@@ -158,6 +161,27 @@ DEEPSEEK_VARIANTS = {
     ),
 }  # fmt: skip
 VARIANTS |= DEEPSEEK_VARIANTS
+
+# Gated DeltaNet layers beside gated full attention (three to one, transformers' default
+# full_attention_interval 4), Gemma-style norms, partial rotary; states small enough
+# that a 4-token block's page holds one (kv_cache.block_size_for keeps 4).
+_RECURRENT = dict(
+    **{**COMMON, "num_hidden_layers": 4}, head_dim=32, linear_num_key_heads=2,
+    linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+)
+RECURRENT_VARIANTS = {
+    "qwen3-next": lambda: Qwen3NextConfig(
+        **_RECURRENT, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+        shared_expert_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[1],
+    ),
+    "qwen3.5": lambda: Qwen3_5TextConfig(**_RECURRENT),
+    "qwen3.5-moe": lambda: Qwen3_5MoeTextConfig(
+        **_RECURRENT, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+    ),
+}  # fmt: skip
+VARIANTS |= RECURRENT_VARIANTS
 
 
 def write_checkpoint(name: str, out: Path) -> Path:
