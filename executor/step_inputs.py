@@ -13,6 +13,9 @@ from flagstop.executor.models.gdn import RecurrentMetadata
 from flagstop.executor.sampling import Penalties, SamplingMetadata
 from flagstop.utils import cdiv
 
+# A KV cache group's part of a step: attention's, or a recurrent group's.
+GroupMetadata = AttentionMetadata | RecurrentMetadata
+
 
 @dataclass(slots=True)
 class Drafts:
@@ -33,7 +36,7 @@ class Drafts:
 class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
-    attention: list[AttentionMetadata | RecurrentMetadata]  # per KV cache group
+    attention: list["GroupMetadata"]  # per KV cache group
     logits_indices: torch.Tensor  # rows of the hidden states to sample from, plan order
     sampling: SamplingMetadata
     rows: np.ndarray  # batch row of each scheduled request, plan order
@@ -130,7 +133,7 @@ class Flattened:
     def tensors(
         self, batch: InputBatch, t, num_drafts: np.ndarray | None = None,
         samples: np.ndarray | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata | RecurrentMetadata]]:  # fmt: skip
+    ) -> tuple[torch.Tensor, torch.Tensor, list[GroupMetadata]]:  # fmt: skip
         """(input ids, positions, metadata per KV cache group) on the device, from the
         batch's token table and block tables (num_drafts: per request as given, the
         drafts after its tokens; samples: the sampling requests, in their order)."""
@@ -140,7 +143,7 @@ class Flattened:
         seq_lens = t(self.seq_lens.astype(np.int32))
         query_start_loc = t(np.concatenate(([0], self.cu_tokens)).astype(np.int32))
         num_decodes = int((self.num_new == 1).sum())
-        metadata: list[AttentionMetadata | RecurrentMetadata] = []
+        metadata: list[GroupMetadata] = []
         for g, table in enumerate(batch.block_tables):
             if g in batch.recurrent_groups:
                 metadata.append(self.recurrent(table, bs, num_decodes, num_drafts, samples, t))
@@ -183,9 +186,13 @@ class Flattened:
                 blocks.append([int(table[row, (start + c - 1) // bs]) for c in counts])
             snapshots.append(counts)
         return RecurrentMetadata(
-            query_start_loc=[0, *self.cu_tokens.tolist()], num_decodes=num_decodes,
-            src_blocks=t(src.astype(np.int64)), decode_blocks=t(decode_blocks.astype(np.int64)),
-            snapshots=snapshots, snapshot_blocks=blocks, drafts=drafts,
+            query_start_loc=[0, *self.cu_tokens.tolist()],
+            num_decodes=num_decodes,
+            src_blocks=t(src.astype(np.int64)),
+            decode_blocks=t(decode_blocks.astype(np.int64)),
+            snapshots=snapshots,
+            snapshot_blocks=blocks,
+            drafts=drafts,
         )
 
 

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from flagstop.kernels import torch_gdn
 from flagstop.kernels import torch_mla as mla  # noqa: F401 (the backend's latent attention)
 from flagstop.kernels.torch_lora import lora_add  # noqa: F401 (the backend's LoRA products)
 from flagstop.kernels.torch_moe import (  # noqa: F401 (the backend's experts)
@@ -37,6 +38,11 @@ from flagstop.kernels.torch_quant import (  # noqa: F401 (the backend's quantize
     w8_linear,
 )
 from flagstop.utils import cdiv
+
+
+def gdn():
+    """The backend's gated delta rule (kernels/torch_gdn.py)."""
+    return torch_gdn
 
 
 def kv_cache_shape(

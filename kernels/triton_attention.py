@@ -28,6 +28,14 @@ from flagstop.kernels.triton_quant import int4_linear, w8_linear  # noqa: F401
 DECODE_PARTITION = 512
 
 
+def gdn():
+    """The backend's gated delta rule: flash-linear-attention's kernels (kernels/
+    fla_gdn.py), imported only by a model with gated DeltaNet layers."""
+    from flagstop.kernels import fla_gdn
+
+    return fla_gdn
+
+
 def kv_cache_shape(
     num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
 ) -> tuple[int, ...]:

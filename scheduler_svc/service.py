@@ -111,6 +111,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def _connector(info: executor_pb2.DescribeExecutorResponse, config, groups):
         """The KV connector the executor calls for: a host tier, a prefill or a decode
         replica's side of disaggregation, or none."""
+        if info.model.kv_role and any(g.is_recurrent for g in groups):
+            raise StartupError("prefill/decode disaggregation (--kv-role) moves one "
+                               "full-attention block table; this model's recurrent layers "
+                               f"({describe_groups(groups)}) keep states that it does not "
+                               "move: serve it without --kv-role")  # fmt: skip
         if info.model.kv_role and (len(groups) > 1 or groups[0].is_window):
             raise StartupError("prefill/decode disaggregation (--kv-role) moves one "
                                "full-attention block table; this model's layers make KV "

@@ -67,3 +67,29 @@ def test_a_quantized_checkpoint_on_the_gpu_gives_the_cpus_greedy_tokens(tmp_path
     same = sum(a == b for a, b in zip(outputs["cuda"], outputs["cpu"], strict=True))
     print(f"{scheme}: {same} of 24 greedy tokens equal on the GPU and the CPU")
     assert same == 24 if scheme == "gptq" else same >= 12
+
+
+def test_flash_linear_attentions_kernels_equal_the_torch_path():
+    # kernels/fla_gdn.py against kernels/torch_gdn.py: a chunk from a state, then a step
+    # of decodes, states carried (FLA's autotuned kernels need a GPU, not the interpreter).
+    pytest.importorskip("fla")
+    from flagstop.kernels import fla_gdn, torch_gdn
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen)
+
+    q, k = torch_gdn.normalize(rand(100, 8, 128), rand(100, 8, 128))
+    v, g, beta = rand(100, 8, 128), -torch.rand(100, 8, device="cuda"), rand(100, 8).sigmoid()
+    ours = rand(8, 128, 128) * 0.1
+    theirs = ours.clone()
+    want = torch_gdn.chunked(q, k, v, g, beta, ours)
+    got = fla_gdn.chunked(q, k, v, g, beta, theirs)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(theirs, ours, atol=2e-2, rtol=2e-2)
+    step = [x[:4, None] for x in (q, k, v, g, beta)]
+    states = ours[None].repeat(4, 1, 1, 1)
+    want = torch_gdn.recurrent(*step, states.clone())
+    got = fla_gdn.recurrent(*step, states)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)

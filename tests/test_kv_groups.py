@@ -1,6 +1,7 @@
 """KV cache groups in the scheduler core: the groups built from a model's layers, a
 window group letting go of what left the window, a recurrent group holding one state
-block whatever the length, and prefix hits every group can serve. The state machine (test_scheduler_state_machine.py) draws group layouts too."""
+block whatever the length, and prefix hits every group can serve. The state machine
+(test_scheduler_state_machine.py) draws group layouts too."""
 
 from flagstop.scheduler_svc.core.config import SchedulerConfig
 from flagstop.scheduler_svc.core.kv_cache_manager import KVCacheManager
@@ -194,7 +195,7 @@ def test_a_recurrent_hit_needs_the_state_at_its_block_boundary():
     kv.update_block_hashes(second)
     hits = kv.get_computed_blocks(second)
     assert len(hits) == 4
-    full, linear = hits.groups
+    _, linear = hits.groups
     # Position 16 resumes from the state at 16, in block 3: the blocks before it, null.
     assert [b is kv.pool.null_block for b in linear] == [True] * 3 + [False]
     # Without the state at 16 the hit falls back to the boundary whose state is kept.

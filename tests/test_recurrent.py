@@ -6,6 +6,7 @@ greedy outputs equal transformers' through chunked prefill, prefix hits, preempt
 speculative decoding. Logits per step: tests/test_executor_model.py's recurrent
 variants; the kernels: tests/test_gdn.py."""
 
+import importlib.util
 import random
 
 import numpy as np
@@ -123,7 +124,8 @@ def test_speculative_decoding_equals_plain_decoding(recurrent):
     spec = {"method": "ngram", "num_speculative_tokens": 3}
     runner = _runner(path, spec)
     runner.drafter.proposer = _OracleProposer(
-        [[*j.prompt, *out] for j, out in zip(jobs, expected, strict=True)], seed=4)
+        [[*j.prompt, *out] for j, out in zip(jobs, expected, strict=True)], seed=4
+    )
     run = run_engine(runner, jobs, _config(num_speculative_tokens=3,
                                            speculative_min_gain=1e-12))  # fmt: skip
     stats = run.scheduler.drafts.stats
@@ -192,7 +194,16 @@ def test_tensor_parallel_linear_heads_split_by_head():
 
     with torch.device("meta"):
         layer = GatedDeltaNet(mc, _TP(), "model.layers.0.linear_attn")
-    key, value = 2 * 8, 4 * 8
+    key = 2 * 8  # the queries' (and the keys') channels: 2 key heads of 8
     assert layer.channels().tolist() == [*range(8, 16), *range(key + 8, key + 16),
                                          *range(2 * key + 16, 2 * key + 32)]  # fmt: skip
     assert layer.shape.num_k_heads == 1 and layer.shape.num_v_heads == 2
+
+
+def test_the_triton_backend_without_flash_linear_attention_is_refused_in_one_line(tmp_path):
+    pytest.importorskip("triton")
+    if importlib.util.find_spec("fla") is not None:
+        pytest.skip("flash-linear-attention is installed: its kernels run on a GPU")
+    path = write_checkpoint("qwen3-next", tmp_path / "m")
+    with pytest.raises(ConfigError, match=r"pip install 'flagstop\[fla\]'"):
+        _runner(path, attention_backend="triton")

@@ -94,8 +94,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         # Prefill/decode disaggregation: this scheduler's side (instead of a tier).
         kv_role=st.sampled_from(["", "", "", "prefill", "decode"]),
         # KV cache groups: the layers' attention types (windows of W tokens).
-        layout=st.sampled_from(["full", "full", "window", "alternating", "five_to_one",
-                                "recurrent", "recurrent", "recurrent_window"]),
+        layout=st.sampled_from(
+            [
+                "full",
+                "full",
+                "window",
+                "alternating",
+                "five_to_one",
+                "recurrent",
+                "recurrent",
+                "recurrent_window",
+            ]
+        ),
         window=st.sampled_from([2, 4, 5, 9]),
         seed=st.integers(0, 2**16),
     )

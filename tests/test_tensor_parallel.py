@@ -39,11 +39,14 @@ DENSE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size"
          "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4}  # fmt: skip
 # And windowed models: KV cache groups, each rank on the same block ids. And DeepSeek's
 # latent attention (heads split, the latent cache whole on each rank), q through its low
-# rank (V3) and not (V2, whose experts are placed whole).
+# rank (V3) and not (V2, whose experts are placed whole). And gated DeltaNet layers: the
+# linear-attention heads split by key head (Qwen3-Next packs by them; Qwen3.5's q, k, v
+# and convolution are cut from whole tensors), the states of a rank's heads in its pages.
 CHECKPOINTS = [("llama", False), ("qwen2", False), ("qwen2-tied-odd-vocab", False),
                ("llama-1kv", False), ("qwen2-moe", False), ("qwen3-moe", True),
                ("qwen2-window", False), ("gemma2", False), ("gemma3", False), ("gpt-oss", False),
-               ("gpt-oss", True), ("deepseek-v3", False), ("deepseek-v2", True)]  # fmt: skip
+               ("gpt-oss", True), ("deepseek-v3", False), ("deepseek-v2", True),
+               ("qwen3-next", False), ("qwen3.5", False), ("qwen3.5-moe", True)]  # fmt: skip
 
 
 @pytest.mark.processes

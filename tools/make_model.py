@@ -137,6 +137,16 @@ ARCHS = {
                  "num_nextn_predict_layers": 0,
                  "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                      "partial_rotary_factor": 0.5}},
+    # Qwen3-Next's (docs/recurrent.md): gated DeltaNet layers, every fourth full
+    # attention (gated, a quarter of each head rotated, (1 + w) norms), 8 experts top-2
+    # with a gated shared expert in every layer.
+    "qwen3_next": {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+                   "full_attention_interval": 4, "linear_num_key_heads": 2,
+                   "linear_num_value_heads": 4, "linear_key_head_dim": 32,
+                   "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4,
+                   "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                   "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                       "partial_rotary_factor": 0.25}},
 }  # fmt: skip
 DEEPSEEK_LAYOUT = ("deepseek_v3", "glm4_moe")  # routed + shared experts, first layer dense
 GEMMA_PATTERN = 6  # a global layer after every 5 local ones
@@ -239,9 +249,10 @@ def moe_fields(arch: str, expert_size: int) -> dict:
     if arch in DEEPSEEK_LAYOUT:
         return {"n_routed_experts": NUM_EXPERTS, "num_experts_per_tok": EXPERTS_PER_TOKEN,
                 "moe_intermediate_size": expert_size}  # fmt: skip
-    if arch == "qwen3_moe":
+    if arch in ("qwen3_moe", "qwen3_next"):
+        shared = {"shared_expert_intermediate_size": expert_size} if arch == "qwen3_next" else {}
         return {"num_experts": NUM_EXPERTS, "num_experts_per_tok": EXPERTS_PER_TOKEN,
-                "moe_intermediate_size": expert_size}  # fmt: skip
+                "moe_intermediate_size": expert_size, **shared}  # fmt: skip
     if arch in ("mixtral", "gpt_oss"):  # their intermediate_size is each expert's
         return {"num_local_experts": NUM_EXPERTS, "num_experts_per_tok": EXPERTS_PER_TOKEN,
                 "intermediate_size": expert_size}  # fmt: skip
@@ -268,6 +279,12 @@ def mlp_shapes(config: dict, prefix: str) -> dict[str, tuple[int, ...]]:
         block, names = f"{prefix}mlp.", ("gate_proj", "up_proj", "down_proj")
         i = config["moe_intermediate_size"]
     shapes = {f"{block}gate.weight": (NUM_EXPERTS, h)}
+    if arch == "qwen3_next":  # a shared expert, scaled by its sigmoid gate
+        shapes |= {
+            f"{block}shared_expert.{n}.weight": s
+            for n, s in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i)))
+        }
+        shapes[f"{block}shared_expert_gate.weight"] = (1, h)
     if arch in DEEPSEEK_LAYOUT:  # the routing's correction bias, the shared experts
         shared = i * config["n_shared_experts"]
         shapes[f"{block}gate.e_score_correction_bias"] = (NUM_EXPERTS,)
@@ -299,12 +316,7 @@ def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
         shapes |= {
             p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
-            **(latent_shapes(config, p) if "kv_lora_rank" in config else {
-                p + "self_attn.q_proj.weight": (q, h),
-                p + "self_attn.k_proj.weight": (kv, h),
-                p + "self_attn.v_proj.weight": (kv, h),
-                p + "self_attn.o_proj.weight": (h, q),
-            }),
+            **mixer_shapes(config, p, n),
             **mlp_shapes(config, p),
         }  # fmt: skip
         if config["model_type"] == "glm4_moe":  # biased q/k/v
@@ -322,6 +334,37 @@ def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     if config.get("num_nextn_predict_layers"):  # DeepSeek's prediction layer, after the rest
         shapes |= prediction_layer_shapes(config)
     return shapes
+
+
+def mixer_shapes(config: dict, p: str, layer: int) -> dict[str, tuple[int, ...]]:
+    """A layer's attention (latent, or Qwen3-Next's gated: q_proj twice the heads) or
+    gated DeltaNet tensors (Qwen3-Next's names)."""
+    h, d = config["hidden_size"], config["head_dim"]
+    q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
+    if "kv_lora_rank" in config:
+        return latent_shapes(config, p)
+    if config["model_type"] != "qwen3_next":
+        return {
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+        }
+    if (layer + 1) % config["full_attention_interval"] == 0:
+        a = p + "self_attn."
+        return {a + "q_proj.weight": (2 * q, h), a + "k_proj.weight": (kv, h),
+                a + "v_proj.weight": (kv, h), a + "o_proj.weight": (h, q),
+                a + "q_norm.weight": (d,), a + "k_norm.weight": (d,)}  # fmt: skip
+    keys = config["linear_num_key_heads"] * config["linear_key_head_dim"]
+    heads = config["linear_num_value_heads"]
+    values = heads * config["linear_value_head_dim"]
+    a = p + "linear_attn."
+    return {a + "in_proj_qkvz.weight": (2 * keys + 2 * values, h),
+            a + "in_proj_ba.weight": (2 * heads, h),
+            a + "conv1d.weight": (2 * keys + values, 1, config["linear_conv_kernel_dim"]),
+            a + "dt_bias": (heads,), a + "A_log": (heads,),
+            a + "norm.weight": (config["linear_value_head_dim"],),
+            a + "out_proj.weight": (h, values)}  # fmt: skip
 
 
 def prediction_layer_shapes(config: dict) -> dict[str, tuple[int, ...]]:

@@ -180,7 +180,8 @@ def _layer_types(hf: dict[str, Any], num_layers: int, recurrent: bool = False
                               f"per layer ({num_layers})")  # fmt: skip
         if FULL_ATTENTION not in types:
             raise ConfigError("layer_types: no full_attention layer; flagstop sizes a "
-                              "recurrent layer's state by a full-attention layer's block")  # fmt: skip
+                              "recurrent layer's state by a full-attention layer's "
+                              "block")  # fmt: skip
         return tuple(types), 0
     window = hf.get("sliding_window") or 0
     if not hf.get("use_sliding_window", True):
@@ -443,7 +444,8 @@ class ModelConfig:
             mla=mla,
             rotary_dim=mla.rope_dim if mla else int(head_dim * partial),
             linear=LinearAttentionConfig.from_hf(hf, LINEAR[architecture])
-            if architecture in LINEAR else None,
+            if architecture in LINEAR
+            else None,
         )
 
     @property

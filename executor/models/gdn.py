@@ -109,6 +109,7 @@ class GatedDeltaNet(nn.Module):
         self.norm.weight = nn.Parameter(torch.empty(s.head_v_dim))
         self.out_proj = make_linear(config, (f"{prefix}.out_proj",), s.value_dim, hidden, False,
                                     tp)  # fmt: skip
+        self.kernels = torch_gdn  # the backend's gated delta rule (use_backend)
         # A verification's per-token states, until accept() learns what it kept.
         self.pending: list[tuple[StatePages, int, int, list[int], torch.Tensor,
                                  torch.Tensor]] = []  # fmt: skip
@@ -188,20 +189,19 @@ class GatedDeltaNet(nn.Module):
             snaps.append(torch.stack([history[c : c + width].transpose(0, 1) for c in counts]))
         return out, snaps
 
-    @staticmethod
-    def _delta_rule(q, k, v, g, beta, meta: RecurrentMetadata, states: torch.Tensor):
+    def _delta_rule(self, q, k, v, g, beta, meta: RecurrentMetadata, states: torch.Tensor):
         """The delta rule's outputs, and per longer sequence its state after each
         snapshot's tokens [snapshots, Hv, dk, dv]."""
         n, starts = meta.num_decodes, meta.query_start_loc
         out, snaps = v.new_empty(v.shape, dtype=torch.float32), []
         if n:
-            out[:n] = torch_gdn.recurrent(q[:n, None], k[:n, None], v[:n, None], g[:n, None],
+            out[:n] = self.kernels.recurrent(q[:n, None], k[:n, None], v[:n, None], g[:n, None],
                                           beta[:n, None], states[:n])[:, 0]  # fmt: skip
         for i, counts in zip(range(n, len(starts) - 1), meta.snapshots, strict=True):
             state, done, taken = states[i], 0, []
             for count in counts:
                 rows = slice(starts[i] + done, starts[i] + count)
-                out[rows] = torch_gdn.chunked(q[rows], k[rows], v[rows], g[rows], beta[rows],
+                out[rows] = self.kernels.chunked(q[rows], k[rows], v[rows], g[rows], beta[rows],
                                               state)  # fmt: skip
                 taken.append(state.clone())
                 done = count

@@ -130,6 +130,11 @@ def use_backend(model: nn.Module, backend: ModuleType) -> None:
     for module in model.modules():
         if isinstance(module, Attention | LatentAttention):
             module.backend = backend
+        elif isinstance(module, GatedDeltaNet):
+            try:
+                module.kernels = backend.gdn()
+            except ImportError as e:  # the triton backend without flash-linear-attention
+                raise ConfigError(str(e)) from None
         elif isinstance(module, Experts):
             module.fused = backend.fused_moe
         elif isinstance(module, QuantLinear | QuantExperts):

@@ -166,8 +166,12 @@ VARIANTS |= DEEPSEEK_VARIANTS
 # full_attention_interval 4), Gemma-style norms, partial rotary; states small enough
 # that a 4-token block's page holds one (kv_cache.block_size_for keeps 4).
 _RECURRENT = dict(
-    **{**COMMON, "num_hidden_layers": 4}, head_dim=32, linear_num_key_heads=2,
-    linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+    **{**COMMON, "num_hidden_layers": 4},
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
     linear_conv_kernel_dim=4,
 )
 RECURRENT_VARIANTS = {

@@ -150,7 +150,8 @@ class HashModelExecutor:
                 assert block != 0, f"the state after {start} tokens: the null block"
                 found = self.kv[block * bs]
                 assert found == ("state", start, g, _digest(tokens[:start])), (
-                    f"group {g}: block {block} holds {found} for the state after {start}")
+                    f"group {g}: block {block} holds {found} for the state after {start}"
+                )
             for n in ends:
                 self._write_state(state, g, n, tokens)
 
