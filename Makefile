@@ -12,7 +12,7 @@ THINKING ?=
 HARMONY ?=
 SIZE ?= $(if $(HARMONY),nano,tiny)
 # `make model ARCH=qwen3_moe` (or mixtral) writes a Mixture-of-Experts one of the size;
-# `make serve ARCH=qwen3_moe` serves it.
+# `make serve ARCH=qwen3_moe` serves it (ARCH=qwen3_next: gated DeltaNet layers).
 ARCH ?= llama
 MODEL_DIR := models/flagstop-$(SIZE)$(if $(filter-out llama,$(ARCH)),-$(ARCH))$(if \
 	$(THINKING),-thinking)$(if $(HARMONY),-harmony)
@@ -72,7 +72,7 @@ COMPOSE := $(if $(strip $(PROFILES)),COMPOSE_PROFILES=$(subst $() ,$(comma),$(st
 	$(if $(SPEC),SPEC='$(SPEC)') $(if $(filter-out grpcio,$(GRPC_SERVER)),GRPC_SERVER=$(GRPC_SERVER)) \
 	$(DOCKER_COMPOSE) -f compose/compose.yaml $(if $(GPU),-f compose/compose.gpu.yaml)
 
-.PHONY: venv test test-fast kernels-sm90 lint bench bench-executor bench-kv-tier bench-kv-groups bench-mla bench-lora bench-replicas bench-structured model proto serve up down logs ps clean
+.PHONY: venv test test-fast kernels-sm90 lint bench bench-executor bench-kv-tier bench-kv-groups bench-mla bench-recurrent bench-lora bench-replicas bench-structured model proto serve up down logs ps clean
 
 venv: $(STAMP)
 
@@ -234,6 +234,10 @@ bench-kv-groups: $(STAMP)
 
 bench-mla: $(STAMP)
 	$(PY) bench/mla_bench.py
+	$(PY) bench/report.py
+
+bench-recurrent: $(STAMP)
+	$(PY) bench/recurrent_bench.py
 	$(PY) bench/report.py
 
 bench-executor: $(STAMP)

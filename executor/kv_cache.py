@@ -11,6 +11,7 @@ from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.models.config import ModelConfig
 from flagstop.executor.models.llama import KVCache
 from flagstop.scheduler_svc.core.kv_groups import (
+    LINEAR_ATTENTION,
     KVCacheGroup,
     LayerSpec,
     group_size,
@@ -34,7 +35,7 @@ def block_size_for(mc: ModelConfig, layers: Sequence[LayerSpec], block_size: int
     multiple of it whose page (a full-attention layer's K and V of its tokens, on one
     rank) holds one layer's state (kv_groups.py; vLLM raises the attention block size
     of a hybrid model the same way)."""
-    if mc.linear is None:
+    if LINEAR_ATTENTION not in mc.layer_types:
         return block_size
     page = max(x.kv_bytes_per_token for x in layers) * block_size
     return block_size * cdiv(mc.linear.state_bytes(tp_size), page)

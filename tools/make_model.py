@@ -462,11 +462,12 @@ def harmony_vocabulary() -> Vocabulary:
 
 def write_model(
     out: Path, size: str = "tiny", seed: int = 0, arch: str = "llama", thinking: bool = False,
-    harmony: bool = False,
+    harmony: bool = False, overrides: dict | None = None,
 ) -> Path:  # fmt: skip
+    """overrides: config fields over the architecture's (a bench's variant of it)."""
     out.mkdir(parents=True, exist_ok=True)
     vocab = harmony_vocabulary() if harmony else embedded_vocabulary(thinking)
-    config = model_config(size, vocab, arch)
+    config = {**model_config(size, vocab, arch), **(overrides or {})}
     save_file(
         random_weights(config, seed), str(out / "model.safetensors"), metadata={"format": "pt"}
     )
