@@ -4,8 +4,6 @@ so (Describe, /v1/models, its metrics), a prompt past the window comes back toke
 and a host tier with groups stops start-up in one line."""
 
 import random
-import subprocess
-import sys
 import urllib.request
 
 import httpx
@@ -13,7 +11,7 @@ import pytest
 
 from tests.helpers.checkpoints import load_reference, reference_generate
 from tools.make_model import write_model
-from tools.stack import ROOT, free_port, generate, start_stack
+from tools.stack import generate, scheduler_refusal, start_stack
 
 pytestmark = pytest.mark.processes
 
@@ -82,22 +80,8 @@ def _greedy(stack, prompt: list[int], max_tokens: int) -> list[int]:
     return tokens
 
 
-def test_disaggregation_with_groups_stops_start_up_naming_the_way_out(gpt_oss, tmp_path):
-    executor_port, scheduler_port = free_port(), free_port()
-    executor = subprocess.Popen(
-        [sys.executable, "-m", "flagstop.executor", "--model", str(gpt_oss), "--port",
-         str(executor_port), "--metrics-port", str(free_port()), "--num-blocks", "64",
-         "--kv-role", "prefill", "--kv-transfer-host", "127.0.0.1"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        done = subprocess.run(
-            [sys.executable, "-m", "flagstop.scheduler_svc", "--port", str(scheduler_port),
-             "--metrics-port", str(free_port()), "--executor", f"127.0.0.1:{executor_port}"],
-            cwd=ROOT, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
-    finally:
-        executor.kill()
-        executor.wait()
-    assert done.returncode != 0
-    assert "--disable-hybrid-kv-cache-manager" in done.stderr.strip().splitlines()[-1]
+def test_disaggregation_with_groups_stops_start_up_naming_the_way_out(gpt_oss):
+    args = ["--num-blocks", "64", "--kv-role", "prefill", "--kv-transfer-host", "127.0.0.1"]
+    returncode, last_line = scheduler_refusal(gpt_oss, args)
+    assert returncode != 0
+    assert "--disable-hybrid-kv-cache-manager" in last_line

@@ -18,7 +18,6 @@ from flagstop.executor.model_runner import ModelRunner
 from flagstop.executor.models.config import ConfigError, ModelConfig
 from flagstop.executor.sampling_params import SamplingParams
 from flagstop.executor.spec.proposer import NoProposer
-from flagstop.scheduler_svc.core.config import SchedulerConfig
 from tests.helpers.checkpoints import (
     RECURRENT_VARIANTS,
     load_reference,
@@ -26,6 +25,11 @@ from tests.helpers.checkpoints import (
     reference_generate,
     write_checkpoint,
     write_config,
+)
+from tests.helpers.engine_jobs import (
+    assert_equal_to_transformers,
+    engine_config,
+    greedy_jobs,
 )
 from tools.inprocess import Job, run_engine
 
@@ -44,56 +48,37 @@ def _runner(path, spec: dict | None = None, num_blocks: int = 512, **config) -> 
                                       **config))  # fmt: skip
 
 
-def _config(**overrides) -> SchedulerConfig:
-    base = dict(max_num_batched_tokens=16, max_num_seqs=6, max_model_len=512, block_size=4)
-    return SchedulerConfig(**{**base, **overrides})
-
-
-def _jobs(n: int, seed: int = 0, shared: list[int] | None = None) -> list[Job]:
-    rng = random.Random(seed)
-    head = shared or []
-    return [Job([*head, *prompt(seed * 100 + i, rng.randrange(12, 40))[len(head) > 0 :]],
-                rng.randrange(10, 30), SamplingParams()) for i in range(n)]  # fmt: skip
-
-
-def _assert_equal_to_transformers(reference, jobs, outputs) -> None:
-    for job, out in zip(jobs, outputs, strict=True):
-        assert out == reference_generate(reference, job.prompt, job.max_tokens)
-    every = [t for out in outputs for t in out]
-    assert len(set(every)) > 0.3 * len(every), "degenerate reference: the test could not fail"
-
-
 def test_greedy_outputs_through_chunks_joins_and_leaves(recurrent):
     path, reference = recurrent
-    jobs = _jobs(10)
-    run = run_engine(_runner(path), jobs, _config())  # 16-token chunks across the states
-    _assert_equal_to_transformers(reference, jobs, run.outputs)
+    jobs = greedy_jobs(10)
+    run = run_engine(_runner(path), jobs, engine_config())  # 16-token chunks across the states
+    assert_equal_to_transformers(reference, jobs, run.outputs)
     assert [g for g, _ in run.scheduler.kv.window_groups] == [1, 2, 3]
 
 
 def test_prefix_hits_resume_from_the_state_at_an_aligned_boundary(recurrent):
     path, reference = recurrent
     shared = prompt(7, 26)  # 6 whole blocks and 2 tokens: hits stop at 24
-    jobs = _jobs(6, seed=3, shared=shared)
+    jobs = greedy_jobs(6, seed=3, shared=shared)
     hits = []
-    run = run_engine(_runner(path), jobs, _config(max_num_seqs=1),  # one after another
+    run = run_engine(_runner(path), jobs, engine_config(max_num_seqs=1),  # one after another
                      on_step=lambda s: hits.extend(r.num_cached_tokens for r in s.running
                                                    if r.num_cached_tokens > 0))  # fmt: skip
-    _assert_equal_to_transformers(reference, jobs, run.outputs)
+    assert_equal_to_transformers(reference, jobs, run.outputs)
     assert set(hits) == {24}, hits
     assert run.scheduler.kv.prefix_stats.num_hits == 5 * 24
 
 
 def test_a_small_pool_preempts_and_recomputes_token_exact(recurrent):
     path, reference = recurrent
-    jobs = _jobs(8, seed=5)
+    jobs = greedy_jobs(8, seed=5)
     # Admitted as soon as a first chunk fits, these prompts outgrow the pool and
     # preempt one another: the recompute path (and its prefix hits) is under test.
-    config = _config(max_num_batched_tokens=32, reserve_full_isl=False)
+    config = engine_config(max_num_batched_tokens=32, reserve_full_isl=False)
     num_blocks = 4 * 24
     run = run_engine(_runner(path, num_blocks=num_blocks), jobs, config, num_blocks=num_blocks)
     assert run.scheduler.num_preemptions > 0
-    _assert_equal_to_transformers(reference, jobs, run.outputs)
+    assert_equal_to_transformers(reference, jobs, run.outputs)
 
 
 class _OracleProposer(NoProposer):
@@ -119,14 +104,14 @@ class _OracleProposer(NoProposer):
 
 def test_speculative_decoding_equals_plain_decoding(recurrent):
     path, reference = recurrent
-    jobs = _jobs(6, seed=11)
+    jobs = greedy_jobs(6, seed=11)
     expected = [reference_generate(reference, j.prompt, j.max_tokens) for j in jobs]
     spec = {"method": "ngram", "num_speculative_tokens": 3}
     runner = _runner(path, spec)
     runner.drafter.proposer = _OracleProposer(
         [[*j.prompt, *out] for j, out in zip(jobs, expected, strict=True)], seed=4
     )
-    run = run_engine(runner, jobs, _config(num_speculative_tokens=3,
+    run = run_engine(runner, jobs, engine_config(num_speculative_tokens=3,
                                            speculative_min_gain=1e-12))  # fmt: skip
     stats = run.scheduler.drafts.stats
     # Drafts kept and drafts rejected, at every place of a verification.
@@ -152,7 +137,7 @@ def test_a_request_holds_constant_state_bytes_from_100_to_8k_tokens(tmp_path):
             held[request.num_computed_tokens] = len(blocks) * block_bytes
 
     jobs = [Job(prompt(1, 100), 8, SamplingParams()), Job(prompt(2, 8000), 8, SamplingParams())]
-    run_engine(runner, jobs, _config(max_num_batched_tokens=1024, max_model_len=8448,
+    run_engine(runner, jobs, engine_config(max_num_batched_tokens=1024, max_model_len=8448,
                                      max_num_seqs=1), num_blocks=3000, on_step=on_step)  # fmt: skip
     short = {b for n, b in held.items() if n in range(101, 109)}
     long = {b for n, b in held.items() if n > 8000}

@@ -5,8 +5,6 @@ back from the host tier with its states (the blocks carry them), and disaggregat
 which does not move states, stops start-up in one line."""
 
 import random
-import subprocess
-import sys
 
 import httpx
 import pytest
@@ -15,7 +13,7 @@ import torch
 from tests.helpers.checkpoints import load_reference, prompt, reference_generate, reference_logits
 from tests.helpers.executor_harness import Harness
 from tools.make_model import write_model
-from tools.stack import ROOT, free_port, generate, start_stack
+from tools.stack import generate, scheduler_refusal, start_stack
 
 NUM_BLOCKS = 40
 
@@ -84,21 +82,7 @@ def _greedy(stack, prompt_ids: list[int], max_tokens: int) -> list[int]:
 
 @pytest.mark.processes
 def test_disaggregation_stops_start_up_in_one_line(qwen3_next):
-    executor_port, scheduler_port = free_port(), free_port()
-    executor = subprocess.Popen(
-        [sys.executable, "-m", "flagstop.executor", "--model", str(qwen3_next), "--port",
-         str(executor_port), "--metrics-port", str(free_port()), "--num-blocks", "64",
-         "--kv-role", "prefill", "--kv-transfer-host", "127.0.0.1"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        done = subprocess.run(
-            [sys.executable, "-m", "flagstop.scheduler_svc", "--port", str(scheduler_port),
-             "--metrics-port", str(free_port()), "--executor", f"127.0.0.1:{executor_port}"],
-            cwd=ROOT, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
-    finally:
-        executor.kill()
-        executor.wait()
-    assert done.returncode != 0
-    assert "serve it without --kv-role" in done.stderr.strip().splitlines()[-1]
+    args = ["--num-blocks", "64", "--kv-role", "prefill", "--kv-transfer-host", "127.0.0.1"]
+    returncode, last_line = scheduler_refusal(qwen3_next, args)
+    assert returncode != 0
+    assert "serve it without --kv-role" in last_line

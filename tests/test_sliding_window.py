@@ -11,12 +11,15 @@ import pytest
 from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.model_runner import ModelRunner
 from flagstop.executor.sampling_params import SamplingParams
-from flagstop.scheduler_svc.core.config import SchedulerConfig
 from tests.helpers.checkpoints import (
     load_reference,
     prompt,
-    reference_generate,
     write_checkpoint,
+)
+from tests.helpers.engine_jobs import (
+    assert_equal_to_transformers,
+    engine_config,
+    greedy_jobs,
 )
 from tools.inprocess import Job, run_engine
 
@@ -38,46 +41,27 @@ def _runner(path, spec: dict | None = None, num_blocks: int = 256) -> ModelRunne
                                       max_num_seqs=16, speculative_config=spec))  # fmt: skip
 
 
-def _config(**overrides) -> SchedulerConfig:
-    base = dict(max_num_batched_tokens=16, max_num_seqs=6, max_model_len=512, block_size=4)
-    return SchedulerConfig(**{**base, **overrides})
-
-
-def _jobs(n: int, seed: int = 0, shared: list[int] | None = None) -> list[Job]:
-    rng = random.Random(seed)
-    head = shared or []
-    return [Job([*head, *prompt(seed * 100 + i, rng.randrange(12, 40))[len(head) > 0 :]],
-                rng.randrange(10, 30), SamplingParams()) for i in range(n)]  # fmt: skip
-
-
-def _assert_equal_to_transformers(reference, jobs, outputs) -> None:
-    for job, out in zip(jobs, outputs, strict=True):
-        assert out == reference_generate(reference, job.prompt, job.max_tokens)
-    every = [t for out in outputs for t in out]
-    assert len(set(every)) > 0.3 * len(every), "degenerate reference: the test could not fail"
-
-
 def test_greedy_outputs_through_chunks_joins_and_leaves(windowed):
     path, reference = windowed
     runner = _runner(path)
-    jobs = _jobs(10)
-    run = run_engine(runner, jobs, _config())  # 16-token chunks past an 8-token window
-    _assert_equal_to_transformers(reference, jobs, run.outputs)
+    jobs = greedy_jobs(10)
+    run = run_engine(runner, jobs, engine_config())  # 16-token chunks past an 8-token window
+    assert_equal_to_transformers(reference, jobs, run.outputs)
     assert run.scheduler.kv.window_groups, "the window is not in the core's groups"
 
 
 def test_prefix_hits_serve_only_what_every_group_can(windowed):
     path, reference = windowed
     shared = prompt(7, 25)
-    jobs = _jobs(6, seed=3, shared=shared)
-    run = run_engine(_runner(path), jobs, _config(max_num_seqs=1))  # one after another
-    _assert_equal_to_transformers(reference, jobs, run.outputs)
+    jobs = greedy_jobs(6, seed=3, shared=shared)
+    run = run_engine(_runner(path), jobs, engine_config(max_num_seqs=1))  # one after another
+    assert_equal_to_transformers(reference, jobs, run.outputs)
     assert run.scheduler.kv.prefix_stats.num_hits >= 5 * 20
 
 
 def test_a_small_pool_preempts_and_recomputes_token_exact(windowed):
     path, reference = windowed
-    jobs = _jobs(8, seed=5)
+    jobs = greedy_jobs(8, seed=5)
     # Every layer windowed (Mistral), a request holds a window and a chunk however
     # long it runs, so decodes never outgrow the pool: it waits to be admitted instead
     # (its preemptions: the state machine's "window" layout).
@@ -85,10 +69,10 @@ def test_a_small_pool_preempts_and_recomputes_token_exact(windowed):
     num_blocks = 14 if windowed_only else 40
     # Admitted as soon as a first chunk fits (not the default), these prompts outgrow
     # the pool and preempt one another: the recompute path is what is under test.
-    config = _config(max_num_batched_tokens=32, reserve_full_isl=False)
+    config = engine_config(max_num_batched_tokens=32, reserve_full_isl=False)
     run = run_engine(_runner(path, num_blocks=num_blocks), jobs, config, num_blocks=num_blocks)
     assert windowed_only or run.scheduler.num_preemptions > 0
-    _assert_equal_to_transformers(reference, jobs, run.outputs)
+    assert_equal_to_transformers(reference, jobs, run.outputs)
 
 
 def test_speculative_decoding_equals_plain_decoding(windowed):
@@ -101,10 +85,10 @@ def test_speculative_decoding_equals_plain_decoding(windowed):
         span = prompt(900 + i, rng.randrange(6, 14))[1:]
         jobs.append(Job([0, *span, *span, *span[:3]], rng.randrange(10, 30), SamplingParams()))
     runner = _runner(path, spec)
-    run = run_engine(runner, jobs, _config(num_speculative_tokens=3,
+    run = run_engine(runner, jobs, engine_config(num_speculative_tokens=3,
                                            speculative_min_gain=1e-12))  # fmt: skip
     assert run.scheduler.drafts.stats.num_drafts > 0
-    _assert_equal_to_transformers(reference, jobs, run.outputs)
+    assert_equal_to_transformers(reference, jobs, run.outputs)
 
 
 def test_a_draft_model_on_a_model_without_full_attention_is_refused(tmp_path):

@@ -170,6 +170,27 @@ def _stop_order(name: str) -> int:
     return ("router", "scheduler", "executor").index(name.split("-")[0])
 
 
+def scheduler_refusal(model_dir: Path, executor_args: list[str]) -> tuple[int, str]:
+    """A scheduler started against an executor of model_dir (executor_args beside its
+    model and ports) that stops start-up: its exit code and its last line on stderr."""
+    executor_port, scheduler_port = free_port(), free_port()
+    executor = subprocess.Popen(
+        [sys.executable, "-m", "flagstop.executor", "--model", str(model_dir), "--port",
+         str(executor_port), "--metrics-port", str(free_port()), *executor_args],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "flagstop.scheduler_svc", "--port", str(scheduler_port),
+             "--metrics-port", str(free_port()), "--executor", f"127.0.0.1:{executor_port}"],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    finally:
+        executor.kill()
+        executor.wait()
+    return done.returncode, done.stderr.strip().splitlines()[-1]
+
+
 def start_stack(
     model_dir: Path,
     log_dir: Path,
