@@ -156,6 +156,9 @@ class GatedDeltaNet(nn.Module):
     def forward(self, ropes, x: torch.Tensor, kv_cache, meta: RecurrentMetadata) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; each sequence's state read from its block and
         written back where meta says."""
+        # The last verification was accepted before this step (advance runs first); a
+        # batch reset since must not leave its states to be written into reused blocks.
+        self.pending.clear()
         pages = self.pages(kv_cache)
         delta_states, conv_states = pages.read(meta.src_blocks)
         mixed, z, b, a = self._split(x)
