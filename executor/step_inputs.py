@@ -177,13 +177,13 @@ class Flattened:
             row, start, end = rows[i], int(computed[i]), int(self.seq_lens[i])
             if drafted[i]:
                 counts = list(range(1, end - start + 1))
-                blocks.append([-1] * len(counts))
+                blocks += [-1] * len(counts)
                 targets = [int(table[row, (start + c - 1) // bs]) for c in counts]
                 drafts.append((i, int(sample_row[self.order[i]]), start, targets))
             else:
                 counts = [b - start for b in range((start // bs + 1) * bs, end, bs)]
                 counts.append(end - start)
-                blocks.append([int(table[row, (start + c - 1) // bs]) for c in counts])
+                blocks += [int(table[row, (start + c - 1) // bs]) for c in counts]
             snapshots.append(counts)
         return RecurrentMetadata(
             query_start_loc=[0, *self.cu_tokens.tolist()],
@@ -191,7 +191,7 @@ class Flattened:
             src_blocks=t(src.astype(np.int64)),
             decode_blocks=t(decode_blocks.astype(np.int64)),
             snapshots=snapshots,
-            snapshot_blocks=blocks,
+            snapshot_blocks=t(np.array(blocks, np.int64)),
             drafts=drafts,
         )
 

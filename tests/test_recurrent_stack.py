@@ -4,16 +4,15 @@ recurrent groups, a long prompt comes back token-exact, a prefix the pool evicte
 back from the host tier with its states (the blocks carry them), and disaggregation,
 which does not move states, stops start-up in one line."""
 
-import random
-
 import httpx
 import pytest
 import torch
 
-from tests.helpers.checkpoints import load_reference, prompt, reference_generate, reference_logits
+from tests.helpers.checkpoints import load_reference, prompt, reference_logits
 from tests.helpers.executor_harness import Harness
+from tests.helpers.streams import assert_evicted_prefix_loads_back
 from tools.make_model import write_model
-from tools.stack import generate, scheduler_refusal, start_stack
+from tools.stack import scheduler_refusal, start_stack
 
 NUM_BLOCKS = 40
 
@@ -57,27 +56,10 @@ def test_served_with_a_host_tier_its_states_load_back_token_exact(qwen3_next, re
         [card] = httpx.get(f"{stack.base_url}/models", timeout=30).json()["data"]
         assert card["kv_cache_groups"] == "full x1 + linear x1 + linear x1 + linear x1"
         assert card["kv_bytes_per_token"] == 1024  # full attention's only: states are not
-        rng = random.Random(3)
-        first = [1, *(rng.randrange(3, 500) for _ in range(199))]
-        answer = _greedy(stack, first, 16)
-        assert answer == reference_generate(reference, first, 16)
-        for _ in range(3):  # evict it from the pool: the tier keeps every group's blocks
-            _greedy(stack, [1, *(rng.randrange(3, 500) for _ in range(150))], 2)
-        before = stack.stats()
-        follow_up = [*first, *answer, 5, 6, 7]
-        assert _greedy(stack, follow_up, 10) == reference_generate(reference, follow_up, 10)
-        stats = stack.wait_idle()
-        # Its 6 whole blocks of 32 came from the tier: the states at 192 with them.
-        assert stats.external_prefix_cache_hits - before.external_prefix_cache_hits >= 192
-        assert stats.num_free_blocks == stats.num_total_blocks
+        # 200 + 16 tokens: 6 whole blocks of 32 from the tier, the states at 192 with them.
+        assert_evicted_prefix_loads_back(stack, reference, 200, 151, 192, seed=3, answer_len=16)
     finally:
         stack.stop(10)
-
-
-def _greedy(stack, prompt_ids: list[int], max_tokens: int) -> list[int]:
-    tokens, _, _ = generate(stack, prompt_token_ids=prompt_ids, max_tokens=max_tokens,
-                            temperature=0, ignore_eos=True)  # fmt: skip
-    return tokens
 
 
 @pytest.mark.processes

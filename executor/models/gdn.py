@@ -36,7 +36,7 @@ class RecurrentMetadata:
     src_blocks: torch.Tensor  # [num_seqs] int64
     decode_blocks: torch.Tensor  # [num_decodes] int64
     snapshots: list[list[int]]  # per longer sequence: token counts, its last one last
-    snapshot_blocks: list[list[int]]
+    snapshot_blocks: torch.Tensor  # [all snapshots] int64, in the snapshots' order
     # Per sequence with drafts: (its index, its sampling row, tokens computed before the
     # step, the block of the state after 1 + a tokens for a = 0 .. drafts).
     drafts: list[tuple[int, int, int, list[int]]]
@@ -216,11 +216,10 @@ class GatedDeltaNet(nn.Module):
         n = meta.num_decodes
         if n:
             pages.write(meta.decode_blocks, delta_states[:n], conv_states[:n])
-        blocks = [b for seq in meta.snapshot_blocks for b in seq]
-        if blocks:
-            now = torch.tensor(blocks) >= 0
-            deltas, convs = torch.cat(delta_snaps)[now], torch.cat(conv_snaps)[now]
-            pages.write(torch.tensor(blocks)[now], deltas, convs)
+        blocks = meta.snapshot_blocks
+        if len(blocks):
+            now = blocks >= 0
+            pages.write(blocks[now], torch.cat(delta_snaps)[now], torch.cat(conv_snaps)[now])
         for i, row, computed, targets in meta.drafts:
             self.pending.append((pages, row, computed, targets, delta_snaps[i - n],
                                  conv_snaps[i - n]))  # fmt: skip

@@ -119,3 +119,31 @@ def assert_matches_reference(reference, requests, outputs):
     assert len(set(every)) > 0.5 * len(every), "degenerate reference: the test could not fail"
     for i, (got, want) in enumerate(zip(outputs, expected, strict=True)):
         assert got == want, f"request {i}"
+
+
+def greedy(stack, prompt: list[int], max_tokens: int) -> list[int]:
+    """One greedy request of exactly max_tokens tokens, streamed."""
+    tokens, _, _ = generate(stack, prompt_token_ids=prompt, max_tokens=max_tokens,
+                            temperature=0, ignore_eos=True)  # fmt: skip
+    return tokens
+
+
+def assert_evicted_prefix_loads_back(
+    stack, reference, prompt_len: int, flush_len: int, min_hits: int, seed: int,
+    answer_len: int = 8,
+) -> None:  # fmt: skip
+    """A first turn of prompt_len tokens (answer_len out), evicted from the pool by three
+    of flush_len, then its follow-up: token-exact, with at least min_hits tokens of it
+    loaded from the host tier (the stack's executor has one) and every block free after."""
+    rng = random.Random(seed)
+    first = [1, *(rng.randrange(3, 500) for _ in range(prompt_len - 1))]
+    answer = greedy(stack, first, answer_len)
+    assert answer == reference_generate(reference, first, answer_len)
+    for _ in range(3):  # the tier keeps every group's blocks
+        greedy(stack, [1, *(rng.randrange(3, 500) for _ in range(flush_len - 1))], 2)
+    before = stack.stats()
+    follow_up = [*first, *answer, 5, 6, 7]
+    assert greedy(stack, follow_up, 10) == reference_generate(reference, follow_up, 10)
+    stats = stack.wait_idle()
+    assert stats.external_prefix_cache_hits - before.external_prefix_cache_hits >= min_hits
+    assert stats.num_free_blocks == stats.num_total_blocks
