@@ -137,24 +137,35 @@ class Flattened:
         """(input ids, positions, metadata per KV cache group) on the device, from the
         batch's token table and block tables (num_drafts: per request as given, the
         drafts after its tokens; samples: the sampling requests, in their order)."""
-        bs = batch.block_size
-        block_index, offsets = self.positions // bs, self.positions % bs
-        max_blocks = cdiv(int(self.seq_lens.max()), bs)
-        seq_lens = t(self.seq_lens.astype(np.int32))
-        query_start_loc = t(np.concatenate(([0], self.cu_tokens)).astype(np.int32))
-        num_decodes = int((self.num_new == 1).sum())
-        metadata: list[GroupMetadata] = []
-        for g, table in enumerate(batch.block_tables):
-            if g in batch.recurrent_groups:
-                metadata.append(self.recurrent(table, bs, num_decodes, num_drafts, samples, t))
-                continue
-            slots = table[self.token_rows, block_index].astype(np.int64) * bs + offsets
-            metadata.append(AttentionMetadata(
-                slot_mapping=t(slots), block_tables=t(table[self.rows, :max_blocks]),
-                seq_lens=seq_lens, query_start_loc=query_start_loc, num_decodes=num_decodes,
-            ))  # fmt: skip
+        common = self._common(t)
+        num_decodes = common[2]
+        metadata: list[GroupMetadata] = [
+            self.recurrent(table, batch.block_size, num_decodes, num_drafts, samples, t)
+            if g in batch.recurrent_groups else self._attention(batch, g, t, common)
+            for g, table in enumerate(batch.block_tables)
+        ]  # fmt: skip
         input_ids = t(batch.token_ids[self.token_rows, self.positions])
         return input_ids, t(self.positions), metadata
+
+    def _common(self, t) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(seq_lens, query_start_loc on the device, the decodes): every group's."""
+        query_start_loc = np.concatenate(([0], self.cu_tokens)).astype(np.int32)
+        num_decodes = int((self.num_new == 1).sum())
+        return t(self.seq_lens.astype(np.int32)), t(query_start_loc), num_decodes
+
+    def attention(self, batch: InputBatch, g: int, t) -> AttentionMetadata:
+        """Attention group g's metadata alone (the mtp drafter's layer reads one)."""
+        return self._attention(batch, g, t, self._common(t))
+
+    def _attention(self, batch: InputBatch, g: int, t, common) -> AttentionMetadata:
+        bs, table = batch.block_size, batch.block_tables[g]
+        slots = table[self.token_rows, self.positions // bs].astype(np.int64) * bs
+        seq_lens, query_start_loc, num_decodes = common
+        return AttentionMetadata(
+            slot_mapping=t(slots + self.positions % bs),
+            block_tables=t(table[self.rows, : cdiv(int(self.seq_lens.max()), bs)]),
+            seq_lens=seq_lens, query_start_loc=query_start_loc, num_decodes=num_decodes,
+        )  # fmt: skip
 
     def recurrent(self, table: np.ndarray, bs: int, num_decodes: int,
                   num_drafts: np.ndarray | None, samples: np.ndarray | None,

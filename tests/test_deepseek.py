@@ -78,8 +78,11 @@ def test_an_fp8_latent_cache_stays_as_close_as_an_fp8_kv_cache_does(deepseek_dir
     float32 cache's, over 16 prompts: median 0.08 (the tiny Llama's FP8 K/V cache: 0.15;
     the output left unscaled: 0.83), a few contexts far more sensitive than the rest.
     The absorbed decode reads the FP8 latents as the expanded prefill does: a decode
-    gives the logits of a prefill of the same context on the same cache (measured:
-    within 2e-6)."""
+    gives the logits of a prefill of the same context on the same cache: within 2e-6,
+    except where a token the prefill recomputes (its batch rounds differently from the
+    decode's, by ~1e-7) has a latent value at an e4m3 rounding midpoint and stores the
+    neighbouring FP8 value: seed 3 on an AVX512-FP16/AMX CPU, 1.1e-4, the same contexts
+    on the float32 cache 2e-6. A scale left out of the absorbed path would be ~0.8."""
     path = shutil.copytree(deepseek_dir, tmp_path / "k-scale")
     tensors = load_file(path / "model.safetensors")
     for layer in range(TINY["num_hidden_layers"]):
@@ -97,7 +100,7 @@ def test_an_fp8_latent_cache_stays_as_close_as_an_fp8_kv_cache_does(deepseek_dir
     for seed in range(4):  # a decode on FP8 latents, then a prefill of its context
         decoded = fp8.logits({f"r{seed}": 1})[f"r{seed}"]
         fp8.add(f"p{seed}", fp8.requests[f"r{seed}"].token_ids[:26])
-        assert relative_error(fp8.logits({f"p{seed}": 26})[f"p{seed}"], decoded) < 1e-4
+        assert relative_error(fp8.logits({f"p{seed}": 26})[f"p{seed}"], decoded) < 1e-3
 
 
 def relative_error(want: torch.Tensor, got: torch.Tensor) -> float:

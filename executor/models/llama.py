@@ -61,7 +61,7 @@ class VocabParallelEmbedding(nn.Embedding):
         return self.tp.all_reduce(out.masked_fill_(~mine.unsqueeze(-1), 0))
 
 
-def _norm(config: ModelConfig) -> type[RMSNorm]:
+def norm_class(config: ModelConfig) -> type[RMSNorm]:
     """Gemma's and the recurrent Qwens' norms are (1 + w), Llama's w."""
     return GemmaRMSNorm if config.gemma is not None or config.linear is not None else RMSNorm
 
@@ -86,7 +86,7 @@ class Attention(nn.Module):
         self.o_proj = make_linear(
             config, (f"{prefix}.o_proj",), self.q_size, config.hidden_size, config.o_bias, tp
         )
-        norm = _norm(config)
+        norm = norm_class(config)
         self.q_norm = norm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = norm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.backend: ModuleType = torch_attention
@@ -170,7 +170,7 @@ class DecoderLayer(nn.Module):
         sparse = config.moe is not None and config.moe.sparse_layers[index]
         mlp = SparseMoeBlock if sparse else MLP
         self.mlp = mlp(config, tp, f"{prefix}.mlp")
-        norm, size, eps = _norm(config), config.hidden_size, config.rms_norm_eps
+        norm, size, eps = norm_class(config), config.hidden_size, config.rms_norm_eps
         self.input_layernorm = norm(size, eps)
         self.post_attention_layernorm = norm(size, eps)
         self.sandwich = config.gemma is not None
@@ -218,7 +218,7 @@ class LlamaForCausalLM(nn.Module):
         self.moe_blocks = [mlp for mlp in mlps if isinstance(mlp, SparseMoeBlock)]
         self.recurrent_layers = [m for m in self.modules() if isinstance(m, GatedDeltaNet)]
         self.block_size = 0  # the cache's, once the runner knows it (accept_drafts)
-        self.norm = _norm(config)(config.hidden_size, config.rms_norm_eps)
+        self.norm = norm_class(config)(config.hidden_size, config.rms_norm_eps)
         # The checkpoint's K/V cache scales by layer, [2, this rank's KV heads] (the
         # loader's; an FP8 cache without them scales by 1.0).
         self.checkpoint_kv_scales: dict[int, torch.Tensor] = {}

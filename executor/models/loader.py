@@ -180,21 +180,47 @@ def read(f, hf_name: str, region: tuple[int, int, int] | None, full_rows: int | 
 
 
 # A decoder layer's tensors by its index: those at num_hidden_layers and beyond are
-# multi-token-prediction layers (DeepSeek's, GLM-4.5's), which the main model skips (as
-# transformers does) and the `mtp` drafter loads (executor/spec/mtp.py).
+# multi-token-prediction layers (DeepSeek's, GLM-4.5's), as are Qwen3-Next's and
+# Qwen3.5's `mtp.*`: the main model skips them (as transformers does) and the `mtp`
+# drafter loads them (executor/spec/mtp.py).
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# The name a checkpoint tensor loads as in a model (its HF form), None: not this model's.
+Names = Callable[[str], str | None]
 
 
-def main_layers(num_layers: int) -> Callable[[str], bool]:
+def main_layers(num_layers: int) -> Names:
     """The main model's tensors: every one but the prediction layers'."""
-    return lambda name: (m := LAYER.match(name)) is None or int(m[1]) < num_layers
+
+    def name(hf_name: str) -> str | None:
+        if hf_name.startswith("mtp."):
+            return None
+        return hf_name if (m := LAYER.match(hf_name)) is None or int(m[1]) < num_layers else None
+
+    return name
 
 
-def load_weights(
-    model: nn.Module, model_dir: str | Path, keep: Callable[[str], bool] | None = None
-) -> None:
-    """keep: which checkpoint tensors are this model's (default: the main model's)."""
-    keep = keep or main_layers(model.config.num_layers)
+class Renamed:
+    """A safetensors file's tensors under the names `names` gives them (those it
+    gives none left out), read as safe_open reads them."""
+
+    def __init__(self, f, names: Names) -> None:
+        self.f = f
+        self.stored = {ours: n for n in f.keys() if (ours := names(n)) is not None}  # noqa: SIM118
+
+    def keys(self) -> list[str]:
+        return list(self.stored)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self.f.get_tensor(self.stored[name])
+
+    def get_slice(self, name: str):
+        return self.f.get_slice(self.stored[name])
+
+
+def load_weights(model: nn.Module, model_dir: str | Path, names: Names | None = None) -> None:
+    """names: which checkpoint tensors are this model's, and as what (default: the main
+    model's, as they are)."""
+    names = names or main_layers(model.config.num_layers)
     params = dict(model.named_parameters())
     config, shard = model.config, model.tp.shard
     first_expert, num_experts = shard.experts(config.moe.num_experts) if config.moe else (0, 0)
@@ -204,9 +230,10 @@ def load_weights(
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
     quantized = QuantizedLayers(model, params, loaded)
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
+        with safe_open(str(file), framework="pt") as stored:
+            f = Renamed(stored, names)
             for hf_name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if not keep(hf_name) or "rotary_emb.inv_freq" in hf_name:
+                if "rotary_emb.inv_freq" in hf_name:
                     continue
                 if quantized.take(f, hf_name):
                     continue
@@ -437,9 +464,9 @@ def load_model(
 
 def build(
     model: nn.Module, model_dir: str | Path, dtype: torch.dtype, device: torch.device,
-    backend: ModuleType, keep: Callable[[str], bool] | None = None,
+    backend: ModuleType, names: Names | None = None,
 ) -> nn.Module:  # fmt: skip
-    """A model made on meta, given its weights (those keep() takes) on `device`."""
+    """A model made on meta, given its weights (those `names` takes) on `device`."""
     # Built and cast on meta, so no memory is spent on a random init the checkpoint
     # overwrites; quantized layers get their tensors after the cast (their dtypes).
     model = model.to(dtype=dtype).to_empty(device=device)
@@ -448,7 +475,7 @@ def build(
             module.e_score_correction_bias.data = module.e_score_correction_bias.float()
     linear.materialize(model, device)
     model.tie_weights()  # to_empty gives the tied parameters separate storage
-    load_weights(model, model_dir, keep)
+    load_weights(model, model_dir, names)
     for module in model.modules():  # what layers derive from their weights (mla.py)
         if hasattr(module, "after_load"):
             module.after_load(dtype)

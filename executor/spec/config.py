@@ -4,12 +4,14 @@ one line naming the field)."""
 import importlib.util
 from typing import Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
 # vLLM's MAX_SPEC_LEN: past it the verification rows cost more than they save.
 MAX_SPEC_TOKENS = 32
 # vLLM's default n-gram window when neither bound is given ("arbitrarily chosen").
 DEFAULT_PROMPT_LOOKUP = 5
+# vLLM's older per-model names of mtp, which model cards still print.
+MTP_ALIASES = ("deepseek_mtp", "qwen3_next_mtp", "glm4_moe_mtp", "qwen3_5_mtp")
 
 
 class SpeculativeConfig(BaseModel):
@@ -18,7 +20,8 @@ class SpeculativeConfig(BaseModel):
     method: Literal["ngram", "draft_model", "suffix", "mtp"]
     """ngram: prompt lookup; draft_model: a smaller checkpoint of the same tokenizer;
     suffix: suffix decoding over the prompt and earlier outputs (arctic-inference);
-    mtp: the checkpoint's own multi-token prediction layer (DeepSeek-V3, GLM-4.5)"""
+    mtp: the checkpoint's own multi-token prediction layer (DeepSeek-V3, GLM-4.5,
+    Qwen3-Next, Qwen3.5; vLLM's older names qwen3_next_mtp, deepseek_mtp ... too)"""
     num_speculative_tokens: int = Field(3, ge=1, le=MAX_SPEC_TOKENS)
     """draft tokens a request gets a step at most (suffix: the cap of its adaptive length)"""
     prompt_lookup_min: PositiveInt | None = None
@@ -34,6 +37,11 @@ class SpeculativeConfig(BaseModel):
     suffix_decoding_max_cached_requests: int = Field(10000, ge=0)
     suffix_decoding_max_spec_factor: float = Field(1.0, gt=0)
     suffix_decoding_min_token_prob: float = Field(0.1, ge=0, le=1)
+
+    @field_validator("method", mode="before")
+    @classmethod
+    def _mtp_by_another_name(cls, method: object) -> object:
+        return "mtp" if method in MTP_ALIASES else method
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:

@@ -1,27 +1,36 @@
-"""DeepSeek's multi-token prediction layers as a drafter: the speculative method `mtp`
-(vLLM's name), for checkpoints with num_nextn_predict_layers (DeepSeek-V3/R1, Kimi-K2,
-GLM-4.5: `model.layers.{num_hidden_layers}.*`, which the main model skips).
+"""A checkpoint's multi-token prediction layer as a drafter: the speculative method
+`mtp` (vLLM's name; its older qwen3_next_mtp and deepseek_mtp are taken too), in
+either layout a checkpoint writes it (`Layout`):
+- DeepSeek's (DeepSeek-V3/R1, Kimi-K2, GLM-4.5): `model.layers.{num_hidden_layers}.*`,
+  with enorm, hnorm, eh_proj and shared_head (the DeepSeek-V3 report, section 2.2);
+- Qwen's (Qwen3-Next, Qwen3.5): `mtp.*`, with pre_fc_norm_embedding, pre_fc_norm_hidden,
+  fc, layers.0 and norm, the embedding and head the model's; its decoder layer is a
+  full-attention one of the model's (gated attention, the model's MLP kind).
+The main model skips both (as transformers does).
 
 The layer at position i reads the token after it, token i+1, and the main model's
 final hidden state at i: x = eh_proj([enorm(embed(token i+1)), hnorm(hidden i)]), one
-decoder layer of the model's own kind (latent attention and MoE for DeepSeek), then
-shared_head.norm and shared_head.head give the logits of token i+2 (the DeepSeek-V3
-report, section 2.2; vLLM's DeepSeekMTP, whose choices are kept: the embedding at
-position 0 is zeroed, and the layer's output before its norm feeds the next draft).
+decoder layer of the model's own kind, then the final norm and the head give the
+logits of token i+2. Where vLLM's models differ, each layout keeps vLLM's choice:
+DeepSeek's zeroes the embedding at position 0 and chains the layer's output before its
+norm into the next draft; Qwen's zeroes nothing and chains the normed output.
 
-Run on rank 0, with its own paged cache on the target's block ids (as a draft model's):
+Run on rank 0, with its own paged cache on the target's block ids of a full-attention
+group (as a draft model's):
 - after each step (`computed`) it catches up over every position the target computed
   and kept, with the hidden states of that forward, which yields each request's first
   draft (the token after the one just sampled);
 - at the next step (`propose`) the same layer is chained for the further drafts, each
   fed the draft before it and its own output hidden state.
+Under tensor parallelism the model's embedding and head are split over the ranks, so
+a layer that has none of its own loads whole copies of them on rank 0.
 A position the target took from the prefix cache was never seen here: the blocks hold
 what the request that computed them wrote (the next token of that request, which may
 differ at a block's last slot), so drafts there may be worse, never wrong: verification
 is lossless."""
 
 import dataclasses
-import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -32,9 +41,13 @@ from torch import nn
 from flagstop.executor import kv_cache
 from flagstop.executor.input_batch import InputBatch
 from flagstop.executor.models.config import ModelConfig
-from flagstop.executor.models.layers import RMSNorm
-from flagstop.executor.models.llama import DecoderLayer, VocabParallelEmbedding, use_backend
-from flagstop.executor.models.loader import LAYER, build
+from flagstop.executor.models.llama import (
+    DecoderLayer,
+    VocabParallelEmbedding,
+    norm_class,
+    use_backend,
+)
+from flagstop.executor.models.loader import Names, build
 from flagstop.executor.models.onednn import Linear
 from flagstop.executor.parallel import SINGLE
 from flagstop.executor.spec.proposer import NoProposer
@@ -43,52 +56,112 @@ from flagstop.scheduler_svc.core.kv_groups import FULL_ATTENTION
 from flagstop.server import StartupError
 
 
-def num_mtp_layers(model_dir: str) -> int:
-    """num_nextn_predict_layers of the checkpoint's config (DeepSeek's and GLM-4.5's name)."""
-    hf = json.loads((Path(model_dir) / "config.json").read_text())
-    return int(hf.get("num_nextn_predict_layers") or 0)
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """How a checkpoint writes its first prediction layer: `names` gives each of its
+    tensors the name it loads as (model.layers.{L}.<ours>, DeepSeek's), None for the
+    others."""
+
+    names: Names
+    zero_first_embedding: bool  # DeepSeek's: position 0's embedding is zeroed
+    chain_normed: bool  # Qwen's: the normed output feeds the next draft
+
+    @staticmethod
+    def of(stored: set[str], index: int) -> "Layout | None":
+        prefix = f"model.layers.{index}."
+        if "mtp.fc.weight" in stored:
+            return Layout(_qwen_names(prefix), zero_first_embedding=False, chain_normed=True)
+        if prefix + "eh_proj.weight" in stored:
+            return Layout(lambda n: n if n.startswith(prefix) else None,
+                          zero_first_embedding=True, chain_normed=False)  # fmt: skip
+        return None
+
+
+# Qwen's mtp.* names -> ours (DeepSeek's, after model.layers.{L}.).
+QWEN_NAMES = {
+    "mtp.fc.": "eh_proj.",
+    "mtp.pre_fc_norm_embedding.": "enorm.",
+    "mtp.pre_fc_norm_hidden.": "hnorm.",
+    "mtp.norm.": "shared_head.norm.",
+    "mtp.layers.0.": "",  # the first layer; further ones are not run (nor by vLLM's k > 1)
+}
+
+
+def _qwen_names(prefix: str) -> Names:
+    def name(stored: str) -> str | None:
+        for theirs, ours in QWEN_NAMES.items():
+            if stored.startswith(theirs):
+                return prefix + ours + stored.removeprefix(theirs)
+        return None
+
+    return name
+
+
+def _copies(prefix: str, embed: bool, head: bool, tied: bool) -> dict[str, str]:
+    """The model's embedding and head as the layer's own tensors (tensor parallelism:
+    the model's are split over the ranks). Tied: one tensor, the layer's head, which
+    its embedding is tied to (MtpModel.tie_weights)."""
+    if tied:
+        return {"model.embed_tokens.weight": prefix + "shared_head.head.weight"}
+    copies = {"model.embed_tokens.weight": prefix + "embed_tokens.weight"} if embed else {}
+    return copies | ({"lm_head.weight": prefix + "shared_head.head.weight"} if head else {})
+
+
+def _also(copies: dict[str, str], names: Names) -> Names:
+    return lambda stored: copies.get(stored) or names(stored)
+
+
+def _stored_names(model_dir: str) -> set[str]:
+    names: set[str] = set()
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            names |= set(f.keys())
+    return names
 
 
 class SharedHead(nn.Module):
     def __init__(self, config: ModelConfig, own_head: bool) -> None:
         super().__init__()
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = norm_class(config)(config.hidden_size, config.rms_norm_eps)
         self.head = Linear(config.hidden_size, config.vocab_size, bias=False) if own_head else None
 
 
 class MtpLayer(DecoderLayer):
     """`model.layers.{index}`: a decoder layer (attention, MLP, their norms) with the
     prediction layer's enorm, hnorm, eh_proj and shared_head; embed_tokens and
-    shared_head.head are its own when the checkpoint has them, else the model's."""
+    shared_head.head are its own when the checkpoint has them (or tensor parallelism
+    copies the model's), else the model's. Its norms are the model's kind."""
 
     def __init__(self, config: ModelConfig, index: int, own_embed: bool, own_head: bool):
         super().__init__(config, SINGLE, index)
-        size, eps = config.hidden_size, config.rms_norm_eps
-        self.enorm, self.hnorm = RMSNorm(size, eps), RMSNorm(size, eps)
+        size, eps, norm = config.hidden_size, config.rms_norm_eps, norm_class(config)
+        self.enorm, self.hnorm = norm(size, eps), norm(size, eps)
         self.eh_proj = Linear(2 * size, size, bias=False)
         self.shared_head = SharedHead(config, own_head)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, size, SINGLE) \
             if own_embed else None  # fmt: skip
 
 
-def _with_one_more_layer(config: ModelConfig) -> ModelConfig:
+def _with_one_more_layer(config: ModelConfig, sparse: bool) -> ModelConfig:
     """The model's config with the prediction layer as its last layer (a full-attention
-    one, sparse where the model's last layer is)."""
+    one, sparse if its tensors are experts)."""
     moe = config.moe
     if moe is not None:
-        moe = dataclasses.replace(moe, sparse_layers=(*moe.sparse_layers, moe.sparse_layers[-1]))
+        moe = dataclasses.replace(moe, sparse_layers=(*moe.sparse_layers, sparse))
     return dataclasses.replace(config, num_layers=config.num_layers + 1, moe=moe,
                                layer_types=(*config.layer_types, FULL_ATTENTION))  # fmt: skip
 
 
 class MtpModel(nn.Module):
-    """The first prediction layer, named as the checkpoint names it (layers.{index}),
+    """The first prediction layer, named as DeepSeek names it (layers.{index}),
     reading the target model's rotary tables (and embedding, head if it has none)."""
 
-    def __init__(self, target: nn.Module, own_embed: bool, own_head: bool) -> None:
+    def __init__(self, target: nn.Module, layout: Layout, sparse: bool, own_embed: bool,
+                 own_head: bool, tied: bool = False) -> None:  # fmt: skip
         super().__init__()
-        self.config = _with_one_more_layer(target.config)
-        self.tp, self.index = SINGLE, target.config.num_layers
+        self.config = _with_one_more_layer(target.config, sparse)
+        self.tp, self.index, self.layout = SINGLE, target.config.num_layers, layout
+        self.tied = tied  # its embedding is its head (copies of a tied model's)
         self.layers = nn.ModuleDict({str(self.index): MtpLayer(
             self.config, self.index, own_embed, own_head)})  # fmt: skip
         self.checkpoint_kv_scales: dict[int, torch.Tensor] = {}  # the loader's; unused
@@ -99,11 +172,12 @@ class MtpModel(nn.Module):
         return self.layers[str(self.index)]
 
     @property
-    def norm(self) -> RMSNorm:  # the loader reads the model's dtype from it
+    def norm(self) -> nn.Module:  # the loader reads the model's dtype from it
         return self.layer.enorm
 
     def tie_weights(self) -> None:
-        pass
+        if self.tied:
+            self.layer.embed_tokens.weight = self.layer.shared_head.head.weight
 
     def shared_weights(self) -> list[torch.Tensor]:
         return []
@@ -112,57 +186,62 @@ class MtpModel(nn.Module):
         use_backend(self, backend)
 
     def forward(self, input_ids, positions, hidden, kv_cache_, meta) -> torch.Tensor:
-        """The layer's output before shared_head.norm, [tokens, hidden]."""
+        """The state the next draft chains from, [tokens, hidden]: the layer's output
+        (normed in Qwen's layout)."""
         target, layer = self._target[0], self.layer
-        embed = layer.embed_tokens or target.embed_tokens
-        x = embed(input_ids).masked_fill((positions == 0)[:, None], 0)
+        x = (layer.embed_tokens or target.embed_tokens)(input_ids)
+        if self.layout.zero_first_embedding:
+            x = x.masked_fill((positions == 0)[:, None], 0)
         x = layer.eh_proj(torch.cat((layer.enorm(x), layer.hnorm(hidden)), dim=-1))
         ropes = tuple(table.lookup(positions) for table in target.rotary_tables)
         x, residual = DecoderLayer.forward(layer, ropes, x, None, kv_cache_, meta)
-        return x + residual
+        return layer.shared_head.norm(x, residual)[0] if self.layout.chain_normed else x + residual
 
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """The argmax token of each row's logits."""
         head = self.layer.shared_head.head or self._target[0].lm_head
-        logits = head(self.layer.shared_head.norm(hidden))[:, : self.config.vocab_size]
-        return logits.argmax(dim=-1)
+        if not self.layout.chain_normed:
+            hidden = self.layer.shared_head.norm(hidden)
+        return head(hidden)[:, : self.config.vocab_size].argmax(dim=-1)
 
 
 def load_mtp(runner) -> MtpModel:
     target, model_dir = runner.model, runner.config.model
     index = target.config.num_layers
-    names = set()
-    for file in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            names |= {n for n in f.keys() if (m := LAYER.match(n)) and int(m[1]) == index}  # noqa: SIM118
-    if not any(".eh_proj." in n for n in names):
-        raise StartupError(f"speculative method mtp: {model_dir} has no tensors of its "
-                           f"prediction layer model.layers.{index}")  # fmt: skip
-    own_embed = f"model.layers.{index}.embed_tokens.weight" in names
-    own_head = f"model.layers.{index}.shared_head.head.weight" in names
-    if runner.tp.size > 1 and not (own_embed and own_head):
-        # The model's embedding and head are split over the ranks; the layer runs on one.
-        raise StartupError(f"speculative method mtp: model.layers.{index} has no "
-                           "embed_tokens or shared_head.head of its own, which tensor "
-                           "parallelism needs")  # fmt: skip
-    with torch.device("meta"):
-        model = MtpModel(target, own_embed, own_head)
+    stored = _stored_names(model_dir)
+    layout = Layout.of(stored, index)
+    if layout is None:
+        raise StartupError(
+            f"speculative method mtp: {model_dir} has no prediction layer (DeepSeek's "
+            f"model.layers.{index}.eh_proj or Qwen's mtp.fc tensors)"
+        )
     prefix = f"model.layers.{index}."
-    return build(model, model_dir, runner.dtype, runner.device, runner.attention_backend,
-                 keep=lambda name: name.startswith(prefix))  # fmt: skip
+    ours = {name for n in stored if (name := layout.names(n)) is not None}
+    own_embed, own_head = (prefix + n in ours for n in ("embed_tokens.weight",
+                                                         "shared_head.head.weight"))  # fmt: skip
+    names, tied = layout.names, False
+    if runner.tp.size > 1 and not (own_embed and own_head):
+        tied = target.config.tie_word_embeddings
+        if tied and (own_embed or own_head):
+            raise StartupError("speculative method mtp: under tensor parallelism a "
+                               "prediction layer of a tied model needs both or neither of "
+                               "embed_tokens and shared_head.head")  # fmt: skip
+        names = _also(_copies(prefix, not own_embed, not own_head, tied), names)
+        own_embed = own_head = True
+    sparse = any(n.startswith(prefix + "mlp.experts.") for n in ours)
+    with torch.device("meta"):
+        model = MtpModel(target, layout, sparse, own_embed, own_head, tied)
+    return build(model, model_dir, runner.dtype, runner.device, runner.attention_backend, names)
 
 
 class MtpProposer(NoProposer):
     def __init__(self, runner) -> None:
-        mc = runner.model_config
-        if (mc.moe is None and mc.mla is None) or mc.linear is not None:
-            raise StartupError("speculative method mtp: DeepSeek's layout's prediction "
-                               "layers (DeepSeek-V2/V3, Kimi-K2, GLM-4.5)")  # fmt: skip
-        if num_mtp_layers(runner.config.model) < 1:
-            raise StartupError(f"speculative method mtp: {runner.config.model} has no "
-                               "prediction layer (num_nextn_predict_layers is 0)")  # fmt: skip
         self.runner = runner
         self.model = load_mtp(runner)
+        # The layer attends to every earlier position: its cache is on the block ids of
+        # a full-attention group (the model has one beside its window or recurrent ones).
+        self.group = next(g for g, group in enumerate(runner.kv_groups)
+                          if not group.is_window and not group.is_recurrent)  # fmt: skip
         rows = runner.config.max_num_seqs
         # Each row's first draft and the hidden state it came from, for num_tokens
         # tokens (ready): a row that has gained tokens since has none.
@@ -202,9 +281,9 @@ class MtpProposer(NoProposer):
         def t(array: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(array).to(device, non_blocking=True)
 
-        _, positions, attention = flat.tensors(batch, t)
+        positions = t(flat.positions)
         out = self.model(t(input_ids_by_token(flat)), positions, hidden(flat),
-                         self.kv_caches[0], attention[0])  # fmt: skip
+                         self.kv_caches[0], flat.attention(batch, self.group, t))  # fmt: skip
         return flat, out
 
     @torch.inference_mode()
