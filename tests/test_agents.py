@@ -300,45 +300,48 @@ def test_tool_calls_are_read_from_the_answer_after_the_reasoning(client):
         "get_weather", {"city": "Oslo"})  # fmt: skip
 
 
-def test_required_calls_stream_their_arguments_as_they_are_written(client):
-    stream = client.chat.completions.create(
-        model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=200,
-        stream=True, temperature=0.8, seed=3,
+def required(client, max_tokens: int, stream: bool = False, **fields):
+    return client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=max_tokens,
+        stream=stream, temperature=0.8, seed=3, **fields,
     )  # fmt: skip
-    _, content, calls, finish = streamed(stream)
-    assert content == "" and finish == "tool_calls" and calls[0].function.name == "get_weather"
-    pieces = [c.function.arguments for c in calls if c.index == 0 and c.function.arguments]
-    assert len(pieces) > 1, "the arguments came in one piece"
-    assert json.loads("".join(pieces))["city"] in CITY["enum"]
 
 
-def test_a_required_array_cut_by_max_tokens_keeps_its_complete_calls(client):
-    def create(max_tokens: int, stream: bool = False):
-        return client.chat.completions.create(
-            model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
-            max_tokens=max_tokens, stream=stream, temperature=0.8, seed=3,
-        )  # fmt: skip
+def test_required_calls_come_whole_each_as_it_closes(client):
+    """A call is given out in one delta (id, name, its whole arguments) when its
+    object closes, before the output ends (tool_parsers/base.py)."""
+    chunks = [c for c in required(client, 300, stream=True) if c.choices]
+    whole = required(client, 300).choices[0].message.tool_calls
+    assert len(whole) > 1, "seed 3 writes several calls"
+    deltas = [(i, d) for i, c in enumerate(chunks) for d in c.choices[0].delta.tool_calls or ()]
+    assert [d.index for _, d in deltas] == list(range(len(whole)))
+    assert [(d.function.name, d.function.arguments) for _, d in deltas] == [
+        (c.function.name, c.function.arguments) for c in whole
+    ]
+    assert all(d.id.startswith("call_") for _, d in deltas)
+    assert deltas[0][0] < len(chunks) - 1, "the first call came before the output ended"
+    assert json.loads(whole[0].function.arguments)["city"] in CITY["enum"]
 
-    whole = create(300)
-    calls = [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls]
-    cut_at = 0  # the tokens up to the first piece of the last call's arguments
-    for chunk in client.chat.completions.create(
-        model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=300,
-        stream=True, temperature=0.8, seed=3,
-        stream_options={"include_usage": True, "continuous_usage_stats": True},
-    ):  # fmt: skip
-        last = [d for c in chunk.choices for d in c.delta.tool_calls or ()
-                if d.index == len(calls) - 1 and d.function.arguments]  # fmt: skip
-        if last and not cut_at:
-            cut_at = chunk.usage.completion_tokens
-    assert 0 < cut_at < whole.usage.completion_tokens
-    cut = create(cut_at).choices[0]
-    kept = [(c.function.name, c.function.arguments) for c in cut.message.tool_calls or ()]
-    assert cut.finish_reason == "length" and not cut.message.content, "no raw JSON in content"
-    assert kept == calls[: len(calls) - 1], "the complete calls, the cut one left out"
-    _, content, deltas, finish = streamed(create(cut_at, stream=True))
-    assert finish == "length" and content == ""
-    assert [d.function.name for d in deltas if d.id] == [name for name, _ in calls]
+
+def test_a_required_list_cut_by_max_tokens_keeps_its_complete_calls_and_the_cut_one_as_text(
+    client,
+):
+    whole = required(client, 300, logprobs=True).choices[0]
+    tokens = [t.token for t in whole.logprobs.content]
+    text = "".join(tokens)
+    last = text.rindex('{"name"')  # where the last call's object begins
+    cut_at = next(i for i in range(len(tokens)) if len("".join(tokens[: i + 1])) > last + 3) + 1
+    calls = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    for stream in (False, True):
+        if stream:
+            _, content, deltas, finish = streamed(required(client, cut_at, stream=True))
+            kept = [(d.function.name, d.function.arguments) for d in deltas]
+        else:
+            cut = required(client, cut_at).choices[0]
+            content, finish = cut.message.content, cut.finish_reason
+            kept = [(c.function.name, c.function.arguments) for c in cut.message.tool_calls]
+        assert finish == "length" and kept == calls[:-1], "the complete calls are calls"
+        assert content == "".join(tokens[:cut_at])[last:], "the cut one is its text"
 
 
 # -- the Anthropic Messages API ----------------------------------------------------------
@@ -412,7 +415,7 @@ def test_messages_tools_and_their_results(claude):
         deltas = [e for e in stream if e.type == "input_json"]
         final = stream.get_final_message()
     [use] = [b for b in final.content if b.type == "tool_use"]
-    assert len(deltas) > 1 and use.input["city"] in CITY["enum"]
+    assert len(deltas) == 1 and use.input["city"] in CITY["enum"]  # a call comes whole
     assert final.stop_reason == "tool_use"
 
 

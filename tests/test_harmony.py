@@ -85,12 +85,13 @@ def test_a_conversation_round_trips_through_harmonys_parser(path):
     assert (result.author.name, result.content[0].text) == ("functions.get_weather", "sunny")
 
 
-def read(path: HarmonyPath, pieces: list[list[int]]) -> tuple[str, str, list, list]:
+def read(path: HarmonyPath, pieces: list[list[int]], finish: str = "stop"
+         ) -> tuple[str, str, list, list]:  # fmt: skip
     output = HarmonyOutput(path.encoding, show_reasoning=True)
     reasoning = content = ""
     deltas = []
     for i, piece in enumerate(pieces):
-        parsed = output.feed(piece, "", final=i == len(pieces) - 1)
+        parsed = output.feed(piece, "", finish if i == len(pieces) - 1 else None)
         reasoning, content, deltas = reasoning + parsed.reasoning, content + parsed.content, [
             *deltas, *parsed.calls]  # fmt: skip
     return reasoning, content, deltas, output.calls
@@ -116,7 +117,20 @@ def test_an_output_reads_the_same_however_it_arrives_and_as_harmony_reads_it(pat
     else:
         assert content == "" and [c["function"] for c in calls] == [
             {"name": "get_weather", "arguments": by_harmony[1].content[0].text}]  # fmt: skip
-        assert len([d for d in deltas if "id" not in d]) > 1, "arguments streamed in pieces"
+        assert [{k: v for k, v in d.items() if k != "index"} for d in deltas] == calls, \
+            "a call is given out whole when its message ends"  # fmt: skip
+
+
+def test_a_call_cut_or_not_json_is_content(path):
+    """The one rule of the text parsers (router/openai/tool_parsers/base.py): a call
+    max_tokens cut, or whose arguments are not a JSON object, is content as written."""
+    cut = path.encoding.encode(CALL, allowed_special="all")
+    cut = cut[: cut.index(path.encoding.encode("<|call|>", allowed_special="all")[0]) - 1]
+    reasoning, content, deltas, calls = read(path, [cut], finish="length")
+    assert (reasoning, calls, deltas) == (ANALYSIS, [], []) and content.startswith('{"city"')
+    not_json = CALL.replace('{"city": "Oslo"}', "city=Oslo")
+    ids = path.encoding.encode(not_json, allowed_special="all")
+    assert read(path, [[t] for t in ids])[1:] == ("city=Oslo", [], [])
 
 
 def test_output_that_is_not_harmony_is_content(path):

@@ -1,63 +1,77 @@
-"""Reasoning split off a thinking model's output by each --reasoning-parser, whole,
-split at every character and one character at a time; where the prompt leaves the
-reasoning open or closed; the chat fields that shape the prompt; and an output
-constraint that waits for the reasoning's end in the executor's grammar rows."""
+"""Reasoning split off a thinking model's output by each --reasoning-parser: the
+fixtures in tests/data/reasoning/ (a file per family: its templates' and models' ways,
+calls after the reasoning or ending it), each fed whole, one character at a time and
+split at random places (Hypothesis), the same reasoning, content and calls every way;
+where the prompt leaves the reasoning open or closed; the chat fields that shape the
+prompt; and a thinking budget's tokens."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from flagstop.router.openai.chat_request import ChatCompletionRequest
-from flagstop.router.openai.outputs import TextOutput
+from flagstop.router.openai.outputs import PlainContent, TextOutput
 from flagstop.router.openai.reasoning import FORMATS, ThinkParser
 from flagstop.router.openai.tool_parsers import PARSERS
+from tests.helpers.parser_fixtures import (
+    case_id,
+    cases,
+    comparable,
+    expected_calls,
+    pieces_at,
+    tool_specs,
+)
 
-OPEN, CLOSED, NONE = "<|assistant|>\n<think>\n", "<think>\n\n</think>\n\n", "<|assistant|>\n"
-
-# (parser, prompt's end, output, reasoning, content)
-SCRIPTS = {
-    "qwen3 thinks in its output": ("qwen3", NONE, "<think>\nHmm, Oslo.\n</think>\n\nIt is sunny.",
-                                   "\nHmm, Oslo.\n", "It is sunny."),
-    "qwen3 with the template's open think": ("qwen3", OPEN, "Hmm.</think>Sunny.", "Hmm.",
-                                             "Sunny."),
-    "qwen3 thinking turned off": ("qwen3", CLOSED, "Sunny. <think> is a tag.", "",
-                                  "Sunny. <think> is a tag."),
-    "qwen3 no reasoning at all": ("qwen3", NONE, "  Sunny.", "", "  Sunny."),
-    "deepseek_r1 reasons first, tag or not": ("deepseek_r1", NONE, "Hmm.</think>Sunny.", "Hmm.",
-                                              "Sunny."),
-    "deepseek_r1 never ends its reasoning": ("deepseek_r1", NONE, "Hmm, <thi", "Hmm, <thi", ""),
-    "glm45": ("glm45", OPEN, "Let me see.</think>\nSunny.", "Let me see.", "Sunny."),
-    "kimi_k2": ("kimi_k2", NONE, "<think>a</think>b", "a", "b"),
-    "deepseek_v3": ("deepseek_v3", NONE, "<think>a < b</think>b", "a < b", "b"),
-}  # fmt: skip
+CASES = cases("reasoning")
+IDS = [case_id(*c) for c in CASES]
 
 
-def split(parser, pieces: list[str]) -> tuple[str, str]:
+def read(family: str, case: dict, pieces: list[str]) -> tuple[str, str, list[tuple]]:
+    """(reasoning, content, calls) of the case's output fed in pieces."""
+    tools = PARSERS[case["tool_call_parser"]](tool_specs(case["tools"])) \
+        if "tool_call_parser" in case else PlainContent()  # fmt: skip
+    fmt = FORMATS[family]
+    opened = case["prompt_opened"] or fmt.always_opened  # as ReasoningSetup.parser has it
+    output = TextOutput(ThinkParser(fmt, opened), tools, True)
     reasoning = content = ""
     for i, piece in enumerate(pieces):
-        r, c = parser.feed(piece, final=i == len(pieces) - 1)
-        reasoning, content = reasoning + r, content + c
-    return reasoning, content
+        parsed = output.feed([], piece, "stop" if i == len(pieces) - 1 else None)
+        reasoning, content = reasoning + parsed.reasoning, content + parsed.content
+    return reasoning, content, comparable(output.calls, with_ids=False)
 
 
-@pytest.mark.parametrize("name", SCRIPTS)
-def test_each_parser_splits_the_same_however_the_text_arrives(name):
-    family, prompt, output, reasoning, content = SCRIPTS[name]
-    fmt = FORMATS[family]
-    opened = fmt.opened_by(prompt) and not fmt.closed_by(prompt)
-    splits = [[output, ""], [*output, ""]]
-    splits += [[output[:cut], output[cut:], ""] for cut in range(1, len(output))]
-    for pieces in splits:
-        assert split(ThinkParser(fmt, opened), pieces) == (reasoning, content), pieces
+@pytest.mark.parametrize(("family", "case"), CASES, ids=IDS)
+def test_each_fixture_splits_as_its_family_writes_it(family, case):
+    want = (case["reasoning"], case["content"], expected_calls(case))
+    assert read(family, case, [case["output"]]) == want
+    assert read(family, case, [*case["output"]]) == want
 
 
-def test_tool_calls_are_read_from_the_answer_only():
-    output = TextOutput(ThinkParser(FORMATS["qwen3"], False), PARSERS["hermes"](), True)
-    text = ('<think>I could write <tool_call>{"name": "x", "arguments": {}}</tool_call></think>'
-            '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')  # fmt: skip
-    parsed = output.feed([], text, True)
-    assert parsed.reasoning.startswith("I could write <tool_call>")
-    assert [c["function"]["name"] for c in output.calls] == ["get_time"]
+@pytest.mark.parametrize(("family", "case"), CASES, ids=IDS)
+@settings(max_examples=40, deadline=None)
+@given(cuts=st.lists(st.integers(min_value=0, max_value=1 << 16), max_size=12))
+def test_each_fixture_streamed_in_any_split_reads_as_it_does_whole(family, case, cuts):
+    output = case["output"]
+    pieces = pieces_at(output, [cut % (len(output) + 1) for cut in cuts])
+    assert read(family, case, pieces) == (case["reasoning"], case["content"],
+                                          expected_calls(case))  # fmt: skip
+
+
+def test_every_tag_family_has_its_fixtures():
+    assert {family for family, _ in CASES} == set(FORMATS)
+
+
+def test_the_prompt_says_whether_the_reasoning_is_open():
+    qwen3 = FORMATS["qwen3"]
+    assert qwen3.opened_by("<|im_start|>assistant\n<think>\n")
+    assert not qwen3.opened_by("<|im_start|>assistant\n")
+    assert qwen3.closed_by("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert FORMATS["deepseek_r1"].opened_by("<|Assistant|>")
+
+
+def test_the_reasoning_can_be_left_out_of_the_reply():
     hidden = TextOutput(ThinkParser(FORMATS["qwen3"], False), PARSERS["hermes"](), False)
-    assert hidden.feed([], "<think>a</think>b", True).reasoning == ""
+    assert hidden.feed([], "<think>a</think>b", "stop") == ("", "b", [])
 
 
 def chat(**fields) -> ChatCompletionRequest:

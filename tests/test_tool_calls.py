@@ -7,19 +7,47 @@ import jsonschema
 import pytest
 
 from flagstop.router.openai.chat_request import ChatCompletionRequest, ToolSpec
-from flagstop.router.openai.tools import NamedCall, required_schema
+from flagstop.router.openai.tool_parsers import NamedCall, RequiredCalls
+from flagstop.router.openai.tools import required_schema
 
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": CITY}}
 TIME = {"type": "function", "function": {"name": "get_time"}}
 
 
-def test_a_named_call_streams_its_arguments():
+def feed(parser, pieces: list[str], finish: str) -> tuple[str, list[dict]]:
+    content, deltas = "", []
+    for i, piece in enumerate(pieces):
+        text, calls = parser.feed(piece, finish if i == len(pieces) - 1 else None)
+        content, deltas = content + text, deltas + calls
+    return content, deltas
+
+
+def test_a_named_call_is_given_out_whole_and_a_cut_one_is_content():
     parser = NamedCall("get_weather")
-    deltas = [d for piece in ['{"ci', 'ty": "Oslo"', "}"] for d in parser.feed(piece, False)[1]]
-    assert deltas[0]["id"].startswith("call_") and deltas[0]["function"]["name"] == "get_weather"
-    assert "".join(d["function"]["arguments"] for d in deltas) == '{"city": "Oslo"}'
-    assert json.loads(parser.calls[0]["function"]["arguments"]) == {"city": "Oslo"}
+    content, [delta] = feed(parser, ['{"ci', 'ty": "Oslo"', "}"], "stop")
+    assert content == "" and delta["id"].startswith("call_")
+    assert delta["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    assert parser.calls == [{k: v for k, v in delta.items() if k != "index"}]
+    cut = NamedCall("get_weather")
+    assert feed(cut, ['{"ci', 'ty": "Os'], "length") == ('{"city": "Os', []) and not cut.calls
+
+
+REQUIRED = ('[{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
+            '{"name": "get_time", "arguments": {}}]')  # fmt: skip
+
+
+def test_required_calls_come_as_each_closes_and_a_cut_list_keeps_its_complete_ones():
+    parser = RequiredCalls()
+    first = REQUIRED.index("}}") + 2
+    assert [d["function"]["name"] for d in parser.feed(REQUIRED[:first], None)[1]] == [
+        "get_weather"]  # fmt: skip
+    assert parser.feed(REQUIRED[first:], "stop") == ("", [{"index": 1, **parser.calls[1]}])
+    cut = REQUIRED[: REQUIRED.index("{}") + 1]  # inside get_time's arguments
+    content, deltas = feed(RequiredCalls(), [cut], "length")
+    assert [d["function"]["name"] for d in deltas] == ["get_weather"]
+    assert content == '{"name": "get_time", "arguments": {'
+    assert json.loads(deltas[0]["function"]["arguments"]) == {"city": "Oslo"}
 
 
 def test_the_required_schema_takes_exactly_the_tools_calls():

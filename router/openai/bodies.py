@@ -105,7 +105,8 @@ class ResponseBuilder:
             choice.echo = None
         piece: dict[str, Any] = {"index": choice.index}
         if self.kind == "chat":
-            piece["delta"] = self._delta(choice, token_ids, text, final)
+            finish = FinishReason(chunk.finish_reason).label if final else None
+            piece["delta"] = self._delta(choice, token_ids, text, finish)
         else:
             piece["text"] = text
             choice.text += text
@@ -120,12 +121,12 @@ class ResponseBuilder:
             return None
         return piece
 
-    def _delta(self, choice: Choice, token_ids, text: str, final: bool) -> dict[str, Any]:
+    def _delta(self, choice: Choice, token_ids, text: str, finish: str | None) -> dict[str, Any]:
         """A chat chunk's delta: its reasoning (under vLLM's `reasoning`, and the older
         `reasoning_content` that DeepSeek's API named and LiteLLM and chat UIs read),
         content and tool-call deltas."""
         output = choice.output
-        reasoning, content, calls = output.feed(token_ids, text, final)
+        reasoning, content, calls = output.feed(token_ids, text, finish)
         delta: dict[str, Any] = {"content": content} if content else {}
         if content:
             choice.text += content

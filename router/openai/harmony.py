@@ -3,7 +3,8 @@ conversation rendered by it (a system message with the reasoning effort, a devel
 message with the request's instructions and function tools, the history's messages,
 calls and tool results), and the output read by its streaming parser, channel by
 channel: analysis is the reasoning, final the content, a commentary message to
-`functions.NAME` a tool call (its arguments streamed as written). The model stops at
+`functions.NAME` a tool call (given out whole when its message ends, as the text
+parsers give theirs: router/openai/tool_parsers/base.py). The model stops at
 harmony's <|return|> and <|call|>. Chosen by --reasoning-parser openai_gptoss (with
 --tool-call-parser openai for tool_choice "auto"); the model's tokenizer must be
 gpt-oss' (o200k_harmony), so that harmony's token ids are the model's."""
@@ -33,6 +34,7 @@ from flagstop.router.openai.errors import OpenAIError
 from flagstop.router.openai.harmony_vocab import BASE_VARIABLE, use_vocab
 from flagstop.router.openai.outputs import Parsed, Rendered
 from flagstop.router.openai.tool_parsers import Call, new_call_id
+from flagstop.router.openai.tool_parsers.arguments import as_object_text
 from flagstop.scheduler_svc.core.limits import RequestRejected
 from flagstop.server import StartupError
 
@@ -179,7 +181,9 @@ class Pieces:
 class HarmonyOutput:
     """A choice's harmony output, read token by token by harmony's StreamableParser:
     analysis -> reasoning, final (and a preamble to nobody) -> content, a commentary
-    message to functions.NAME -> a call, complete when its message ends (<|call|>).
+    message to functions.NAME -> a call, given out when its message ends (<|call|>)
+    if its arguments are a JSON object; otherwise, or where max_tokens cut the
+    message, its arguments are content, as written.
     Output that is not harmony (a model that does not write it) becomes content from
     where it broke.
 
@@ -204,7 +208,7 @@ class HarmonyOutput:
     def in_reasoning(self) -> bool:
         return not self.broken and self.parser.current_channel == "analysis"
 
-    def feed(self, token_ids, text: str, final: bool) -> Parsed:
+    def feed(self, token_ids, text: str, finish: str | None) -> Parsed:
         parsed = Pieces()
         tokens = list(token_ids)
         for i, token in enumerate(tokens):
@@ -212,8 +216,10 @@ class HarmonyOutput:
                 parsed.content += self.encoding.decode(tokens[i:])
                 break
             self._one(token, parsed)
-        if final and self.unread and not self.broken and not self.began:
+        if finish and self.unread and not self.broken and not self.began:
             parsed.content += self.encoding.decode(self.unread)  # never harmony: what it wrote
+        if finish and self.call is not None:  # the output ended inside a call's message
+            self._call_ended(parsed, cut=finish == "length")
         return Parsed(parsed.reasoning if self.show else "", parsed.content, parsed.calls)
 
     def _one(self, token: int, parsed: Pieces) -> None:
@@ -223,6 +229,9 @@ class HarmonyOutput:
         except HarmonyError as e:
             log.debug("output that is not harmony: %s", e)
             self.broken = True
+            if self.call is not None:  # a call it broke off: what it wrote is content
+                parsed.content += self.call.arguments
+                self.call = None
             parsed.content += self.encoding.decode([*self.unread, token] if not self.began
                                                    else [token])  # fmt: skip
             return
@@ -237,25 +246,32 @@ class HarmonyOutput:
         self.recipient = parser.current_recipient or ""
         if delta := parser.last_content_delta:
             if self.recipient.startswith(FUNCTIONS):
-                self._arguments(delta, parsed)
+                self._arguments(delta)
             elif channel == "analysis":
                 parsed.reasoning += delta
             else:
                 parsed.content += delta
 
-    def _arguments(self, delta: str, parsed: Pieces) -> None:
+    def _arguments(self, delta: str) -> None:
         if self.call is None:
             name = self.recipient.removeprefix(FUNCTIONS)
             self.call = Call(self.num_opened, name, new_call_id())
-            self.num_opened += 1
-            parsed.calls.append({"index": self.call.index, **self.call.as_dict()})
         self.call.arguments += delta
-        parsed.calls.append({"index": self.call.index, "function": {"arguments": delta}})
 
     def _message_ended(self, parsed: Pieces) -> None:
         self.in_message = False
         if self.call is None and self.recipient.startswith(FUNCTIONS):  # no arguments
-            self._arguments("{}", parsed)
+            self._arguments("{}")
         if self.call is not None:
-            self.calls.append(self.call.as_dict())
-            self.call = None
+            self._call_ended(parsed, cut=False)
+
+    def _call_ended(self, parsed: Pieces, cut: bool) -> None:
+        call, self.call = self.call, None
+        arguments = None if cut else as_object_text(call.arguments)
+        if arguments is None:
+            parsed.content += call.arguments
+            return
+        call.arguments, call.index = arguments, self.num_opened
+        self.num_opened += 1
+        self.calls.append(call.as_dict())
+        parsed.calls.append({"index": call.index, **call.as_dict()})

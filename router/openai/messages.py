@@ -68,7 +68,7 @@ async def messages(body: MessagesRequest, http: Request, front: Front) -> Respon
         return StreamingResponse(stream(front.engine, choice, pending, events),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})  # fmt: skip
-    await until_disconnected(http, front.collect(builder, [choice], [pending]))
+    await until_disconnected(http, collect(front.engine, choice, pending, events))
     return json_response(events.message(choice))
 
 
@@ -77,7 +77,8 @@ STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens"}
 
 class MessageEvents:
     """One choice's output as Anthropic's content blocks, opened and closed as the chat
-    builder's deltas come (one block open at a time), each change an event."""
+    builder's deltas come (one block open at a time), each change an event. The whole
+    message is made of the same blocks (collect): it is the stream, folded."""
 
     def __init__(self, model: str, builder: ResponseBuilder) -> None:
         self.id, self.model, self.builder = f"msg_{uuid.uuid4().hex}", model, builder
@@ -87,7 +88,7 @@ class MessageEvents:
     def message(self, choice: Choice | None) -> dict[str, Any]:
         usage = self.builder.usage
         reason, sequence = _stop_reason(choice) if choice else (None, None)
-        content = _blocks(choice) if choice else []
+        content = [_finished(block) for block in self.blocks] if choice else []
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
                 "content": content, "stop_reason": reason, "stop_sequence": sequence,
                 "usage": {"input_tokens": usage.prompt_tokens,
@@ -124,10 +125,13 @@ class MessageEvents:
         if kind != self.open_kind:
             out += self._close()
             self.open_kind = kind
-            self.blocks.append(start or {})
+            self.blocks.append(dict(start or {}))
             out.append(event("content_block_start", index=len(self.blocks) - 1,
                              content_block=start))  # fmt: skip
-        if next(iter(v for k, v in delta.items() if k != "type")):
+        if text := next(iter(v for k, v in delta.items() if k != "type")):
+            block = self.blocks[-1]
+            field = _DELTA_FIELDS[delta["type"]]
+            block[field] = block.get(field, "") + text
             out.append(event("content_block_delta", index=len(self.blocks) - 1, delta=delta))
         return out
 
@@ -158,22 +162,28 @@ def _stop_reason(choice: Choice) -> tuple[str, str | None]:
     return reason, None
 
 
-def _blocks(choice: Choice) -> list[dict[str, Any]]:
-    blocks: list[dict[str, Any]] = []
-    if choice.reasoning:
-        blocks.append({"type": "thinking", "thinking": choice.reasoning, "signature": ""})
-    if choice.text:
-        blocks.append({"type": "text", "text": choice.text})
-    for call in choice.output.calls if choice.output else ():
-        function = call["function"]
-        try:
-            arguments = json.loads(function["arguments"] or "{}")
-        except ValueError:  # the model wrote a call whose arguments do not parse
-            blocks.append({"type": "text", "text": function["arguments"]})
-            continue
-        blocks.append({"type": "tool_use", "id": call["id"], "name": function["name"],
-                       "input": arguments})  # fmt: skip
-    return blocks
+# Which field of its block each delta adds to (a call's input: JSON text, until done).
+_DELTA_FIELDS = {"thinking_delta": "thinking", "text_delta": "text", "input_json_delta": "_input"}
+
+
+def _finished(block: dict[str, Any]) -> dict[str, Any]:
+    """A block as the whole message shows it: a call's input parsed (the tool-call
+    parsers give out a call's arguments as a JSON object, whole)."""
+    block = dict(block)
+    if (arguments := block.pop("_input", None)) is not None:
+        block["input"] = json.loads(arguments or "{}")
+    return block
+
+
+async def collect(engine, choice: Choice, pending, events: MessageEvents) -> None:
+    """The whole message's blocks, from the events a stream would send."""
+    try:
+        async for chunk in engine.stream(pending):
+            events.piece(events.builder.apply(choice, chunk) or {})
+    except RequestFailed as e:
+        raise from_failure(e) from None
+    finally:
+        engine.release(pending)
 
 
 async def stream(engine, choice: Choice, pending, events: MessageEvents) -> AsyncIterator[bytes]:

@@ -33,7 +33,9 @@ class ChatOutput(Protocol):
     calls: list[dict[str, Any]]  # the complete calls so far
     in_reasoning: bool
 
-    def feed(self, token_ids, text: str, final: bool) -> Parsed: ...
+    def feed(self, token_ids, text: str, finish: str | None) -> Parsed:
+        """finish: the output's finish reason once it ended (its last chunk), None
+        before."""
 
 
 class PlainContent:
@@ -41,7 +43,7 @@ class PlainContent:
 
     calls: tuple = ()
 
-    def feed(self, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
+    def feed(self, text: str, finish: str | None) -> tuple[str, list[dict[str, Any]]]:
         return text, []
 
 
@@ -53,7 +55,7 @@ class PlainOutput:
     calls: tuple = ()
     in_reasoning = False
 
-    def feed(self, token_ids, text: str, final: bool) -> Parsed:
+    def feed(self, token_ids, text: str, finish: str | None) -> Parsed:
         return "", text, ()  # a plain tuple: Parsed's fields, without its __new__
 
 
@@ -74,9 +76,9 @@ class TextOutput:
     def in_reasoning(self) -> bool:
         return self.reasoning.in_reasoning
 
-    def feed(self, token_ids, text: str, final: bool) -> Parsed:
-        reasoning, answer = self.reasoning.feed(text, final)
-        content, calls = self.tools.feed(answer, final)
+    def feed(self, token_ids, text: str, finish: str | None) -> Parsed:
+        reasoning, answer = self.reasoning.feed(text, finish is not None)
+        content, calls = self.tools.feed(answer, finish)
         return Parsed(reasoning if self.show_reasoning else "", content, calls)
 
 

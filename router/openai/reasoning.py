@@ -35,11 +35,14 @@ class ThinkFormat:
     reasoning whatever the prompt says (DeepSeek-R1's templates open <think> in the
     prompt, and its older ones leave it out although the model still reasons first);
     otherwise the output starts inside when the prompt leaves a <think> open, or when
-    the output itself opens one."""
+    the output itself opens one. ended_by: where the family's calls begin, which end
+    its reasoning when the model calls without closing it first (Qwen3.5 and Kimi-K2
+    do: the marker stays, for the tool-call parser)."""
 
     start: str = "<think>"
     end: str = "</think>"
     always_opened: bool = False
+    ended_by: tuple[str, ...] = ()
 
     def opened_by(self, prompt_text: str) -> bool:
         """Whether the rendered prompt leaves the reasoning open (its template wrote
@@ -60,9 +63,9 @@ class ThinkFormat:
 FORMATS = {
     "deepseek_r1": ThinkFormat(always_opened=True),
     "deepseek_v3": ThinkFormat(),
-    "qwen3": ThinkFormat(),
+    "qwen3": ThinkFormat(ended_by=("<tool_call>",)),
     "glm45": ThinkFormat(),
-    "kimi_k2": ThinkFormat(),
+    "kimi_k2": ThinkFormat(ended_by=("<|tool_calls_section_begin|>",)),
 }
 HARMONY = "openai_gptoss"
 NAMES = (*FORMATS, HARMONY)
@@ -70,14 +73,19 @@ NAMES = (*FORMATS, HARMONY)
 
 class ThinkParser:
     """Reasoning between a family's tags. Before any text: inside when the prompt
-    opened the reasoning; else a start tag at the output's start (after whitespace)
-    opens it. The end tag closes it; the answer's leading whitespace is dropped. An
-    output that never closes its reasoning is all reasoning."""
+    opened the reasoning; a start tag at the output's start (after whitespace) opens
+    it too, and is dropped where the prompt opened it already (DeepSeek-R1 writes it
+    either way). The end tag closes it; the answer's leading whitespace is dropped. A
+    call begun inside the reasoning (one of the family's markers) is held: a draft,
+    and reasoning, if the end tag follows; the answer, ending the reasoning, if the
+    output ends first. An output that never closes its reasoning otherwise is all
+    reasoning."""
 
     def __init__(self, fmt: ThinkFormat, opened: bool) -> None:
         self.fmt = fmt
+        self.markers = (fmt.end, *fmt.ended_by)
         self.in_reasoning = opened
-        self.undecided = not opened  # at the output's start: a start tag may come
+        self.undecided = True  # at the output's start: a start tag may come
         self.ended = False
         self.buffer = ""
 
@@ -107,20 +115,32 @@ class ThinkParser:
         return True
 
     def _reasoning(self, final: bool) -> str:
-        end, buffer = self.fmt.end, self.buffer
-        at = buffer.find(end)
-        if at >= 0:
-            self.buffer, self.in_reasoning, self.ended = buffer[at + len(end) :], False, True
+        buffer = self.buffer
+        end = buffer.find(self.fmt.end)
+        if end >= 0:  # calls written before it were drafts: reasoning
+            self.buffer, self.in_reasoning, self.ended = (
+                buffer[end + len(self.fmt.end) :],
+                False,
+                True,
+            )
+            return buffer[:end]
+        calls = [at for m in self.fmt.ended_by if (at := buffer.find(m)) >= 0]
+        if calls:  # held from the call: a draft if the end tag comes, the answer if not
+            at = min(calls)
+            self.buffer, self.in_reasoning, self.ended = buffer[at:], not final, final
             return buffer[:at]
-        keep = 0 if final else partial_suffix(buffer, end)
+        keep = 0 if final else max(partial_suffix(buffer, m) for m in self.markers)
         self.buffer = buffer[len(buffer) - keep :]
         return buffer[: len(buffer) - keep]
 
 
 def partial_suffix(text: str, tag: str) -> int:
     """The length of the longest end of text that begins tag (held back: the tag may
-    be completing)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
+    be completing). Only where the tag's first character is in text's last len(tag) - 1
+    can one begin: a search in C, once a chunk on every stream (bench/output_bench.py)."""
+    at = text.find(tag[0], max(len(text) - len(tag) + 1, 0))
+    while at >= 0:
+        if tag.startswith(text[at:]):
+            return len(text) - at
+        at = text.find(tag[0], at + 1)
     return 0

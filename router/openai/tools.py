@@ -3,14 +3,15 @@
 text into the API's tool_calls, streamed or whole (the families' formats:
 router/openai/tool_parsers.py).
 
-Each parser takes the choice's text as it arrives and gives back (content to show,
-tool-call deltas in the stream's shape); `calls` holds the complete calls, for the
-whole response and finish_reason "tool_calls"."""
+Each parser takes the choice's text as it arrives, and its finish reason once it
+ended, and gives back (content to show, tool-call deltas in the stream's shape: a call
+whole, once it is complete); `calls` holds the complete calls, for the whole response
+and finish_reason "tool_calls"."""
 
 from typing import Any, Protocol
 
 from flagstop.router.openai.chat_request import ChatCompletionRequest, ToolSpec
-from flagstop.router.openai.tool_parsers import PARSERS, Call, RequiredCalls, new_call_id
+from flagstop.router.openai.tool_parsers import PARSERS, NamedCall, RequiredCalls
 from flagstop.scheduler_svc.core.limits import RequestRejected
 
 
@@ -34,30 +35,7 @@ def required_schema(tools: list[ToolSpec], parallel: bool) -> dict[str, Any]:
 class ToolParser(Protocol):
     calls: list[dict[str, Any]]
 
-    def feed(self, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]: ...
-
-
-class NamedCall:
-    """A named tool_choice: the whole output is the call's arguments (constrained to
-    its schema), streamed as argument deltas after a first delta naming the call."""
-
-    def __init__(self, name: str) -> None:
-        self.call = Call(0, name, new_call_id())
-        self.opened = False
-
-    @property
-    def calls(self) -> list[dict[str, Any]]:
-        return [self.call.as_dict()]
-
-    def feed(self, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
-        deltas = []
-        if not self.opened:
-            self.opened = True
-            deltas.append({"index": 0, **self.call.as_dict()})
-        if text:
-            self.call.arguments += text
-            deltas.append({"index": 0, "function": {"arguments": text}})
-        return "", deltas
+    def feed(self, text: str, finish: str | None) -> tuple[str, list[dict[str, Any]]]: ...
 
 
 def parser_factory(body: ChatCompletionRequest, configured: str | None):
