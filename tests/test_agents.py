@@ -284,6 +284,26 @@ def test_messages_thinking_budget_tokens_is_the_budget(strict):
     assert [b.type for b in message.content] == ["thinking", "text"]
 
 
+def test_the_prompt_fields_reach_the_template_on_every_chat_shaped_route(client, claude):
+    """chat_template and add_generation_prompt, once dropped by Messages and Responses:
+    each route serves the prompt chat serves for the same fields."""
+
+    def prompt_tokens(**fields) -> tuple[int, int, int]:
+        extra = {"extra_body": fields} if fields else {}
+        by_chat = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1, **extra)
+        by_responses = client.responses.create(model=MODEL, input=ASK, max_output_tokens=1,
+                                               **extra)  # fmt: skip
+        by_messages = claude.messages.create(model=MODEL, max_tokens=1, messages=ASK, **extra)
+        return (by_chat.usage.prompt_tokens, by_responses.usage.input_tokens,
+                by_messages.usage.input_tokens)  # fmt: skip
+
+    plain = prompt_tokens()
+    for fields in ({"add_generation_prompt": False},
+                   {"chat_template": "{{ messages[0]['content'] }}"}):  # fmt: skip
+        counts = prompt_tokens(**fields)
+        assert len(set(counts)) == 1 and counts != plain, (fields, counts, plain)
+
+
 # -- tool calls ------------------------------------------------------------------------
 
 

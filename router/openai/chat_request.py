@@ -8,7 +8,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from flagstop.router.openai.errors import OpenAIError
-from flagstop.router.openai.protocol import Count, Int32, OpenAIRequest, structured_outputs
+from flagstop.router.openai.protocol import (
+    VLLM_UNSUPPORTED,
+    Count,
+    Int32,
+    OpenAIRequest,
+    structured_outputs,
+)
 from flagstop.v1 import generation_pb2
 
 
@@ -85,22 +91,33 @@ def _arguments(call: ToolCall) -> Any:
 
 
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
-# What the other chat-shaped APIs (Responses, Messages) pass through to chat as they
-# are, when a request sets them beside the API's own fields: vLLM's sampling extras
-# and chat fields (ignore_eos fixes output length in benchmarks; seed makes a run
-# repeat; structured_outputs constrains).
-SHARED_WITH_CHAT = (
-    "seed", "stop", "ignore_eos", "top_k", "min_p", "min_tokens", "repetition_penalty",
-    "frequency_penalty", "presence_penalty", "logit_bias", "stop_token_ids", "priority",
-    "user", "num_speculative_tokens", "structured_outputs", "chat_template_kwargs",
-    "include_reasoning", "reasoning_effort", "thinking_token_budget", "slo_ttft_ms",
-    "slo_tpot_ms", "tenant", "request_class",
-)  # fmt: skip
 
 
-def shared_with_chat(extra: dict[str, Any] | None) -> dict[str, Any]:
-    return {name: value for name in SHARED_WITH_CHAT
-            if (value := (extra or {}).get(name)) is not None}  # fmt: skip
+def chat_extras(extra: dict[str, Any] | None, refused: dict[str, str],
+                own: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    """The chat fields another chat-shaped API's request (Responses, Messages) sets
+    beside its own, passed to chat, which honours or refuses each as it does its own
+    (docs/openai.md, "Fields by route"). refused: the chat fields the route has no
+    place for, each with what to send instead; own: the chat body the route's own
+    fields make (a field set both ways is refused). Fields chat does not know are
+    ignored, as on every route. Raises ValueError naming the field."""
+    passed = {}
+    for name, value in (extra or {}).items():
+        if name not in CHAT_FIELDS or value is None:
+            continue
+        if name in refused:
+            if _neutral(name, value):
+                continue
+            raise ValueError(f"{name}: {refused[name]}")
+        if own.get(name) is not None and name not in MERGED:
+            raise ValueError(f"{name} is set by this API's own field too: leave one of them")
+        passed[name] = value
+    return passed
+
+
+def _neutral(name: str, value: Any) -> bool:
+    """A refused field set to what it is when unset (clients send defaults)."""
+    return value is False or (name == "n" and value == 1)
 
 
 # apply_chat_template's own arguments: the request sets them by their own fields.
@@ -242,6 +259,12 @@ class ChatCompletionRequest(TemplateParams, OpenAIRequest):
         if self.logprobs:
             request.logprobs = self.top_logprobs or 0
         return request
+
+
+# Every field a chat request takes, the ones it refuses by name included.
+CHAT_FIELDS = frozenset({*ChatCompletionRequest.model_fields, *VLLM_UNSUPPORTED, "echo"})
+# Merged with what the route's own fields set (Messages' thinking switch goes in it).
+MERGED = frozenset({"chat_template_kwargs"})
 
 
 def as_chat(body) -> ChatCompletionRequest:

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from flagstop.router.openai.chat_request import shared_with_chat
+from flagstop.router.openai.chat_request import chat_extras
 from flagstop.router.openai.protocol import Count, EncodableText
 
 
@@ -56,6 +56,40 @@ class Thinking(BaseModel):
     budget_tokens: Count | None = None
 
 
+class JsonOutputFormat(BaseModel):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(BaseModel):
+    """Anthropic's output_config: the effort (the template's reasoning_effort) and
+    a JSON schema the output is held to (structured outputs)."""
+
+    effort: Literal["low", "medium", "high", "xhigh"] | None = None
+    format: JsonOutputFormat | None = None
+
+
+class CacheControl(BaseModel):
+    """Accepted: flagstop's prefix cache keeps every prefix it computed, marked or not,
+    for as long as its LRU and host tier hold it (docs/kv_tiers.md)."""
+
+    type: Literal["ephemeral"]
+    ttl: str | None = None
+
+
+# The chat fields Messages has no place for, and what to send instead.
+REFUSED_CHAT_FIELDS = {
+    "n": "a Messages reply has one message; send one request per message",
+    "logprobs": "the Messages API has no logprobs; use /v1/chat/completions",
+    "top_logprobs": "the Messages API has no logprobs; use /v1/chat/completions",
+    "prompt_logprobs": "the Messages API has no logprobs; use /v1/chat/completions",
+    "return_tokens_as_token_ids": "the Messages API has no logprobs to name tokens in",
+    "stream_options": "a Messages stream always ends with its usage (message_delta)",
+    "max_completion_tokens": "send max_tokens",
+    "response_format": "send output_config.format",
+}
+
+
 class MessagesRequest(EncodableText):
     model_config = ConfigDict(extra="allow")
 
@@ -72,15 +106,21 @@ class MessagesRequest(EncodableText):
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
     metadata: dict[str, Any] | None = None
+    output_config: OutputConfig | None = None
+    cache_control: CacheControl | None = None
+    service_tier: Literal["auto", "standard_only"] | None = None  # one tier: both are it
+    speed: Literal["standard", "fast"] | None = None
     # Known, not served here: refused unless unset.
     container: Any = None
     mcp_servers: Any = None
+    diagnostics: Any = None
+    inference_geo: str | None = None
+    user_profile_id: str | None = None
+    workspace_id: str | None = None
 
     def chat_body(self) -> dict[str, Any]:
         """The equivalent chat completion request's body. Raises ValueError."""
-        for name in ("container", "mcp_servers"):
-            if getattr(self, name):
-                raise ValueError(f"{name} is not supported by flagstop; leave it unset")
+        self._refuse_unsupported()
         body: dict[str, Any] = {
             "model": self.model, "messages": self._messages(), "stream": self.stream,
             "max_completion_tokens": self.max_tokens, "temperature": self.temperature,
@@ -91,14 +131,40 @@ class MessagesRequest(EncodableText):
             body["tools"] = [_chat_tool(t) for t in self.tools]
         if self.tool_choice is not None:
             body.update(_chat_tool_choice(self.tool_choice))
-        extra = shared_with_chat(self.model_extra)
         if self.thinking is not None:  # what Qwen3's, DeepSeek-V3.1's and GLM's templates read
-            switch = {"enable_thinking": self.thinking.type != "disabled"}
-            extra["chat_template_kwargs"] = {**switch, **extra.get("chat_template_kwargs", {})}
+            body["chat_template_kwargs"] = {"enable_thinking": self.thinking.type != "disabled"}
             if self.thinking.type == "enabled" and self.thinking.budget_tokens:
-                extra["thinking_token_budget"] = self.thinking.budget_tokens
+                body["thinking_token_budget"] = self.thinking.budget_tokens
+        if (output := self.output_config) is not None:
+            body["reasoning_effort"] = output.effort
+            if output.format is not None:
+                body["response_format"] = {"type": "json_schema", "json_schema": {
+                    "name": "output", "schema": output.format.schema_, "strict": True}}  # fmt: skip
+        if self.messages[-1].role == "assistant" and "continue_final_message" not in (
+            self.model_extra or {}
+        ):  # Anthropic's prefill: the reply continues a last assistant message
+            body["continue_final_message"] = True
         body = {k: v for k, v in body.items() if v is not None}
-        return {**extra, **body}
+        extra = chat_extras(self.model_extra, REFUSED_CHAT_FIELDS, body)
+        if "chat_template_kwargs" in extra and "chat_template_kwargs" in body:
+            extra["chat_template_kwargs"] = {**body["chat_template_kwargs"],
+                                             **extra["chat_template_kwargs"]}  # fmt: skip
+        return {**body, **extra}
+
+    def _refuse_unsupported(self) -> None:
+        for name, why in (
+            ("container", "flagstop runs no code containers"),
+            ("mcp_servers", "flagstop connects to no MCP servers; send their tools as tools"),
+            ("diagnostics", "flagstop reports no cache-miss reasons"),
+            ("inference_geo", "flagstop serves where it runs"),
+            ("user_profile_id", "flagstop has no user profiles; send metadata.user_id"),
+            ("workspace_id", "flagstop has no workspaces"),
+        ):  # fmt: skip
+            if getattr(self, name):
+                raise ValueError(f"{name} is not supported ({why}); leave it unset")
+        if self.speed == "fast":
+            raise ValueError('speed "fast" is not supported: flagstop serves one speed; '
+                             'leave speed unset or "standard"')  # fmt: skip
 
     def _messages(self) -> list[dict[str, Any]]:
         messages: list[dict[str, Any]] = []

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from flagstop.router.openai.chat_request import shared_with_chat
+from flagstop.router.openai.chat_request import chat_extras
 from flagstop.router.openai.protocol import Count, EncodableText
 
 
@@ -75,6 +75,21 @@ class Reasoning(BaseModel):
     summary: Literal["auto", "concise", "detailed"] | None = None  # accepted; no summarizer
 
 
+class StreamOptions(BaseModel):
+    include_obfuscation: bool | None = None  # true refused: no padding is added
+
+
+# The chat fields the Responses API has no place for, and what to send instead.
+REFUSED_CHAT_FIELDS = {
+    "n": "a response has one output; send one request per output",
+    "logprobs": f"send top_logprobs with include [{LOGPROBS_INCLUDE!r}]",
+    "prompt_logprobs": "the Responses API has no prompt logprobs; use /v1/chat/completions",
+    "max_tokens": "send max_output_tokens",
+    "max_completion_tokens": "send max_output_tokens",
+    "response_format": "send text.format",
+}
+
+
 class ResponsesRequest(EncodableText):
     model_config = ConfigDict(extra="allow")
 
@@ -95,12 +110,24 @@ class ResponsesRequest(EncodableText):
     include: list[str] | None = None
     reasoning: Reasoning | None = None
     truncation: Literal["disabled", "auto"] | None = None
+    user: str | None = None  # the scheduling policy's user label (as chat's)
+    safety_identifier: str | None = None  # the same label, OpenAI's newer name
+    # Accepted: every prefix is cached without a key (and routed by its blocks).
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None  # 24h refused
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    stream_options: StreamOptions | None = None
     # Known, not implemented: refused unless neutral.
     previous_response_id: str | None = None
     background: bool | None = None
     conversation: Any = None
     prompt: Any = None  # a stored prompt template
     max_tool_calls: int | None = None
+    prompt_cache_options: Any = None
+    context_management: Any = None
+    moderation: Any = None
+    image: Any = None
+    access_programs: Any = None
 
     def chat_body(self) -> dict[str, Any]:
         """The equivalent chat completion request's body. Raises ValueError."""
@@ -125,8 +152,9 @@ class ResponsesRequest(EncodableText):
             body["logprobs"], body["top_logprobs"] = True, self.top_logprobs or 0
         if self.reasoning is not None and self.reasoning.effort is not None:
             body["reasoning_effort"] = self.reasoning.effort
-        body.update(shared_with_chat(self.model_extra))
-        return {k: v for k, v in body.items() if v is not None}
+        body["user"] = self.safety_identifier or self.user
+        body = {k: v for k, v in body.items() if v is not None}
+        return {**body, **chat_extras(self.model_extra, REFUSED_CHAT_FIELDS, body)}
 
     def _refuse_unsupported(self) -> None:
         if self.background:
@@ -140,6 +168,25 @@ class ResponsesRequest(EncodableText):
         if self.truncation == "auto":
             raise ValueError('truncation "auto" is not supported: an input past the model\'s '
                              'length is refused; leave truncation "disabled"')  # fmt: skip
+        for name, why in (
+            ("prompt_cache_options", "explicit cache breakpoints and lifetimes"),
+            ("context_management", "server-side context compaction"),
+            ("moderation", "moderation"), ("image", "image generation"),
+            ("access_programs", "access programs"),
+        ):  # fmt: skip
+            if getattr(self, name):
+                raise ValueError(f"{name}: flagstop has no {why}; leave it unset")
+        if self.prompt_cache_retention == "24h":
+            raise ValueError(
+                'prompt_cache_retention "24h" is not supported: the prefix '
+                'cache keeps what its memory holds; leave it unset or "in_memory"'
+            )
+        if self.service_tier not in (None, "auto", "default"):
+            raise ValueError(f"service_tier {self.service_tier!r} is not supported: flagstop "
+                             'serves one tier; leave it unset, "auto" or "default"')  # fmt: skip
+        if self.stream_options is not None and self.stream_options.include_obfuscation:
+            raise ValueError("stream_options.include_obfuscation: flagstop pads no stream "
+                             "events; leave it unset or false")  # fmt: skip
         if unknown := [i for i in self.include or () if i != LOGPROBS_INCLUDE]:
             raise ValueError(f"include: {unknown[0]!r} is not supported; only "
                              f"{LOGPROBS_INCLUDE!r} is")  # fmt: skip
