@@ -4,6 +4,7 @@ a GPU): what a policy would have done with that traffic, at far more than real t
 deterministically (same trace, policy, scale and seed: the same report).
 
     flagstop-replay TRACE [--policy slo] [--load 1.2] [--ttft-ms 2000] [--tpot-ms 80]
+                          [--cost-model FITTED.json] [--simulate-base-ms 6 ...]
 
 TRACE: a workload record (one JSON object a line: arrival_s, prompt_tokens,
 output_tokens, and optionally block_hashes, tenant, class, ttft_ms, tpot_ms; see
@@ -28,11 +29,14 @@ from flagstop.scheduler_svc.core.config import SchedulerConfig
 from flagstop.scheduler_svc.core.fair_policy import tenant_of
 from flagstop.scheduler_svc.core.objectives import Objectives
 from flagstop.scheduler_svc.core.output import StepOutcome
-from flagstop.scheduler_svc.core.policy import policy_for
+from flagstop.scheduler_svc.core.policy import POLICIES, policy_for
 from flagstop.scheduler_svc.core.request import Request, StopParams
 from flagstop.scheduler_svc.core.scheduler import RequestRejected, Scheduler
 
 VOCAB = 32000
+# The executor simulator's defaults (an 8B model on an H200): base ms, µs a scheduled
+# token, µs a context token.
+DEFAULT_COST = (6.0, 8.0, 0.03)
 TRACE_BLOCK_TOKENS = 512  # Mooncake's hash_ids: one per 512 prompt tokens
 
 
@@ -128,7 +132,7 @@ class Replay:
     trace: list[TraceRequest]
     config: SchedulerConfig
     num_blocks: int
-    cost: CostModel = field(default_factory=lambda: CostModel(6.0, 8.0, 0.03))
+    cost: CostModel = field(default_factory=lambda: CostModel(*DEFAULT_COST))
     ttft_ms: float = 2000.0
     tpot_ms: float = 100.0
     now: float = 0.0
@@ -252,20 +256,78 @@ def replay_config(policy: str, max_model_len: int = 131072, **overrides) -> Sche
     return SchedulerConfig(**{**base, **overrides})
 
 
+def positive(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number above 0, got {text}")
+    return value
+
+
+def non_negative(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a number of at least 0, got {text}")
+    return value
+
+
+def count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 0, got {text}")
+    return value
+
+
+def blocks(text: str) -> int:
+    value = count(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be at least 1 block")
+    return value
+
+
+# The cost model's figures: the executor simulator's flags, and the names of the file
+# a scheduler writes with --step-cost-out (scheduler_svc/cost_record.py).
+COST_FLAGS = {"base_ms": "--simulate-base-ms",
+              "us_per_scheduled_token": "--simulate-us-per-scheduled-token",
+              "us_per_context_token": "--simulate-us-per-context-token"}  # fmt: skip
+
+
+def cost_model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> CostModel:
+    """The step-cost figures: a fitted file's (--cost-model), each overridden by its
+    flag; the simulator's defaults where neither gives one."""
+    figures = dict(zip(COST_FLAGS, DEFAULT_COST, strict=True))
+    if args.cost_model is not None:
+        try:
+            fitted = json.loads(args.cost_model.read_text())
+            figures.update({k: non_negative(str(fitted[k])) for k in COST_FLAGS})
+        except (OSError, ValueError, KeyError, TypeError, argparse.ArgumentTypeError) as e:
+            parser.error(f"--cost-model {args.cost_model}: not a step-cost file "
+                         f"(--step-cost-out's JSON with {', '.join(COST_FLAGS)}): {e}")  # fmt: skip
+    for key in COST_FLAGS:
+        if (value := getattr(args, key)) is not None:
+            figures[key] = value
+    return CostModel(**figures)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="flagstop-replay", description=__doc__.splitlines()[0])
     parser.add_argument("trace", type=Path)
-    parser.add_argument("--policy", default="fcfs")
-    parser.add_argument("--load", type=float, default=1.0, help="arrival-rate factor")
-    parser.add_argument("--ttft-ms", type=float, default=2000.0)
-    parser.add_argument("--tpot-ms", type=float, default=100.0)
-    parser.add_argument("--num-blocks", type=int, default=65536)
-    parser.add_argument("--limit", type=int, default=0, help="first N requests only")
+    parser.add_argument("--policy", default="fcfs", choices=sorted(set(POLICIES) - {"remote"}))
+    parser.add_argument("--load", type=positive, default=1.0, help="arrival-rate factor")
+    parser.add_argument("--ttft-ms", type=positive, default=2000.0)
+    parser.add_argument("--tpot-ms", type=positive, default=100.0)
+    parser.add_argument("--num-blocks", type=blocks, default=65536)
+    parser.add_argument("--limit", type=count, default=0, help="first N requests only")
+    parser.add_argument("--cost-model", type=Path, help="a scheduler's --step-cost-out file")
+    for key, flag in COST_FLAGS.items():
+        parser.add_argument(flag, dest=key, type=non_negative, help="overrides --cost-model")
     args = parser.parse_args(argv)
-    trace = load_trace(args.trace)
+    try:
+        trace = load_trace(args.trace)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        parser.error(f"{args.trace}: not a workload record, Mooncake or Azure trace: {e}")
     trace = scaled(trace[: args.limit] if args.limit else trace, args.load)
-    run = Replay(trace, replay_config(args.policy), args.num_blocks, ttft_ms=args.ttft_ms,
-                 tpot_ms=args.tpot_ms).run()  # fmt: skip
+    run = Replay(trace, replay_config(args.policy), args.num_blocks, cost_model(args, parser),
+                 ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms).run()  # fmt: skip
     print(json.dumps(report(run), indent=2))
 
 

@@ -98,7 +98,16 @@ class RouterEngine:
     ) -> Pending:
         """Validate and queue one request; stream() it, then release() it. metadata:
         the call's headers (a W3C traceparent makes the request part of the client's
-        trace). Raises RequestFailed."""
+        trace). Raises RequestFailed (the refusal recorded with --record-workload)."""
+        arrival = time.time()
+        try:
+            return self._queue(request, metadata, operation, arrival)
+        except RequestFailed as e:
+            self.recorder.refused(request, self.tokenizer, arrival, e)
+            raise
+
+    def _queue(self, request: generation_pb2.GenerateRequest, metadata, operation: str,
+               arrival: float) -> Pending:  # fmt: skip
         limits = self.check_serving()
         lora_name, lora_id = request.lora_name, ""
         if lora_name and (lora_id := self.replicas.adapter_id(lora_name)) is None:
@@ -123,7 +132,7 @@ class RouterEngine:
             request_id=request_id, prompt_token_ids=token_ids, sampling=sampling,
             min_tokens=request.min_tokens, ignore_eos=request.ignore_eos,
             stop_token_ids=request.stop_token_ids, priority=request.priority,
-            arrival_time=time.time(), traceparent=trace.traceparent(), labels=request.labels,
+            arrival_time=arrival, traceparent=trace.traceparent(), labels=request.labels,
             lora_name=lora_name, lora_id=lora_id,
         )  # fmt: skip
         objectives.fill(add)

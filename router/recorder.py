@@ -2,7 +2,10 @@
 as it ends, in flagstop-replay's workload format (docs/policy.md): when it arrived,
 its prompt's length and 512-token prefix-block hashes (equal ids: an equal prefix,
 so a replay sees the same cache hits; no token is written), its output length, and
-its objectives. Replay it with `flagstop-replay PATH --policy ...`.
+its objectives. A request the router refused (a full queue, a prompt too long, no
+replica serving...) is recorded too, as it arrived, with finish "refused" and the
+reason: a record taken in an overload holds all of the load. Replay it with
+`flagstop-replay PATH --policy ...`.
 
 Lines are appended with one write each on an O_APPEND descriptor, so router
 processes (--processes) can share the file."""
@@ -13,8 +16,10 @@ from pathlib import Path
 import grpc
 import orjson
 
-from flagstop.router.output import Pending
+from flagstop.router.output import Pending, RequestFailed
+from flagstop.router.validation import prompt_ids
 from flagstop.scheduler_svc.core.kv_cache_manager import chain_hashes
+from flagstop.scheduler_svc.core.limits import RequestRejected
 from flagstop.scheduler_svc.core.request import FinishReason
 
 RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
@@ -23,6 +28,9 @@ BLOCK_TOKENS = 512  # the traces' (Mooncake's) block: replay's TRACE_BLOCK_TOKEN
 
 class NoRecorder:
     def record(self, pending: Pending) -> None:
+        pass
+
+    def refused(self, request, tokenizer, arrival: float, failure: RequestFailed) -> None:
         pass
 
 
@@ -44,6 +52,27 @@ class WorkloadRecorder:
             "ttft_ms": objectives.ttft_ms or None, "tpot_ms": objectives.tpot_ms or None,
             "finish": _finish(pending),
         }  # fmt: skip
+        self._write(entry)
+
+    def refused(self, request, tokenizer, arrival: float, failure: RequestFailed) -> None:
+        """A request refused before it was queued: its arrival, its prompt (when it
+        tokenizes) and what it asked for, and why it was refused."""
+        try:
+            token_ids = prompt_ids(request, tokenizer)
+        except RequestRejected:
+            token_ids = list(request.prompt_token_ids)
+        entry = {
+            "arrival_s": arrival, "prompt_tokens": len(token_ids),
+            "output_tokens": request.max_tokens if request.HasField("max_tokens") else 1,
+            "block_hashes": block_ids(token_ids), "tenant": request.tenant,
+            "class": request.request_class,
+            "ttft_ms": request.slo_ttft_ms if request.HasField("slo_ttft_ms") else None,
+            "tpot_ms": request.slo_tpot_ms if request.HasField("slo_tpot_ms") else None,
+            "finish": "refused", "reason": f"{failure.code.name}: {failure.message}",
+        }  # fmt: skip
+        self._write(entry)
+
+    def _write(self, entry: dict) -> None:
         os.write(self.fd, orjson.dumps(entry) + b"\n")
 
 

@@ -19,6 +19,7 @@ from flagstop.reconnect import Reconnect
 from flagstop.scheduler_svc.convert import outcome_from_result, step_to_proto
 from flagstop.scheduler_svc.core.output import SchedulerOutput
 from flagstop.scheduler_svc.core.scheduler import Scheduler
+from flagstop.scheduler_svc.cost_record import cost_record
 from flagstop.scheduler_svc.settings import SchedulerSettings
 from flagstop.scheduler_svc.telemetry import SchedulerTelemetry
 from flagstop.server import TLSConfig, channel
@@ -67,6 +68,7 @@ class ExecutorLink:
         self.written_at: deque[float] = deque()
         self.last_result_at = 0.0
         self.step_returned = asyncio.Event()
+        self.cost_record = cost_record(settings.step_cost_out)
 
     @property
     def model(self) -> generation_pb2.ModelInfo:
@@ -296,6 +298,7 @@ class ExecutorLink:
         started = max(self.written_at.popleft(), self.last_result_at)
         self.last_result_at = now
         scheduler.observe_step(done, now - started)
+        self.cost_record.step_measured(scheduler.cost)
 
     async def _idle(self, call) -> None:
         """Nothing to do: wait for work, probing the executor now and then."""

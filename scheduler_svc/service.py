@@ -311,4 +311,6 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 self.fail_all(grpc.StatusCode.UNAVAILABLE, "the scheduler shut down")
                 break
             await asyncio.sleep(0.05)
+        if self.scheduler is not None:
+            self.link.cost_record.write(self.scheduler.cost)
         self.links.close()

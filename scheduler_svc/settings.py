@@ -1,5 +1,6 @@
 """The scheduler service's settings: flags, FLAGSTOP_SCHEDULER_* variables, --config."""
 
+from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import (
@@ -9,6 +10,7 @@ from pydantic import (
     PositiveFloat,
     PositiveInt,
     SecretStr,
+    field_validator,
 )
 from pydantic_settings import SettingsConfigDict
 
@@ -83,6 +85,16 @@ class SchedulerSettings(ServiceSettings):
     """seconds requests wait for a lost executor; then UNAVAILABLE"""
     drain_timeout: PositiveFloat = 30.0
     """on SIGTERM: seconds the requests in flight get to finish"""
+    step_cost_out: Path | None = None
+    """write the step-cost model fitted from the executor's steps there (JSON, every
+    2 s and at exit), for flagstop-replay --cost-model"""
+
+    @field_validator("step_cost_out")
+    @classmethod
+    def _writable_there(cls, path: Path | None) -> Path | None:
+        if path is not None and not path.parent.is_dir():
+            raise ValueError(f"{path.parent} is not a directory to write {path.name} in")
+        return path
 
     def core_config(
         self, executor_max_model_len: int, block_size: int, num_speculative_tokens: int = 0,

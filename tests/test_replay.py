@@ -2,6 +2,7 @@
 report counts what happened (in-process, on a virtual clock)."""
 
 import json
+import random
 
 import pytest
 
@@ -58,3 +59,86 @@ def test_the_command_prints_the_report(tmp_path, capsys):
     main([str(write_traces(tmp_path)[2]), "--policy", "fair", "--load", "2"])
     out = json.loads(capsys.readouterr().out)
     assert out["requests"] == 30 and set(out["ttft_p99_ms_by_tenant"]) == {"a", "b"}
+
+
+def test_bad_command_line_values_are_usage_errors(tmp_path, capsys):
+    record = str(write_traces(tmp_path)[2])
+    junk = tmp_path / "junk.json"
+    junk.write_text("{}")
+    for args, words in ((["--load", "0"], "--load: must be a number above 0"),
+                        (["--load", "inf"], "--load: must be a number above 0"),
+                        (["--policy", "nope"], "--policy: invalid choice: 'nope'"),
+                        (["--limit", "-2"], "--limit: must be a whole number"),
+                        (["--num-blocks", "0"], "--num-blocks: must be at least 1 block"),
+                        (["--simulate-base-ms", "-1"], "--simulate-base-ms: must be a number"),
+                        (["--cost-model", str(junk)], "not a step-cost file")):  # fmt: skip
+        with pytest.raises(SystemExit) as usage:
+            main([record, *args])
+        assert usage.value.code == 2
+        assert words in capsys.readouterr().err.strip().splitlines()[-1], args
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "missing.jsonl")])
+    assert "not a workload record" in capsys.readouterr().err
+
+
+def test_the_cost_models_figures_come_from_the_command_line_or_a_fitted_file(tmp_path, capsys):
+    record = str(write_traces(tmp_path)[2])
+    fitted = tmp_path / "fitted.json"
+    fitted.write_text(json.dumps({"base_ms": 40.0, "us_per_scheduled_token": 8.0,
+                                  "us_per_context_token": 0.03, "num_observed": 9}))  # fmt: skip
+
+    def tpot(*args: str) -> float:
+        main([record, *args])
+        return json.loads(capsys.readouterr().out)["tpot_p50_ms"]
+
+    assert tpot() == pytest.approx(6.0, rel=0.05)  # the simulator's default base
+    assert tpot("--cost-model", str(fitted)) == pytest.approx(40.0, rel=0.05)
+    assert tpot("--cost-model", str(fitted), "--simulate-base-ms", "20") == pytest.approx(
+        20.0, rel=0.05)  # fmt: skip
+
+
+# The simulator's figures in the round trip: other than the replay's defaults (6 ms, 8 µs,
+# 0.03 µs), so that only a calibrated replay predicts the stack.
+FIGURES = {"base_ms": 14.0, "us_per_scheduled_token": 20.0, "us_per_context_token": 0.05}
+
+
+@pytest.mark.processes
+def test_a_replay_calibrated_on_a_stack_predicts_it(tmp_path, model_dir, capsys):
+    """The round trip docs/policy.md describes: a stack (the executor simulator at
+    FIGURES) records its workload and fits its step cost (--record-workload,
+    --step-cost-out); flagstop-replay replays the record with the fitted file and
+    predicts the TTFT and TPOT the clients measured within bench/replay_check.py's
+    tolerance, where the uncalibrated defaults do not."""
+    import asyncio
+
+    from bench.replay_check import drive, summary, within_tolerance
+    from tools.stack import start_stack
+
+    rng, now, trace = random.Random(5), 0.0, []
+    for _ in range(60):  # Poisson arrivals over about 15 s, Azure-conversation-like sizes
+        now += rng.expovariate(4.0)
+        trace.append(TraceRequest(now, rng.randint(100, 1500), rng.randint(20, 120)))
+    fitted, record = tmp_path / "fitted.json", tmp_path / "record.jsonl"
+    simulate = [f"--simulate-{k.replace('_', '-')}={v}" for k, v in FIGURES.items()]
+    limits = ["--max-num-batched-tokens", "8192", "--max-num-seqs", "256"]
+    stack = start_stack(
+        model_dir, tmp_path / "logs", executor_args=["--simulate", *simulate, *limits[:2]],
+        scheduler_args=[*limits, "--step-cost-out", str(fitted)],
+        router_args=["--record-workload", str(record)],
+    )  # fmt: skip
+    try:
+        real = summary(asyncio.run(drive(stack.router, trace, 512)))
+    finally:
+        assert set(stack.stop().values()) == {0}
+    figures = json.loads(fitted.read_text())
+    assert figures["num_observed"] > 100
+    assert abs(figures["base_ms"] - FIGURES["base_ms"]) < 5, figures
+
+    def predicted(*args: str) -> dict:
+        main([str(record), "--ttft-ms", "1000", "--tpot-ms", "50", *args])
+        return json.loads(capsys.readouterr().out)
+
+    calibrated = predicted("--cost-model", str(fitted))
+    assert calibrated["requests"] == len(trace)
+    assert within_tolerance(calibrated, real), (calibrated, real)
+    assert not within_tolerance(predicted(), real), "the defaults predict it too: no test"

@@ -138,6 +138,21 @@ def test_a_request_slo_cannot_serve_in_time_is_refused_with_a_time_to_retry(stac
         "model": "flagstop-tiny", "prompt": [0, 9], "max_tokens": 3, "slo_ttft_ms": 0.001},
         timeout=60)  # fmt: skip
     assert http.status_code == 429 and http.headers["retry-after"] == "1", http.text
+    # Streamed, the headers wait for the first token: a shed request is a 429 too, on
+    # every streamed route, never a 200 with an error event.
+    for route, body in (
+        ("completions", {"prompt": [0, 9], "max_tokens": 3}),
+        ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}),
+        ("responses", {"input": "hi", "max_output_tokens": 3}),
+        ("messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}),
+    ):  # fmt: skip
+        streamed = httpx.post(
+            f"{stack.base_url}/{route}",
+            json={"model": "flagstop-tiny", "stream": True, "slo_ttft_ms": 0.001, **body},
+            timeout=60,
+        )
+        assert streamed.status_code == 429, (route, streamed.text)
+        assert streamed.headers["retry-after"] == "1" and "retry later" in streamed.text
     for t in blockers:
         t.join()
     assert results == [200, 200]  # the others are untouched
@@ -159,3 +174,23 @@ def test_the_recorded_workload_replays(stack, record, capsys):
     assert len(long["block_hashes"]) == 2 and "prompt_token_ids" not in long
     main([str(record), "--policy", "fair"])
     assert json.loads(capsys.readouterr().out)["requests"] == len(lines)
+
+
+def test_the_record_holds_the_requests_the_router_refused(stack, record):
+    """Refused before they were queued (here: prompts past the model's length), they
+    are lines of the record with their arrival, prompt and reason: a record taken in an
+    overload holds all of the load."""
+    too_long = [0] + [5] * 5000
+    before = len(record.read_text().splitlines())
+    with pytest.raises(grpc.RpcError) as refused:
+        list(stack.generation().Generate(generation_pb2.GenerateRequest(
+            prompt_token_ids=too_long, max_tokens=4, tenant="acme"), timeout=60))  # fmt: skip
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    http = httpx.post(f"{stack.base_url}/completions", json={
+        "model": "flagstop-tiny", "prompt": too_long, "max_tokens": 4}, timeout=60)  # fmt: skip
+    assert http.status_code == 400
+    lines = [json.loads(x) for x in record.read_text().splitlines()[before:]]
+    assert [x["finish"] for x in lines] == ["refused", "refused"]
+    assert all(x["prompt_tokens"] == 5001 and x["output_tokens"] == 4 for x in lines)
+    assert lines[0]["tenant"] == "acme" and lines[0]["reason"].startswith("INVALID_ARGUMENT: ")
+    assert len(lines[0]["block_hashes"]) == 9 and lines[0]["arrival_s"] > 0

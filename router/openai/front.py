@@ -118,7 +118,8 @@ class OpenAIFront:
         builder.usage.prompt_tokens = sum(len(c.prompt_token_ids) for c in choices
                                           if c.counts_prompt)  # fmt: skip
         if body.stream:
-            stream = self.stream(builder, choices, pendings, body.include_usage)
+            chunks = await self.started(http, merged(self.engine, pendings), pendings)
+            stream = self.stream(builder, choices, pendings, body.include_usage, chunks)
             return StreamingResponse(stream, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})  # fmt: skip
         await until_disconnected(http, self.collect(builder, choices, pendings))
@@ -142,16 +143,33 @@ class OpenAIFront:
                 self.engine.release(pending)
         return choices
 
+    async def started(self, http: Request, chunks: AsyncIterator, pendings: list[Pending]):
+        """A stream's chunks once its first one has come: the response's headers wait
+        for it, so a request refused before its first token (a full queue, a policy
+        that sheds it, a replica lost) answers its own status, a 429 with Retry-After,
+        not a 200 with an error event. The first chunk is the first token's, which the
+        first byte waited for anyway: time to first token is unchanged
+        (bench/http_bench.py). A client gone meanwhile releases the requests."""
+        try:
+            first = await until_disconnected(http, anext(chunks))
+        except BaseException as e:
+            for pending in pendings:
+                self.engine.release(pending)
+            if isinstance(e, RequestFailed):
+                raise from_failure(e) from None
+            raise
+        return primed(first, chunks)
+
     async def stream(
         self, builder: ResponseBuilder, choices: list[Choice], pendings: list[Pending],
-        include_usage: bool,
+        include_usage: bool, chunks: AsyncIterator,
     ) -> AsyncIterator[bytes]:  # fmt: skip
         """SSE: a chunk per new piece of each choice, a usage chunk when asked, [DONE].
         A failure after the first bytes becomes an error event."""
         try:
             if builder.kind == "chat":
                 yield sse(builder.role_chunk(range(len(pendings))))
-            async for index, chunk in merged(self.engine, pendings):
+            async for index, chunk in chunks:
                 piece = builder.apply(choices[index], chunk)
                 if piece is not None:
                     yield sse(builder.chunk([piece]))
@@ -165,6 +183,13 @@ class OpenAIFront:
             for pending in pendings:
                 self.engine.release(pending)
         yield DONE
+
+
+async def primed(first, rest: AsyncIterator) -> AsyncIterator:
+    """A stream whose first item was taken already (OpenAIFront.started)."""
+    yield first
+    async for item in rest:
+        yield item
 
 
 async def merged(engine: RouterEngine, pendings: list[Pending]):

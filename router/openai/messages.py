@@ -65,7 +65,8 @@ async def messages(body: MessagesRequest, http: Request, front: Front) -> Respon
     builder, choice, pending = front.start_one(http, as_chat(body), "chat")
     events = MessageEvents(body.model, builder)
     if body.stream:
-        return StreamingResponse(stream(front.engine, choice, pending, events),
+        chunks = await front.started(http, front.engine.stream(pending), [pending])
+        return StreamingResponse(stream(front.engine, choice, pending, events, chunks),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})  # fmt: skip
     await until_disconnected(http, collect(front.engine, choice, pending, events))
@@ -186,12 +187,13 @@ async def collect(engine, choice: Choice, pending, events: MessageEvents) -> Non
         engine.release(pending)
 
 
-async def stream(engine, choice: Choice, pending, events: MessageEvents) -> AsyncIterator[bytes]:
+async def stream(engine, choice: Choice, pending, events: MessageEvents,
+                 chunks) -> AsyncIterator[bytes]:  # fmt: skip
     """The events; a failure after the first is an error event."""
     try:
         for item in events.opening():
             yield item
-        async for chunk in engine.stream(pending):
+        async for chunk in chunks:
             for item in events.piece(events.builder.apply(choice, chunk) or {}):
                 yield item
         for item in events.closing(choice):

@@ -21,8 +21,9 @@ async def responses(body: ResponsesRequest, http: Request, front: Front) -> Resp
     builder, choice, pending = front.start_one(http, as_chat(body), "responses")
     events, engine = ResponseEvents(body, served), front.engine
     if body.stream:
+        chunks = await front.started(http, engine.stream(pending), [pending])
         return StreamingResponse(
-            responses_stream.stream(engine, builder, choice, pending, events),
+            responses_stream.stream(engine, builder, choice, pending, events, chunks),
             media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
         )  # fmt: skip
     work = responses_stream.collect(engine, builder, choice, pending, events)

@@ -191,22 +191,21 @@ def _public(item: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in item.items() if not k.startswith("_")}
 
 
-async def _events(engine, builder: ResponseBuilder, choice: Choice, pending,
-                  events: "ResponseEvents"):  # fmt: skip
-    """(event type, payload) of one request, in order. Raises RequestFailed."""
+async def _events(builder: ResponseBuilder, choice: Choice, events: "ResponseEvents", chunks):
+    """(event type, payload) of one request's chunks, in order. Raises RequestFailed."""
     for event in events.opening():
         yield event
-    async for chunk in engine.stream(pending):
+    async for chunk in chunks:
         for event in events.piece(builder.apply(choice, chunk) or {}):
             yield event
     for event in events.closing(choice, builder):
         yield event
 
 
-async def stream(engine, builder, choice, pending, events) -> AsyncIterator[bytes]:
+async def stream(engine, builder, choice, pending, events, chunks) -> AsyncIterator[bytes]:
     """Server-Sent Events, `event:` lines included; a failure is an error event."""
     try:
-        async for kind, payload in _events(engine, builder, choice, pending, events):
+        async for kind, payload in _events(builder, choice, events, chunks):
             yield b"event: " + kind.encode() + b"\ndata: " + json_line(payload) + b"\n\n"
     except RequestFailed as e:
         yield _error_event(events, from_failure(e))
@@ -225,7 +224,7 @@ async def collect(engine, builder, choice, pending, events) -> dict[str, Any]:
     """The whole Responses object: the last event's."""
     last: dict[str, Any] = {}
     try:
-        async for _, payload in _events(engine, builder, choice, pending, events):
+        async for _, payload in _events(builder, choice, events, engine.stream(pending)):
             last = payload
     except RequestFailed as e:
         raise from_failure(e) from None

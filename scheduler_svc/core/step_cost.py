@@ -45,6 +45,16 @@ class StepCostModel:
         spare = seconds - self.base_s - self.s_per_context_token * num_context_tokens
         return max(0, int(spare / per_token)) if per_token > 0 else 1 << 30
 
+    def figures(self) -> dict[str, float]:
+        """The fit in the executor simulator's terms (its --simulate-* flags, and
+        flagstop-replay's), with the number of steps it saw. A term the steps barely
+        exercise can fit a little below 0 (measured: -0.01 µs a context token on short
+        contexts): a cost is never negative, so it is written as 0."""
+        return {"base_ms": max(0.0, self.base_s * 1e3),
+                "us_per_scheduled_token": max(0.0, self.s_per_token * 1e6),
+                "us_per_context_token": max(0.0, self.s_per_context_token * 1e6),
+                "num_observed": self.num_observed}  # fmt: skip
+
     def observe(self, num_scheduled_tokens: int, num_context_tokens: int, seconds: float) -> None:
         """One measured step (recursive least squares: a few dozen float operations)."""
         x = (1.0, num_scheduled_tokens / TOKENS_SCALE, num_context_tokens / CONTEXT_SCALE)
