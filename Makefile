@@ -148,28 +148,44 @@ $(MODEL_DIR)/config.json: $(STAMP) tools/make_model.py
 # logged), as compose and Kubernetes do; `make serve RESTART=0` leaves it dead (fault
 # tests). Ctrl-C (SIGINT) reaches them all, and each drains and exits 0.
 RESTART ?= 1
+# The ports (`make serve PORT=... HTTP_PORT=...` runs one beside another; the metrics
+# ports are the services' defaults unless set).
+PORT ?= 50051
+HTTP_PORT ?= 8000
+SCHEDULER_PORT ?= 50052
+EXECUTOR_PORT ?= 50053
+ROUTER_METRICS_PORT ?= 8001
+SCHEDULER_METRICS_PORT ?= 8002
+EXECUTOR_METRICS_PORT ?= 8003
+# More flags for one service: `make serve ROUTER_ARGS=--structured-outputs-in-reasoning`.
+ROUTER_ARGS ?=
+SCHEDULER_ARGS ?=
+EXECUTOR_ARGS ?=
 EXECUTOR_FLAGS = --model $(MODEL) --tensor-parallel-size $(TP) \
 	$(if $(filter 1,$(EP)),--expert-parallel) $(if $(SPEC),--speculative-config '$(SPEC)') \
 	$(if $(MAX_LORAS),--max-loras $(MAX_LORAS)) $(if $(LORA),--lora-modules '$(LORA)') \
 	$(if $(MAX_LORA_RANK),--max-lora-rank $(MAX_LORA_RANK)) \
 	$(if $(KV_OFFLOAD_BYTES),--kv-offload-bytes $(KV_OFFLOAD_BYTES))
 serve: $(STAMP) $(if $(filter $(MODEL_DIR),$(MODEL)),$(MODEL_DIR)/config.json)
-	@echo "router 127.0.0.1:50051 (OpenAI HTTP :8000), scheduler :50052, executor :50053" \
+	@echo "router 127.0.0.1:$(PORT) (OpenAI HTTP :$(HTTP_PORT)), scheduler :$(SCHEDULER_PORT), executor :$(EXECUTOR_PORT)" \
 		"$(if $(PD),(decode; the prefill replica: scheduler :50054, executor :50055) )on $(MODEL)," \
 		"tensor parallel $(TP)$(if $(filter 1,$(EP)), (expert parallel)), $(ROUTERS) router process(es); Ctrl-C stops"
 	@$(PY) -m tools.supervise $(if $(filter 0,$(RESTART)),--no-restart) \
-	:: executor $(VENV)/bin/flagstop-executor $(EXECUTOR_FLAGS) --port 50053 \
+	:: executor $(VENV)/bin/flagstop-executor $(EXECUTOR_FLAGS) --port $(EXECUTOR_PORT) \
+		--metrics-port $(EXECUTOR_METRICS_PORT) $(EXECUTOR_ARGS) \
 		$(if $(PD),--kv-role decode) \
-	:: scheduler $(VENV)/bin/flagstop-scheduler --executor 127.0.0.1:50053 --port 50052 \
+	:: scheduler $(VENV)/bin/flagstop-scheduler --executor 127.0.0.1:$(EXECUTOR_PORT) \
+		--port $(SCHEDULER_PORT) --metrics-port $(SCHEDULER_METRICS_PORT) $(SCHEDULER_ARGS) \
 	$(if $(PD),:: executor-prefill $(VENV)/bin/flagstop-executor $(EXECUTOR_FLAGS) --port 50055 \
 		--metrics-port 8005 --kv-role prefill \
 	:: scheduler-prefill $(VENV)/bin/flagstop-scheduler --executor 127.0.0.1:50055 --port 50054 \
 		--metrics-port 8004) \
-	:: router $(VENV)/bin/flagstop-router --model $(MODEL) --port 50051 \
-		--scheduler 127.0.0.1:50052$(if $(PD),$(comma)127.0.0.1:50054 --pd-threshold $(PD_THRESHOLD)) \
+	:: router $(VENV)/bin/flagstop-router --model $(MODEL) --port $(PORT) --http-port $(HTTP_PORT) \
+		--metrics-port $(ROUTER_METRICS_PORT) \
+		--scheduler 127.0.0.1:$(SCHEDULER_PORT)$(if $(PD),$(comma)127.0.0.1:50054 --pd-threshold $(PD_THRESHOLD)) \
 		--processes $(ROUTERS) $(if $(TOOL_CALL_PARSER),--tool-call-parser $(TOOL_CALL_PARSER)) \
 		$(if $(REASONING_PARSER),--reasoning-parser $(REASONING_PARSER)) \
-		--grpc-server $(GRPC_SERVER)
+		--grpc-server $(GRPC_SERVER) $(ROUTER_ARGS)
 
 up:
 	@case "$(REPLICAS)" in 1|2) ;; *) echo "REPLICAS=$(REPLICAS): compose runs 1 or 2" \

@@ -8,7 +8,9 @@ import sys
 import time
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from flagstop.health import READINESS
 from flagstop.scheduler_svc.core.request import FinishReason
 from flagstop.server import channel
 from flagstop.v1 import generation_pb2, generation_pb2_grpc
@@ -37,8 +39,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--connect-timeout",
         type=float,
-        default=30.0,
-        help="without --timeout: seconds to wait for the router to accept",
+        default=60.0,
+        help="without --timeout: seconds to wait for the router to serve (a cold "
+        "`make serve` takes 10-20 s on 2 cores)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     return p.parse_args(argv)
@@ -58,13 +61,36 @@ def build_request(args: argparse.Namespace) -> generation_pb2.GenerateRequest:
 
 
 async def wait_for_router(ch: grpc.aio.Channel, args: argparse.Namespace) -> None:
-    """A router that is starting, restarting or busy accepting a burst of connections
-    is waited for (within the deadline) instead of failing the first attempt."""
+    """A router that is starting, restarting, busy accepting a burst of connections, or
+    up but not serving yet (its scheduler not connected: `make serve`'s first seconds)
+    is waited for, within the deadline, instead of failing the first attempt: until
+    its readiness entry (grpc.health.v1) says SERVING."""
     wait_s = args.timeout if args.timeout is not None else args.connect_timeout
     try:
-        await asyncio.wait_for(ch.channel_ready(), wait_s)
+        await asyncio.wait_for(_serving(ch), wait_s)
     except TimeoutError:
-        raise ConnectionError(f"no router answered at {args.addr} within {wait_s:g} s") from None
+        if ch.get_state() == grpc.ChannelConnectivity.READY:
+            message = f"the router at {args.addr} was not serving within {wait_s:g} s"
+        else:
+            message = f"no router answered at {args.addr} within {wait_s:g} s"
+        raise ConnectionError(message) from None
+
+
+async def _serving(ch: grpc.aio.Channel) -> None:
+    """Polled with Check, not Watch: a Watch holds a thread of the server's health
+    servicer (the synchronous one, in an asyncio server) that a client gone never
+    frees, and the server's shutdown waits for it (measured: a router that never
+    exited)."""
+    health = health_pb2_grpc.HealthStub(ch)
+    request = health_pb2.HealthCheckRequest(service=READINESS)
+    while True:
+        try:
+            reply = await health.Check(request, wait_for_ready=True, timeout=5)
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                return
+        except grpc.aio.AioRpcError:  # a router restarting: ask the next one
+            pass
+        await asyncio.sleep(0.1)
 
 
 async def generate(args: argparse.Namespace) -> dict:

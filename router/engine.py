@@ -77,10 +77,15 @@ class RouterEngine:
         self.health.set_ready(self.ready)
 
     def check_serving(self) -> ModelLimits:
-        if self.limits is None or not self.accepting:
-            raise RequestFailed(
-                grpc.StatusCode.UNAVAILABLE, "the router is not serving; retry later"
-            )
+        """Whether requests are taken now (every route and front asks this); raises
+        RequestFailed UNAVAILABLE saying why not."""
+        if self.limits is None:
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, (
+                "the router is not serving yet: no scheduler has connected (with its "
+                "executor's model); retry later"))  # fmt: skip
+        if not self.accepting:
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE,
+                                "the router is shutting down; retry on another")  # fmt: skip
         if not self.replicas.routable():
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, (
                 "no replica can serve: none has a working executor (lost or restarting "

@@ -79,8 +79,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     async def GetModelInfo(self, request, context) -> generation_pb2.GetModelInfoResponse:
         await _refuse_undecodable(request, context)
-        if self.engine.limits is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "not connected to a scheduler yet")
+        try:
+            self.engine.check_serving()
+        except RequestFailed as e:
+            await context.abort(e.code, e.message)
         model = generation_pb2.ModelInfo()
         model.CopyFrom(self.engine.model_info)
         del model.lora_adapters[:]

@@ -44,9 +44,11 @@ class OpenAIFront:
     def check_model(self, name: str) -> str:
         """The model a request names: the base model or one of its LoRA adapters
         (vLLM's convention); 404 model_not_found otherwise."""
+        try:  # readiness as the engine has it (/ready, and gRPC's health): one rule
+            self.engine.check_serving()
+        except RequestFailed as e:
+            raise from_failure(e) from None
         served = self.engine.model_info.model_name
-        if self.engine.limits is None:
-            raise OpenAIError(503, "the router is not connected to a scheduler yet; retry")
         if name != served and name not in self.engine.replicas.adapters():
             message = f"model {name!r} is not served here; this router serves {served!r}"
             if adapters := sorted(self.engine.replicas.adapters()):

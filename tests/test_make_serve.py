@@ -1,0 +1,260 @@
+"""`make serve` as a new user runs it, and the README's quickstart run at once: the
+client waits for the router to serve (within its timeout) instead of failing, and
+while the stack starts the HTTP front's readiness and its routes agree (no route
+answers before /ready does, none refuses after). Then the agent path's lost-call
+cases through the same stack with the openai and anthropic SDKs, streamed and whole:
+a call the model ended without its closing tag, a call max_tokens cut, the words
+around a call, and (a thinking model, `make serve THINKING=1` with deepseek_r1) a
+<think> the model writes although its template opened the reasoning. Outputs are
+scripted with output constraints (as tests/test_agents.py does)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from tools.make_model import THINK, VOCAB_SIZE, write_model
+from tools.stack import ROOT, free_port
+
+pytestmark = pytest.mark.processes
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+ASK = [{"role": "user", "content": "Weather in Oslo?"}]
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+STARTUP_S = 180  # a cold `make serve`: the model written, three processes, the model loaded
+
+
+class Served:
+    """A `make serve` on free ports, RESTART=0, its output in a log."""
+
+    def __init__(self, log_dir: Path, *variables: str) -> None:
+        self.ports = {name: free_port() for name in (
+            "PORT", "HTTP_PORT", "SCHEDULER_PORT", "EXECUTOR_PORT", "ROUTER_METRICS_PORT",
+            "SCHEDULER_METRICS_PORT", "EXECUTOR_METRICS_PORT")}  # fmt: skip
+        self.log = log_dir / "make-serve.log"
+        command = ["make", "serve", "RESTART=0", *variables,
+                   *(f"{k}={v}" for k, v in self.ports.items())]  # fmt: skip
+        self.process = subprocess.Popen(
+            command, cwd=ROOT, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        self.http = f"http://127.0.0.1:{self.ports['HTTP_PORT']}"
+        self.grpc = f"127.0.0.1:{self.ports['PORT']}"
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_S
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, self.log.read_text()[-3000:]
+            try:
+                if httpx.get(f"{self.http}/ready", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"not ready in {STARTUP_S} s: {self.log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        """Ctrl-C, as the README says: the whole foreground group gets SIGINT (make
+        itself ends by it); every process drains and exits, none left behind."""
+        os.killpg(self.process.pid, signal.SIGINT)
+        self.process.wait(60)
+        deadline = time.monotonic() + 60
+        while _alive(self.process.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = _alive(self.process.pid)
+        if left:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        assert not left, f"still running after Ctrl-C: {left}"
+        assert "Traceback" not in self.log.read_text()
+
+
+def _alive(group: int) -> list[str]:
+    """The processes of a process group still running (from /proc)."""
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == group and fields[0] != "Z":
+            alive.append(stat.parent.name)
+    return alive
+
+
+def quickstart_client(served: Served) -> subprocess.Popen:
+    """The README's first quickstart line, on this stack's port."""
+    client = [str(ROOT / ".venv" / "bin" / "flagstop-client"), "Once upon a time",
+              "--max-tokens", "32", "--temperature", "0", "--addr", served.grpc]  # fmt: skip
+    if not Path(client[0]).exists():  # a venv of another layout: the module itself
+        client[:1] = [sys.executable, "-m", "flagstop.router.client"]
+    return subprocess.Popen(client, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+
+
+def probe_until_ready(served: Served) -> list[tuple[str, int]]:
+    """/ready, /v1/models and a chat completion in turn until all answer 200: each
+    status, in time order (a refused connection is 0)."""
+    probes = [("GET", "/ready", None), ("GET", "/v1/models", None),
+              ("POST", "/v1/chat/completions",
+               {"model": "flagstop-tiny", "messages": ASK, "max_tokens": 2})]  # fmt: skip
+    seen: list[tuple[str, int]] = []
+    deadline = time.monotonic() + STARTUP_S
+    while time.monotonic() < deadline:
+        for method, path, body in probes:
+            try:
+                answer = httpx.request(method, served.http + path, json=body, timeout=30)
+                status = answer.status_code
+            except httpx.TransportError:
+                status = 0
+            seen.append((path, status))
+        if all(status == 200 for _, status in seen[-3:]):
+            return seen
+        time.sleep(0.05)
+    raise AssertionError(f"not serving in {STARTUP_S} s: {seen[-6:]}")
+
+
+def script(text: str) -> dict:
+    return {"structured_outputs": {"grammar": f"start: {json.dumps(text)}"}}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The stack, the quickstart client started with it, and what the HTTP front
+    answered while it started (whatever order the tests run in)."""
+    served = Served(tmp_path_factory.mktemp("serve"))
+    try:
+        client = quickstart_client(served)  # at once, as a user would
+        statuses = probe_until_ready(served)
+        yield served, client, statuses
+    finally:
+        served.stop()
+
+
+def test_the_quickstart_run_at_once_waits_for_the_stack_and_the_routes_agree_with_ready(served):
+    served, client, statuses = served
+    # Probed in turn, the routes change together: once one answers 200 (the stack took
+    # a scheduler), none refuses any more; before, each refused (or was not up).
+    first_200 = next(i for i, (_, status) in enumerate(statuses) if status == 200)
+    assert statuses[0][1] != 200, "the stack was up before the first probe: nothing checked"
+    assert all(status == 200 for _, status in statuses[first_200:]), statuses
+    assert {status for _, status in statuses[:first_200]} <= {0, 503}
+    refused = {path for path, status in statuses if status == 503}
+    assert refused == {"/ready", "/v1/models", "/v1/chat/completions"}, statuses
+    out, err = client.communicate(timeout=STARTUP_S)
+    assert client.returncode == 0, err
+    assert out.strip(), "the client printed no text"
+
+
+@pytest.fixture(scope="module")
+def clients(served):
+    served, _, _ = served
+    chat = openai.OpenAI(base_url=f"{served.http}/v1", api_key="none", max_retries=0, timeout=120)
+    claude = anthropic.Anthropic(base_url=served.http, api_key="none", max_retries=0, timeout=120)
+    return chat, claude
+
+
+def openai_reply(chat, text: str, max_tokens: int, stream: bool) -> tuple[str, list, str]:
+    """(content, [(name, arguments)], finish_reason) of a chat completion scripted to
+    write text."""
+    reply = chat.chat.completions.create(model="flagstop-tiny", messages=ASK, tools=TOOLS,
+                                         max_tokens=max_tokens, stream=stream,
+                                         extra_body=script(text))  # fmt: skip
+    if not stream:
+        choice = reply.choices[0]
+        calls = [(c.function.name, json.loads(c.function.arguments))
+                 for c in choice.message.tool_calls or ()]  # fmt: skip
+        return choice.message.content or "", calls, choice.finish_reason
+    content, calls, finish = "", {}, None
+    for chunk in reply:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for call in delta.tool_calls or ():
+            calls.setdefault(call.index, [call.function.name, ""])[1] += call.function.arguments
+        finish = chunk.choices[0].finish_reason or finish
+    return content, [(name, json.loads(args)) for name, args in calls.values()], finish
+
+
+def anthropic_reply(claude, text: str, max_tokens: int, stream: bool) -> tuple[str, list, str]:
+    tool = {"name": "get_weather", "input_schema": WEATHER}
+    fields = dict(model="flagstop-tiny", max_tokens=max_tokens, messages=ASK, tools=[tool],
+                  extra_body=script(text))  # fmt: skip
+    if stream:
+        with claude.messages.stream(**fields) as events:
+            message = events.get_final_message()
+    else:
+        message = claude.messages.create(**fields)
+    content = "".join(b.text for b in message.content if b.type == "text")
+    calls = [(b.name, b.input) for b in message.content if b.type == "tool_use"]
+    return content, calls, message.stop_reason
+
+
+OSLO = [("get_weather", {"city": "Oslo"})]
+CASES = {  # output scripted, max_tokens, then what each API gives: content, calls, finish
+    "a call ended without its closing tag": (CALL, 200, ("", OSLO, "tool_calls", "tool_use")),
+    "a call max_tokens cut": (CALL + "</tool_call>", 20, (None, [], "length", "max_tokens")),
+    "the words around a call keep their spaces": (
+        f"Let me check. {CALL}</tool_call> Then", 200,
+        ("Let me check.  Then", OSLO, "tool_calls", "tool_use")),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tool_call_is_never_lost_through_both_sdks(clients, case, stream):
+    chat, claude = clients
+    text, max_tokens, (content, calls, finish, stop_reason) = CASES[case]
+    got = openai_reply(chat, text, max_tokens, stream)
+    if content is None:  # cut: what was written, as content
+        assert got[0] and text.startswith(got[0]) and got[1:] == ([], "length"), got
+    else:
+        assert got == (content, calls, finish)
+    got = anthropic_reply(claude, text, max_tokens, stream)
+    if content is None:
+        assert got[0] and text.startswith(got[0]) and got[1:] == ([], stop_reason), got
+    else:
+        assert got == (content, calls, stop_reason)
+
+
+def test_a_think_the_model_writes_although_the_template_opened_it_is_not_reasoning_text(
+    tmp_path,
+):
+    """deepseek_r1: its templates open <think> in the prompt, and R1 may write it again;
+    the reply's reasoning never starts with the tag, streamed or whole, in both APIs."""
+    model = write_model(tmp_path / "flagstop-tiny-thinking", thinking=True)
+    served = Served(tmp_path, f"MODEL={model}", "REASONING_PARSER=deepseek_r1",
+                    "ROUTER_ARGS=--structured-outputs-in-reasoning")  # fmt: skip
+    try:
+        served.wait_ready()
+        grammar = {"structured_outputs": {"grammar": f'start: <[{VOCAB_SIZE}]> "Hm, Oslo." '
+                                                     f'<[{VOCAB_SIZE + 1}]> "Sunny."'}}  # fmt: skip
+        chat = openai.OpenAI(base_url=f"{served.http}/v1", api_key="none", max_retries=0)
+        for stream in (False, True):
+            reply = chat.chat.completions.create(model=model.name, messages=ASK, max_tokens=32,
+                                                 stream=stream, extra_body=grammar)  # fmt: skip
+            if stream:
+                reasoning = content = ""
+                for chunk in reply:
+                    delta = chunk.choices[0].delta
+                    reasoning += (delta.model_extra or {}).get("reasoning") or ""
+                    content += delta.content or ""
+            else:
+                message = reply.choices[0].message
+                reasoning, content = message.model_extra["reasoning"], message.content
+            assert (reasoning, content) == ("Hm, Oslo.", "Sunny."), THINK
+        claude = anthropic.Anthropic(base_url=served.http, api_key="none", max_retries=0)
+        message = claude.messages.create(model=model.name, max_tokens=32, messages=ASK,
+                                         extra_body=grammar)  # fmt: skip
+        blocks = [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None))
+                  for b in message.content]  # fmt: skip
+        assert blocks == [("thinking", "Hm, Oslo."), ("text", "Sunny.")]
+    finally:
+        served.stop()
