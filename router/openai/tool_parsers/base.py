@@ -155,3 +155,23 @@ class CallParser:
         self.calls.append(call.as_dict())
         self._deltas.append({"index": call.index, **call.as_dict()})
         self.called = True
+
+
+class Tagged(CallParser):
+    """Calls between an opening and a closing tag (<tool_call>...</tool_call>: Hermes',
+    GLM's, Qwen3-Coder's), the text between read by found_in()."""
+
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    MARKERS = (OPEN,)
+
+    def found_in(self, body: str) -> list[Found] | None:
+        """The calls of a region's text between its tags (None: not calls)."""
+        raise NotImplementedError
+
+    def open(self, marker: str) -> Region:
+        return Closed(self.CLOSE, marker)
+
+    def read(self, text: str, closed: bool, cut: bool) -> Read:
+        body = text.removeprefix(self.OPEN)
+        found = None if cut else self.found_in(body.removesuffix(self.CLOSE) if closed else body)
+        return [text] if found is None else list(found)

@@ -10,23 +10,16 @@ newlines), values typed by the tool's schema.
 import re
 
 from flagstop.router.openai.tool_parsers.arguments import Parameters
-from flagstop.router.openai.tool_parsers.base import CallParser, Closed, Found, Read, Region
+from flagstop.router.openai.tool_parsers.base import Found, Tagged
 
 PAIR = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 NAME = re.compile(r"\s*([^<\s]+)")
 
 
-class Glm45(CallParser):
-    OPEN, CLOSE = "<tool_call>", "</tool_call>"
-    MARKERS = (OPEN,)
-
-    def open(self, marker: str) -> Region:
-        return Closed(self.CLOSE, marker)
-
-    def read(self, text: str, closed: bool, cut: bool) -> Read:
-        body = text[len(self.OPEN) : len(text) - len(self.CLOSE) if closed else None]
-        found = None if cut else self._function(body)
-        return [text] if found is None else [found]
+class Glm45(Tagged):
+    def found_in(self, body: str) -> list[Found] | None:
+        found = self._function(body)
+        return None if found is None else [found]
 
     def _function(self, body: str) -> Found | None:
         name = NAME.match(body)

@@ -7,17 +7,9 @@ holds one is taken too), a list of calls in one tag read as they are.
     </tool_call>"""
 
 from flagstop.router.openai.tool_parsers.arguments import json_calls
-from flagstop.router.openai.tool_parsers.base import CallParser, Closed, Read, Region
+from flagstop.router.openai.tool_parsers.base import Found, Tagged
 
 
-class Hermes(CallParser):
-    OPEN, CLOSE = "<tool_call>", "</tool_call>"
-    MARKERS = (OPEN,)
-
-    def open(self, marker: str) -> Region:
-        return Closed(self.CLOSE, marker)
-
-    def read(self, text: str, closed: bool, cut: bool) -> Read:
-        body = text[len(self.OPEN) : len(text) - len(self.CLOSE) if closed else None]
-        calls = None if cut else json_calls(body)
-        return [text] if calls is None else list(calls)
+class Hermes(Tagged):
+    def found_in(self, body: str) -> list[Found] | None:
+        return json_calls(body)

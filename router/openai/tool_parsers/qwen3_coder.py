@@ -14,7 +14,7 @@ and a parameter whose closing tag is missing where the next tag follows.
 import re
 
 from flagstop.router.openai.tool_parsers.arguments import Parameters
-from flagstop.router.openai.tool_parsers.base import CallParser, Closed, Found, Read, Region
+from flagstop.router.openai.tool_parsers.base import Closed, Found, Region, Tagged
 
 FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
 PARAMETER = re.compile(
@@ -24,19 +24,16 @@ PARAMETER = re.compile(
 FUNCTION_END = re.compile(r"\s*</function>")
 
 
-class Qwen3Coder(CallParser):
-    OPEN, CLOSE, BARE = "<tool_call>", "</tool_call>", "<function="
-    MARKERS = (OPEN, BARE)
+class Qwen3Coder(Tagged):
+    BARE = "<function="
+    MARKERS = (Tagged.OPEN, BARE)
 
     def open(self, marker: str) -> Region:
-        return Closed(self.CLOSE if marker == self.OPEN else "</function>", "")
+        return Closed(self.CLOSE if marker == self.OPEN else "</function>", marker)
 
-    def read(self, text: str, closed: bool, cut: bool) -> Read:
-        body = text.removeprefix(self.OPEN)
-        if closed and text.startswith(self.OPEN):
-            body = body.removesuffix(self.CLOSE)
-        found = None if cut else self._function(body)
-        return [text] if found is None else [found]
+    def found_in(self, body: str) -> list[Found] | None:
+        found = self._function(body)
+        return None if found is None else [found]
 
     def _function(self, body: str) -> Found | None:
         function = FUNCTION.match(body)
