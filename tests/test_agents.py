@@ -3,10 +3,11 @@ against a real stack serving a thinking model (the embedded one with <think> tok
 and Qwen3's switch): reasoning split from the answer in chat, streamed and whole, and
 in the Responses API, for each --reasoning-parser; the thinking switch reaching the
 template; an output constraint that waits for the reasoning's end; tool calls read
-from the answer; "required" calls streamed as they are written and cut by max_tokens;
-Anthropic's Messages API (text, tools, thinking, its events' order, its errors, the
-x-api-key); the Responses fields that were once dropped; unknown routes, /version and
-the engine's series on the router's /metrics.
+from the answer; "required" calls given out as each closes, and cut by max_tokens
+(the cut one content); the prompt fields on every chat-shaped route; Anthropic's
+Messages API (text, tools, thinking, its events' order, its errors, the x-api-key);
+the Responses fields that were once dropped; unknown routes, /version and the
+engine's series on the router's /metrics.
 
 Outputs are scripted with output constraints (a router started with
 --structured-outputs-in-reasoning lets them cover the reasoning too)."""

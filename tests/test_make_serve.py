@@ -43,9 +43,12 @@ class Served:
         self.log = log_dir / "make-serve.log"
         command = ["make", "serve", "RESTART=0", *variables,
                    *(f"{k}={v}" for k, v in self.ports.items())]  # fmt: skip
+        # A process group of its own (Ctrl-C below reaches make and the supervisor),
+        # in this session: a session of its own would share the CPU as one autogroup
+        # beside the nice 19 numeric tests of `make test`, not yield to them.
         self.process = subprocess.Popen(
             command, cwd=ROOT, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
-            start_new_session=True,
+            process_group=0,
         )  # fmt: skip
         self.http = f"http://127.0.0.1:{self.ports['HTTP_PORT']}"
         self.grpc = f"127.0.0.1:{self.ports['PORT']}"
@@ -63,31 +66,44 @@ class Served:
         raise AssertionError(f"not ready in {STARTUP_S} s: {self.log.read_text()[-3000:]}")
 
     def stop(self) -> None:
-        """Ctrl-C, as the README says: the whole foreground group gets SIGINT (make
-        itself ends by it); every process drains and exits, none left behind."""
+        """Ctrl-C, as the README says: the foreground group (make, the supervisor) gets
+        SIGINT (make itself ends by it) and the supervisor passes it on; every process
+        drains and exits, none left behind."""
+        stack = _descendants(self.process.pid)
         os.killpg(self.process.pid, signal.SIGINT)
         self.process.wait(60)
         deadline = time.monotonic() + 60
-        while _alive(self.process.pid) and time.monotonic() < deadline:
+        while (left := [p for p in stack if _alive(p)]) and time.monotonic() < deadline:
             time.sleep(0.2)
-        left = _alive(self.process.pid)
-        if left:
-            os.killpg(self.process.pid, signal.SIGKILL)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
         assert not left, f"still running after Ctrl-C: {left}"
         assert "Traceback" not in self.log.read_text()
 
 
-def _alive(group: int) -> list[str]:
-    """The processes of a process group still running (from /proc)."""
-    alive = []
+def _parents() -> dict[int, int]:
+    """Each process's parent (from /proc)."""
+    parents = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
             continue
-        if int(fields[2]) == group and fields[0] != "Z":
-            alive.append(stat.parent.name)
-    return alive
+    return parents
+
+
+def _descendants(root: int) -> list[int]:
+    parents, found = _parents(), [root]
+    for pid in found:
+        found += [child for child, parent in parents.items() if parent == pid]
+    return found[1:]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def quickstart_client(served: Served) -> subprocess.Popen:

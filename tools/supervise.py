@@ -46,10 +46,14 @@ class Supervisor:
     def start(self, child: Child) -> None:
         from flagstop.server import die_with_parent
 
-        # A session of its own: a terminal's Ctrl-C reaches the supervisor alone, which
-        # passes it on once (a second signal would cut the drain short).
+        # A process group of its own: a terminal's Ctrl-C reaches the supervisor alone,
+        # which passes it on once (a second signal would cut the drain short). Not a
+        # session of its own: with the kernel's autogroups (sched_autogroup_enabled)
+        # each session shares the CPU as one, so a nice 19 job beside the stack took
+        # half the CPU from the executor, whose threads then waited on each other
+        # (measured: a 40-token request 0.3 s, then 3.5-6.8 s).
         child.process = subprocess.Popen(child.command, preexec_fn=die_with_parent,
-                                         start_new_session=True)  # fmt: skip
+                                         process_group=0)  # fmt: skip
         child.started, child.due = time.monotonic(), 0.0
         child.starts += 1
 

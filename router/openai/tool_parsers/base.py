@@ -104,7 +104,7 @@ class CallParser:
         while self._advance(finish):
             pass
         if finish:  # whitespace that only sets calls apart is not content
-            self._content.append(self.closing if self.said or self.calls else self.held)
+            self._content.append(self.closing if self.said else "" if self.calls else self.held)
             self.held = self.closing = ""
         content, deltas = "".join(self._content), self._deltas
         self._content, self._deltas = [], []
