@@ -4,7 +4,7 @@ output reader, and the chunk's SSE bytes, on one token a chunk as streams arrive
 
     plain       no tool parser, no reasoning parser (the default path)
     hermes      --tool-call-parser hermes over text with no call
-    hermes+call ... over a reply that is one call (arguments streamed)
+    hermes+call ... over a reply that is one call (held, given out whole at its end)
     qwen3       --reasoning-parser qwen3 then hermes: reasoning, then an answer
     harmony     gpt-oss' harmony, read token by token by openai-harmony's parser
 

@@ -84,6 +84,10 @@ class ThinkParser:
     def __init__(self, fmt: ThinkFormat, opened: bool) -> None:
         self.fmt = fmt
         self.markers = (fmt.end, *fmt.ended_by)
+        # Every tag begins "<": a chunk without one has none, nor the start of one (the
+        # common case, once a chunk: bench/output_bench.py).
+        leads = {m[0] for m in self.markers}
+        self.lead = leads.pop() if len(leads) == 1 else None
         self.in_reasoning = opened
         self.undecided = True  # at the output's start: a start tag may come
         self.ended = False
@@ -116,6 +120,9 @@ class ThinkParser:
 
     def _reasoning(self, final: bool) -> str:
         buffer = self.buffer
+        if self.lead is not None and self.lead not in buffer:
+            self.buffer = ""
+            return buffer
         end = buffer.find(self.fmt.end)
         if end >= 0:  # calls written before it were drafts: reasoning
             self.buffer, self.in_reasoning, self.ended = (

@@ -126,6 +126,10 @@ class CallParser:
 
     def _find_region(self, finish: str | None) -> bool:
         text = self.pending
+        if not any(m[0] in text for m in self.MARKERS):  # no marker, nor one's start
+            self.say(text)
+            self.pending = ""
+            return False
         found = [(at, m) for m in self.MARKERS if (at := text.find(m)) >= 0]
         if not found:
             keep = 0 if finish else max((partial_suffix(text, m) for m in self.MARKERS), default=0)
