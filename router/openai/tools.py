@@ -1,7 +1,7 @@
 """Tool calls in a chat's output: the structured-output constraint that makes a
 "required" or named call valid by construction, and which parser turns the model's
 text into the API's tool_calls, streamed or whole (the families' formats:
-router/openai/tool_parsers.py).
+router/openai/tool_parsers/).
 
 Each parser takes the choice's text as it arrives, and its finish reason once it
 ended, and gives back (content to show, tool-call deltas in the stream's shape: a call
