@@ -169,7 +169,12 @@ class Tagged(CallParser):
     MARKERS = (OPEN,)
 
     def found_in(self, body: str) -> list[Found] | None:
-        """The calls of a region's text between its tags (None: not calls)."""
+        """The calls of a region's text between its tags (None: not calls); by default
+        the one call function() reads."""
+        found = self.function(body)
+        return None if found is None else [found]
+
+    def function(self, body: str) -> Found | None:
         raise NotImplementedError
 
     def open(self, marker: str) -> Region:

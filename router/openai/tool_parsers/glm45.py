@@ -17,11 +17,7 @@ NAME = re.compile(r"\s*([^<\s]+)")
 
 
 class Glm45(Tagged):
-    def found_in(self, body: str) -> list[Found] | None:
-        found = self._function(body)
-        return None if found is None else [found]
-
-    def _function(self, body: str) -> Found | None:
+    def function(self, body: str) -> Found | None:
         name = NAME.match(body)
         if name is None:
             return None

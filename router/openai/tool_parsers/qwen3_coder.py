@@ -31,11 +31,7 @@ class Qwen3Coder(Tagged):
     def open(self, marker: str) -> Region:
         return Closed(self.CLOSE if marker == self.OPEN else "</function>", marker)
 
-    def found_in(self, body: str) -> list[Found] | None:
-        found = self._function(body)
-        return None if found is None else [found]
-
-    def _function(self, body: str) -> Found | None:
+    def function(self, body: str) -> Found | None:
         function = FUNCTION.match(body)
         if function is None:
             return None
