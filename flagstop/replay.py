@@ -172,7 +172,7 @@ class Replay:
                 high_water[request_id] = max(mark, end)
             planned_at = self.now
             self.now += step_s
-            scheduler.observe_step(plan, step_s)
+            scheduler.policy_step.measured(plan, step_s)
             outcome = StepOutcome([1] * len(plan.sampling_requests))
             for out in scheduler.update_from_output(plan, outcome).values():
                 for request_id in out.req_ids:
@@ -184,7 +184,10 @@ class Replay:
                     self.served[request_id].end_s = self.now
             self.num_steps += 1
             self._fairness(scheduler)
-        self.num_preemptions, self.num_shed = scheduler.num_preemptions, scheduler.num_shed
+        self.num_preemptions, self.num_shed = (
+            scheduler.num_preemptions,
+            scheduler.policy_step.num_shed,
+        )
         self.num_prefix_hit_tokens = scheduler.kv.prefix_stats.num_hits
         return self
 
@@ -203,11 +206,11 @@ class Replay:
                                          r.prompt_tokens)  # fmt: skip
 
     def _take_shed(self, scheduler: Scheduler) -> None:
-        for request, _ in scheduler.take_shed():
+        for request, _ in scheduler.policy_step.take_shed():
             self.served[request.request_id].shed = True
 
     def _fairness(self, scheduler: Scheduler) -> None:
-        counters = getattr(scheduler.policy, "counters", None)
+        counters = getattr(scheduler.policy_step.policy, "counters", None)
         if not counters or self.num_steps % 50:
             return
         backlogged = {tenant_of(r) for r in scheduler.waiting}

@@ -266,8 +266,8 @@ class ExecutorLink:
             if service.policy_client is not None:
                 service.policy_client.maybe_query(scheduler)
             plan = scheduler.schedule()
-            if scheduler.shed:
-                service.links.refuse_shed(scheduler.take_shed())
+            if scheduler.policy_step.shed:
+                service.links.refuse_shed(scheduler.policy_step.take_shed())
             if not plan.is_empty:
                 step = step_to_proto(plan)
                 telemetry.on_schedule(plan, step, scheduler)
@@ -297,8 +297,8 @@ class ExecutorLink:
         now = time.monotonic()
         started = max(self.written_at.popleft(), self.last_result_at)
         self.last_result_at = now
-        scheduler.observe_step(done, now - started)
-        self.cost_record.step_measured(scheduler.cost)
+        scheduler.policy_step.measured(done, now - started)
+        self.cost_record.step_measured(scheduler.policy_step.cost)
 
     async def _idle(self, call) -> None:
         """Nothing to do: wait for work, probing the executor now and then."""

@@ -65,7 +65,7 @@ class RemotePolicyClient:
             token_budget=scheduler.config.max_num_batched_tokens,
             block_size=scheduler.block_size,
         )  # fmt: skip
-        describe_cost(scheduler.cost, query.step_cost)
+        describe_cost(scheduler.policy_step.cost, query.step_cost)
         for request in scheduler.waiting:
             entry = describe(request, query.waiting.add())
             entry.prefix_hit_blocks = scheduler.num_prefix_hit_blocks(request)

@@ -85,7 +85,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                    groups)  # fmt: skip
         self._remote_client(policy, s.policy_addr)
         if s.shadow_policy:
-            self.scheduler.set_shadow(make_policy(s.shadow_policy))
+            self.scheduler.policy_step.set_shadow(make_policy(s.shadow_policy))
         extras = ""
         if info.num_speculative_tokens:
             extras = f", speculative decoding ({info.speculative_method}, k <= "
@@ -206,20 +206,20 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if scheduler is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "waiting for the executor")
         try:
-            policy = self._new_policy(request) if request.policy else scheduler.policy
+            policy = self._new_policy(request) if request.policy else scheduler.policy_step.policy
             shadow = self._new_shadow(request.shadow)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if policy is not scheduler.policy:
+        if policy is not scheduler.policy_step.policy:
             scheduler.set_policy(policy)
             self._remote_client(policy, request.policy_addr or self.settings.policy_addr)
-        scheduler.set_shadow(shadow)
+        scheduler.policy_step.set_shadow(shadow)
         log.info(
             "policy %s, shadow %s (admin call)", policy.name, shadow.name if shadow else "none"
         )
         self.link.wakeup.set()
-        return scheduler_pb2.SetPolicyResponse(policy=policy.name,
-                                               shadow_policy=scheduler.shadow.name)  # fmt: skip
+        shadow_name = scheduler.policy_step.shadow.name
+        return scheduler_pb2.SetPolicyResponse(policy=policy.name, shadow_policy=shadow_name)
 
     def _new_policy(self, request) -> SchedulingPolicy:
         """The asked policy with the scheduler's options (raises ValueError)."""
@@ -312,5 +312,5 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 break
             await asyncio.sleep(0.05)
         if self.scheduler is not None:
-            self.link.cost_record.write(self.scheduler.cost)
+            self.link.cost_record.write(self.scheduler.policy_step.cost)
         self.links.close()

@@ -394,12 +394,14 @@ def test_a_ranking_orders_admission_and_failing_open_restores_fcfs():
     scheduler = make_scheduler(policy="remote", max_num_seqs=1)
     for i, rid in enumerate("abcd"):
         scheduler.add_request(make_request(rid, max_tokens=1, arrival_time=float(i)))
-    scheduler.policy.apply(StepDecision(admission_order=["c", "a"]), [])  # for the next step
+    scheduler.policy_step.policy.apply(
+        StepDecision(admission_order=["c", "a"]), []
+    )  # for the next step
     assert next(iter(step(scheduler)[0].num_scheduled_tokens)) == "c"
     assert [r.request_id for r in scheduler.waiting] == ["a", "b", "d"]
     scheduler.add_request(make_request("e", max_tokens=1, arrival_time=-1.0))
     assert [r.request_id for r in scheduler.waiting] == ["a", "b", "d", "e"]  # behind the ranked
-    scheduler.policy.fail_open()
+    scheduler.policy_step.policy.fail_open()
     assert [r.req_id for r in step(scheduler)[0].scheduled_new_reqs] == ["e"]  # arrival order
     assert [r.request_id for r in scheduler.waiting] == ["a", "b", "d"]
     run_to_idle(scheduler)
@@ -410,7 +412,7 @@ def test_a_preemption_order_picks_the_victim():
     scheduler.add_request(make_request("a", num_prompt=6, arrival_time=0, ignore_eos=True))
     scheduler.add_request(make_request("b", num_prompt=6, arrival_time=1, ignore_eos=True))
     step(scheduler)
-    scheduler.policy.apply(StepDecision(), ["a"])  # FCFS would pick the newest, b
+    scheduler.policy_step.policy.apply(StepDecision(), ["a"])  # FCFS would pick the newest, b
     assert step_until_preemption(scheduler).preempted_req_ids == {"a"}
     run_to_idle(scheduler)
 

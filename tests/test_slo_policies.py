@@ -45,7 +45,9 @@ def request(rid: str, num_prompt: int, max_tokens: int, now: float = 0.0, **obje
 
 def advance(scheduler: Scheduler, clock: Clock, plan) -> None:
     """Run the plan on the step-cost model's time and feed one token per sample."""
-    seconds = scheduler.cost.seconds(plan.total_num_scheduled_tokens, plan.num_context_tokens)
+    seconds = scheduler.policy_step.cost.seconds(
+        plan.total_num_scheduled_tokens, plan.num_context_tokens
+    )
     clock.now += seconds
     scheduler.update_from_output(plan, StepOutcome([7] * len(plan.sampling_requests)))
     check_invariants(scheduler)
@@ -77,7 +79,7 @@ def test_slo_never_admits_a_request_it_predicts_will_miss(jobs):
         plan = scheduler.schedule()
         for new in plan.scheduled_new_reqs:
             assert policy.predicted[new.req_id] <= deadlines[new.req_id] + 1e-9
-        for shed, reason in scheduler.take_shed():
+        for shed, reason in scheduler.policy_step.take_shed():
             assert "retry" in reason and shed.request_id not in scheduler.requests
         if not plan.num_scheduled_tokens:
             clock.now = arrivals[0][0] if arrivals else clock.now + 0.01
@@ -93,18 +95,20 @@ def test_slo_orders_equal_prompts_by_deadline_and_sheds_what_cannot_make_it():
     for rid, ttft in ttfts.items():
         scheduler.add_request(request(rid, 64, 4, ttft_s=ttft))
     plan = scheduler.schedule()
-    [(shed, reason)] = scheduler.take_shed()
+    [(shed, reason)] = scheduler.policy_step.take_shed()
     assert shed.request_id == "hopeless" and "target of 1 ms" in reason
     assert [r.req_id for r in plan.scheduled_new_reqs] == ["soon"]
     assert [r.request_id for r in scheduler.waiting] == ["mid", "late"]
-    assert scheduler.num_shed == 1
+    assert scheduler.policy_step.num_shed == 1
 
 
 def test_slo_without_shedding_orders_only():
     scheduler, _ = engine(make_policy("slo", shed=False))
     scheduler.add_request(request("hopeless", 64, 4, ttft_s=0.001))
     plan = scheduler.schedule()
-    assert not scheduler.take_shed() and [r.req_id for r in plan.scheduled_new_reqs] == ["hopeless"]
+    assert not scheduler.policy_step.take_shed() and [
+        r.req_id for r in plan.scheduled_new_reqs
+    ] == ["hopeless"]
 
 
 def test_slo_prefill_budget_keeps_the_decodes_within_their_tpot():
@@ -115,7 +119,7 @@ def test_slo_prefill_budget_keeps_the_decodes_within_their_tpot():
     for _ in range(3):
         advance(scheduler, clock, scheduler.schedule())
     scheduler.add_request(request("long", 3000, 4, clock.now))
-    cost = scheduler.cost
+    cost = scheduler.policy_step.cost
     for _ in range(10):
         plan = scheduler.schedule()
         # The model's step time stays within the tightest TPOT (one block of
@@ -160,12 +164,12 @@ def test_shed_requests_end_with_their_reason_and_are_counted():
     for rid in "abc":
         scheduler.add_request(request(rid, 20, 2))
     plan = scheduler.schedule()
-    [(shed, reason)] = scheduler.take_shed()
+    [(shed, reason)] = scheduler.policy_step.take_shed()
     assert (shed.request_id, reason) == ("b", "over capacity: retry in 2 s")
     assert FINISH_REASON[shed.status].label == "abort"
     assert [r.req_id for r in plan.scheduled_new_reqs] == ["a", "c"]
     shed_once.clear()
-    assert scheduler.num_shed == 1 and scheduler.take_shed() == []
+    assert scheduler.policy_step.num_shed == 1 and scheduler.policy_step.take_shed() == []
 
 
 def test_nonsense_decisions_fail_open_and_are_counted():
@@ -186,7 +190,10 @@ def test_nonsense_decisions_fail_open_and_are_counted():
             plans[name].append(dict(plan.num_scheduled_tokens))
             advance(scheduler, clock, plan)
         if name == "nonsense":
-            assert scheduler.num_ignored_decisions > 0 and scheduler.num_shed == 0
+            assert (
+                scheduler.policy_step.num_ignored_decisions > 0
+                and scheduler.policy_step.num_shed == 0
+            )
     assert plans["nonsense"] == plans["fcfs"]
 
 
@@ -288,7 +295,7 @@ def test_a_shadow_policy_is_compared_and_counted_but_never_applied():
     live_plans, shadow_plans = [], []
     for plans, shadow in ((live_plans, None), (shadow_plans, "slo")):
         scheduler, clock = engine(FCFSPolicy(), budget=64, max_num_seqs=2)
-        scheduler.set_shadow(None if shadow is None else make_policy(shadow))
+        scheduler.policy_step.set_shadow(None if shadow is None else make_policy(shadow))
         for i in range(6):  # the last one's target no step can meet: slo would shed it
             ttft = 0.0001 if i == 5 else 30.0
             scheduler.add_request(request(f"r{i}", 60 - 10 * i, 4, 0.0, ttft_s=ttft))
@@ -297,8 +304,8 @@ def test_a_shadow_policy_is_compared_and_counted_but_never_applied():
             plans.append(dict(plan.num_scheduled_tokens))
             advance(scheduler, clock, plan)
     assert shadow_plans == live_plans  # nothing it decided was applied
-    shadow = scheduler.shadow
+    shadow = scheduler.policy_step.shadow
     assert shadow.name == "slo" and shadow.num_decisions > 0
-    assert shadow.num_would_shed >= 1 and scheduler.num_shed == 0
+    assert shadow.num_would_shed >= 1 and scheduler.policy_step.num_shed == 0
     assert shadow.num_agreed < shadow.num_decisions and shadow.recent
     assert "r5" in shadow.recent[0].would_shed

@@ -6,21 +6,21 @@ The loop is the seed's; each feature is a component called at a named seam, with
 null variant when the feature is off, so the loop never asks whether one is on:
 - `self.drafts` (speculative.py): draft slots for decodes, rollback of rejected ones;
 - `self.transfers` (kv_transfers.py): KV beyond the pool, around the KV connector;
-- LoRA is one admission rule, `_can_admit` (--max-loras distinct adapters running);
-- `self.policy` (policy.py): the waiting queue's order, the victim, and once a step
-  a decision (decision.py: shed, defer, a prefill budget, chunk caps), checked and
-  applied here; the null decision of fcfs and priority changes nothing."""
+- LoRA is one admission rule, the step's `AdapterSeats` (adapter_seats.py);
+- `self.policy_step` (policy_step.py): the policy, its shadow and the step-cost model;
+  once a step a decision (decision.py: the waiting order, shed, defer, a prefill
+  budget, chunk caps), checked there; the null decision of fcfs and priority changes
+  nothing.
+
+The rule of this file: a feature adds a component and a seam, not a branch or an
+attribute here."""
 
 import time
 from collections.abc import Callable, Iterable, Sequence
 
+from flagstop.scheduler_svc.core.adapter_seats import AdapterSeats
 from flagstop.scheduler_svc.core.config import SchedulerConfig
-from flagstop.scheduler_svc.core.decision import (
-    NO_DECISION,
-    UNLIMITED,
-    PolicyView,
-    StepDecision,
-)
+from flagstop.scheduler_svc.core.decision import PolicyView
 from flagstop.scheduler_svc.core.kv_cache_manager import ComputedBlocks, KVCacheManager
 from flagstop.scheduler_svc.core.kv_connector import KVConnector
 from flagstop.scheduler_svc.core.kv_groups import KVCacheGroup
@@ -32,6 +32,7 @@ from flagstop.scheduler_svc.core.output import (
     StepOutcome,
 )
 from flagstop.scheduler_svc.core.policy import SchedulingPolicy, policy_for
+from flagstop.scheduler_svc.core.policy_step import PolicyStep
 from flagstop.scheduler_svc.core.request import (
     FINISH_REASON,
     FINISHED_ERROR,
@@ -44,11 +45,9 @@ from flagstop.scheduler_svc.core.request import (
     Request,
     RequestStatus,
 )
-from flagstop.scheduler_svc.core.shadow import NO_SHADOW, NoShadow, Shadow
 from flagstop.scheduler_svc.core.speculative import draft_budget
 from flagstop.scheduler_svc.core.stats import SchedulerStats, make_stats
 from flagstop.scheduler_svc.core.step import Step
-from flagstop.scheduler_svc.core.step_cost import StepCostModel
 
 __all__ = ["RequestRejected", "Scheduler", "SchedulerStats"]
 
@@ -68,14 +67,14 @@ class Scheduler:
         router's wall clock; a replay's virtual one)."""
         self.config = config
         self.kv_groups = kv_groups
-        self.policy = policy or policy_for(config)
-        self.shadow: NoShadow | Shadow = NO_SHADOW
+        policy = policy or policy_for(config)
+        self.policy_step = PolicyStep(policy, self._policy_view, self._refuse)
         self.drafts = draft_budget(config)
         self.transfers = kv_transfers(connector)
         self.block_size = config.block_size  # read per token
         self._new_pool(num_blocks)
         self.requests: dict[str, Request] = {}
-        self.waiting = self.policy.new_waiting_queue()
+        self.waiting = policy.new_waiting_queue()
         # Oldest first: they are served first and the FCFS victim is popped from the end.
         self.running: list[Request] = []
         # Finished since the last plan while the executor still holds them.
@@ -83,13 +82,6 @@ class Scheduler:
         self.step_id = 0
         self.num_preemptions = 0
         self.clock = clock
-        # The executor's step time, fitted from the steps it measured (observe_step).
-        self.cost = StepCostModel()
-        # Shed by the policy since the shell last took them: (request, why).
-        self.shed: list[tuple[Request, str]] = []
-        self.num_shed = 0
-        # Parts of policy decisions ignored as nonsense (unknown ids, negative caps).
-        self.num_ignored_decisions = 0
 
     def _new_pool(self, num_blocks: int) -> None:
         """An empty pool of num_blocks, and the longest sequence it holds (the model's
@@ -155,87 +147,35 @@ class Scheduler:
     # -- one step ----------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        decision = self._decide()
-        step = Step(self.config.max_num_batched_tokens, decision.prefill_budget,
-                    decision.chunk_caps)  # fmt: skip
+        step = Step.of(self.config.max_num_batched_tokens, self.policy_step.decide())
         self._schedule_running(step)
         self.drafts.add_slots(step, self.kv, self.step_id)
         # Admitting while we had to preempt would only hand the freed blocks to a
         # newcomer and preempt again next step (thrashing).
         if not step.preempted_req_ids:
-            loras = self._running_loras()
-            self._schedule_loaded(step, loras)
-            self._schedule_waiting(step, loras, decision.defer)
+            step.seats = AdapterSeats.of(self.running, self.config.max_loras)
+            self._schedule_loaded(step)
+            self._schedule_waiting(step)
         plan = self._make_output(step)
-        self.policy.observe(plan, self.requests)
-        self.shadow.observe(plan, self.requests)
+        self.policy_step.observe(plan, self.requests)
         self.transfers.attach(plan, self.kv)
         return plan
 
-    def _decide(self) -> StepDecision:
-        """The policy's decision for this step, its sheds applied, its nonsense left
-        out (and counted): it fails open to what the loop would do without it."""
-        pool, config = self.kv.pool, self.config
-        view = PolicyView(self.clock(), self.waiting, self.running, pool.num_free_blocks,
-                          pool.num_usable_blocks, self.block_size, config.max_num_batched_tokens,
-                          self.cost, self._prefix_hit_tokens)  # fmt: skip
-        decision = self.policy.decide(view)
-        self.shadow.compare(view, decision)
-        if decision is NO_DECISION:
-            return decision
-        if decision.admission_order is not None:
-            self.waiting.apply_ranking(decision.admission_order)
-        if decision.shed:
-            self._shed(decision.shed)
-        caps = {k: v for k, v in decision.chunk_caps.items() if v >= 0}
-        self.num_ignored_decisions += (len(decision.chunk_caps) - len(caps)
-                                       + (decision.prefill_budget < 0))  # fmt: skip
-        budget = decision.prefill_budget if decision.prefill_budget >= 0 else UNLIMITED
-        return StepDecision(defer=decision.defer, prefill_budget=budget, chunk_caps=caps)
+    def _policy_view(self) -> PolicyView:
+        pool = self.kv.pool
+        return PolicyView(self.clock(), self.waiting, self.running, pool.num_free_blocks,
+                          pool.num_usable_blocks, self.block_size,
+                          self.config.max_num_batched_tokens, self.policy_step.cost,
+                          self._prefix_hit_tokens)  # fmt: skip
 
     def _prefix_hit_tokens(self, request: Request) -> int:
         if request.skip_prefix_cache:
             return 0
         return self.num_prefix_hit_blocks(request) * self.block_size
 
-    def _shed(self, shed: dict[str, str]) -> None:
-        """Waiting requests that streamed nothing yet are shed (refused: the shell tells
-        their clients); other ids are ignored, and counted."""
-        waiting_ids = {r.request_id for r in self.waiting}
-        shed_ids = set()
-        for request_id, reason in shed.items():
-            request = self.requests.get(request_id)
-            if request_id in waiting_ids and request is not None and not request.first_token_time:
-                self._finish(request, RequestStatus.FINISHED_ABORTED)
-                self.shed.append((request, reason))
-                shed_ids.add(request_id)
-            else:
-                self.num_ignored_decisions += 1
-        if shed_ids:
-            self.waiting.remove_all(shed_ids)
-            self.num_shed += len(shed_ids)
-
     def set_policy(self, policy: SchedulingPolicy) -> None:
-        """Swap the live policy between steps: the waiting requests move to its queue
-        in their current order, none is lost; the next step is its."""
-        waiting = list(self.waiting)
-        self.policy, self.waiting = policy, policy.new_waiting_queue()
-        for request in waiting:
-            self.waiting.add(request)
-
-    def set_shadow(self, policy: SchedulingPolicy | None) -> None:
-        """Run a candidate policy in shadow (None: none)."""
-        self.shadow = NO_SHADOW if policy is None else Shadow(policy)
-
-    def take_shed(self) -> list[tuple[Request, str]]:
-        """The requests the policy shed since the last call, and why (the shell tells
-        their clients to retry: RESOURCE_EXHAUSTED, HTTP 429)."""
-        shed, self.shed = self.shed, []
-        return shed
-
-    def observe_step(self, plan: SchedulerOutput, seconds: float) -> None:
-        """A step the executor measured: the step-cost model learns from it."""
-        self.cost.observe(plan.total_num_scheduled_tokens, plan.num_context_tokens, seconds)
+        """Swap the live policy between steps (the next step is its)."""
+        self.waiting = self.policy_step.swap(policy, self.waiting)
 
     def _num_new_tokens(self, request: Request, token_budget: int) -> int:
         # num_tokens_with_spec, inlined: read per running request per step, a
@@ -263,7 +203,7 @@ class Scheduler:
                 continue
             block_ids = self.kv.allocate_slots(request, num_new)
             while block_ids is None:
-                victim_index = self.policy.select_victim(running)
+                victim_index = self.policy_step.policy.select_victim(running)
                 victim = running.pop(victim_index)
                 step.unschedule(victim)
                 self._preempt(victim, step)
@@ -292,14 +232,14 @@ class Scheduler:
         self.waiting.prepend(request)
         step.preempted_req_ids.add(request.request_id)
 
-    def _schedule_loaded(self, step: Step, loras: set[str]) -> None:
+    def _schedule_loaded(self, step: Step) -> None:
         """Requests whose KV arrived hold their blocks, and were admitted when their
         load started: they take seats before anyone waiting (else a request the pool
         cannot hold would stall them and the blocks they hold: vLLM #57841)."""
         loaded, passed = self.transfers.loaded, []
         while loaded and self._has_room(step):
             request = loaded.popleft()
-            if not self._can_admit(request, loras):
+            if not step.seats.admits(request):
                 passed.append(request)
                 continue
             num_new = self._num_prefill_tokens(request, request.num_computed_tokens, step)
@@ -307,10 +247,10 @@ class Scheduler:
                 loaded.appendleft(request)
                 break
             self.kv.allocate_slots(request, num_new)  # within the blocks it reserved
-            self._admit(request, request.num_computed_tokens, num_new, step, loras)
+            self._admit(request, request.num_computed_tokens, num_new, step)
         loaded.extendleft(reversed(passed))
 
-    def _schedule_waiting(self, step: Step, loras: set[str], defer: frozenset[str]) -> None:
+    def _schedule_waiting(self, step: Step) -> None:
         # Waiting requests of an adapter that has no slot left this step, or that the
         # policy deferred, wait aside, in order, without holding up the others (vLLM's
         # skipped_waiting).
@@ -319,7 +259,7 @@ class Scheduler:
             request = self.waiting.peek()
             if request.num_output_placeholders:
                 break  # preempted with a token still in flight: resume once it is known
-            admissible = request.request_id not in defer and self._can_admit(request, loras)
+            admissible = request.request_id not in step.defer and step.seats.admits(request)
             found = self._find_computed(request) if admissible else None
             if found is None:
                 skipped.append(self.waiting.pop())
@@ -340,7 +280,7 @@ class Scheduler:
                 break  # head-of-line blocking keeps FCFS fair
             self.waiting.pop()
             self.transfers.nothing_to_load(request)
-            self._admit(request, num_cached, num_new, step, loras)
+            self._admit(request, num_cached, num_new, step)
         for request in reversed(skipped):
             self.waiting.prepend(request)
 
@@ -354,11 +294,6 @@ class Scheduler:
         return not config.reserve_full_isl or self.kv.can_hold(
             request, hits, config.max_num_batched_tokens
         )
-
-    def _can_admit(self, request: Request, loras: set[str]) -> bool:
-        """--max-loras: a request joins if its adapter runs already or a slot is left."""
-        name = request.lora_name
-        return not name or name in loras or len(loras) < self.config.max_loras
 
     def _num_prefill_tokens(self, request: Request, num_cached: int, step: Step) -> int | None:
         """This step's chunk of the request's prefill; None: it does not fit whole
@@ -381,11 +316,8 @@ class Scheduler:
         num_external = self.transfers.num_loadable(request, num_cached)
         return None if num_external is None else (hits, num_cached, num_external)
 
-    def _admit(
-        self, request: Request, num_cached: int, num_new: int, step: Step, loras: set[str]
-    ) -> None:
-        if request.lora_name:
-            loras.add(request.lora_name)
+    def _admit(self, request: Request, num_cached: int, num_new: int, step: Step) -> None:
+        step.seats.take(request)
         self.kv.prefix_stats.record(request.num_tokens, num_cached - request.num_loaded_tokens)
         self.transfers.on_admit(request)
         if request.num_cached_tokens < 0:
@@ -397,44 +329,16 @@ class Scheduler:
         step.token_budget -= num_new
         step.prefill_budget -= num_new
 
-    def _running_loras(self) -> set[str]:
-        if not self.config.max_loras:
-            return set()
-        return {r.lora_name for r in self.running if r.lora_name}
-
     def _make_output(self, step: Step) -> SchedulerOutput:
         output = step.plan(self.step_id, self.finished_req_ids, self.drafts.take_trimmed(),
                            self.kv.block_ids)  # fmt: skip
         for request in step.admitted_reqs:
             request.status = RUNNING
         # In num_scheduled_tokens order: running first, then admitted.
-        output.num_context_tokens = self._advance(step.running_reqs, step,
-                                                  output.sampling_requests)  # fmt: skip
-        output.num_context_tokens += self._advance(step.admitted_reqs, step,
-                                                   output.sampling_requests)  # fmt: skip
+        output.num_context_tokens = step.advance(output.sampling_requests)
         self.finished_req_ids = set()
         self.step_id += 1
         return output
-
-    @staticmethod
-    def _advance(requests: list[Request], step: Step, sampling: list[Request]) -> int:
-        # Advanced at schedule time, not on output, so that the next step can be
-        # planned while this one runs: a chunked prefill continues, and a request
-        # whose chunk reaches its end holds a placeholder for the token in flight.
-        # Drafts are counted as if all were accepted (vLLM's optimistic advance): the
-        # result rolls back what was rejected.
-        num_scheduled_tokens, drafts = step.num_scheduled_tokens, step.num_draft_slots
-        num_context = 0
-        for request in requests:
-            request.num_computed_tokens += num_scheduled_tokens[request.request_id]
-            num_context += request.num_computed_tokens
-            num_drafts = drafts.get(request.request_id, 0) if drafts else 0
-            if request.num_computed_tokens - num_drafts == (
-                len(request.all_token_ids) + request.num_output_placeholders  # with spec
-            ):
-                request.num_output_placeholders += 1 + num_drafts
-                sampling.append(request)
-        return num_context  # the step's context tokens
 
     # -- results in --------------------------------------------------------------
 
@@ -509,6 +413,10 @@ class Scheduler:
             return FINISHED_TRANSFERRED if request.do_remote_decode else FINISHED_LENGTH
         return None
 
+    def _refuse(self, request: Request) -> None:
+        """A waiting request the policy shed: freed here, out of the queue there."""
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+
     def _finish(self, request: Request, status: RequestStatus) -> bool:
         """Free the request (or hold its blocks for a transfer still using them); the
         caller takes it out of the queues. Returns whether it was running (else it
@@ -571,7 +479,7 @@ class Scheduler:
     def loras_in_use(self) -> tuple[list[str], list[str]]:
         """The LoRA adapters of the running requests, and of the waiting ones, sorted."""
         waiting = {r.lora_name for r in (*self.waiting, *self.transfers.loaded) if r.lora_name}
-        return sorted(self._running_loras()), sorted(waiting)
+        return sorted(AdapterSeats.of(self.running, self.config.max_loras).names), sorted(waiting)
 
     def stats(self) -> SchedulerStats:
         return make_stats(self)

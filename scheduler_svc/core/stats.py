@@ -38,7 +38,8 @@ class SchedulerStats:
 
 
 def make_stats(scheduler: "Scheduler") -> SchedulerStats:
-    pool, transfers, shadow = scheduler.kv.pool, scheduler.transfers, scheduler.shadow
+    pool, transfers, decisions = scheduler.kv.pool, scheduler.transfers, scheduler.policy_step
+    shadow = decisions.shadow
     prefix, external = scheduler.kv.prefix_stats, transfers.external_stats
     return SchedulerStats(
         step_id=scheduler.step_id, num_running=len(scheduler.running),
@@ -50,8 +51,8 @@ def make_stats(scheduler: "Scheduler") -> SchedulerStats:
         external_prefix_cache_queries=external.num_queries,
         external_prefix_cache_hits=external.num_hits,
         num_host_cached_blocks=transfers.num_host_cached_blocks,
-        num_kv_leases=len(transfers.leased), policy=scheduler.policy.name,
-        num_shed=scheduler.num_shed, num_ignored_decisions=scheduler.num_ignored_decisions,
+        num_kv_leases=len(transfers.leased), policy=decisions.policy.name,
+        num_shed=decisions.num_shed, num_ignored_decisions=decisions.num_ignored_decisions,
         shadow_policy=shadow.name, shadow_decisions=shadow.num_decisions,
         shadow_agreed=shadow.num_agreed, shadow_would_shed=shadow.num_would_shed,
     )  # fmt: skip

@@ -5,7 +5,8 @@ that none imports the scheduler."""
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from flagstop.scheduler_svc.core.decision import UNLIMITED
+from flagstop.scheduler_svc.core.adapter_seats import AdapterSeats
+from flagstop.scheduler_svc.core.decision import UNLIMITED, StepDecision
 from flagstop.scheduler_svc.core.output import CachedRequestData, NewRequestData, SchedulerOutput
 from flagstop.scheduler_svc.core.request import PREEMPTED, Request
 
@@ -16,6 +17,10 @@ class Step:
     # The policy's: prefill (and recompute) tokens left this step, each request's cap.
     prefill_budget: int = UNLIMITED
     chunk_caps: dict[str, int] = field(default_factory=dict)
+    # Waiting request ids the policy deferred this step.
+    defer: frozenset[str] = frozenset()
+    # The LoRA adapters the batch runs, counted before admission (schedule()).
+    seats: AdapterSeats = field(default_factory=lambda: AdapterSeats(0))
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     running_reqs: list[Request] = field(default_factory=list)
     running_new_block_ids: list[Sequence[int]] = field(default_factory=list)
@@ -23,6 +28,10 @@ class Step:
     admitted_reqs: list[Request] = field(default_factory=list)
     preempted_req_ids: set[str] = field(default_factory=set)
     num_draft_slots: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, token_budget: int, decision: StepDecision) -> "Step":
+        return cls(token_budget, decision.prefill_budget, decision.chunk_caps, decision.defer)
 
     def cap_prefill(self, request_id: str, num_tokens: int) -> int:
         """A prefill chunk of num_tokens as the policy's budget and cap allow."""
@@ -41,6 +50,30 @@ class Step:
         self.token_budget += num_tokens
         if num_tokens > 1:
             self.prefill_budget += num_tokens
+
+    def advance(self, sampling: list[Request]) -> int:
+        """Advance the scheduled requests, running then admitted (the plan's order);
+        those that reach their end sample: appended to `sampling`. Returns the step's
+        context tokens.
+
+        Advanced at schedule time, not on output, so that the next step can be
+        planned while this one runs: a chunked prefill continues, and a request whose
+        chunk reaches its end holds a placeholder for the token in flight. Drafts are
+        counted as if all were accepted (vLLM's optimistic advance): the result rolls
+        back what was rejected."""
+        num_scheduled_tokens, drafts = self.num_scheduled_tokens, self.num_draft_slots
+        num_context = 0
+        for requests in (self.running_reqs, self.admitted_reqs):
+            for request in requests:
+                request.num_computed_tokens += num_scheduled_tokens[request.request_id]
+                num_context += request.num_computed_tokens
+                num_drafts = drafts.get(request.request_id, 0) if drafts else 0
+                if request.num_computed_tokens - num_drafts == (
+                    len(request.all_token_ids) + request.num_output_placeholders  # with spec
+                ):
+                    request.num_output_placeholders += 1 + num_drafts
+                    sampling.append(request)
+        return num_context
 
     def plan(
         self, step_id: int, finished_req_ids: set[str], trimmed_blocks: dict[str, int],
