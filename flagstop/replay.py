@@ -20,14 +20,14 @@ import json
 import math
 import statistics
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 
 from flagstop.executor.simulator import CostModel
 from flagstop.scheduler_svc.core.config import SchedulerConfig
 from flagstop.scheduler_svc.core.fair_policy import tenant_of
-from flagstop.scheduler_svc.core.objectives import Objectives
+from flagstop.scheduler_svc.core.objectives import Objectives, seconds_of
 from flagstop.scheduler_svc.core.output import StepOutcome
 from flagstop.scheduler_svc.core.policy import POLICIES, policy_for
 from flagstop.scheduler_svc.core.request import Request, StopParams
@@ -47,7 +47,7 @@ class TraceRequest:
     output_tokens: int
     block_hashes: tuple[int, ...] = ()
     tenant: str = ""
-    klass: str = ""
+    request_class: str = ""
     ttft_ms: float | None = None
     tpot_ms: float | None = None
 
@@ -81,8 +81,7 @@ def _azure(text: str) -> Iterator[TraceRequest]:
 
 def scaled(trace: list[TraceRequest], factor: float) -> list[TraceRequest]:
     """Arrivals factor times as fast (factor 2: twice the request rate)."""
-    return [TraceRequest(r.arrival_s / factor, r.prompt_tokens, r.output_tokens, r.block_hashes,
-                         r.tenant, r.klass, r.ttft_ms, r.tpot_ms) for r in trace]  # fmt: skip
+    return [replace(r, arrival_s=r.arrival_s / factor) for r in trace]
 
 
 def prompt_of(r: TraceRequest, index: int) -> list[int]:
@@ -102,7 +101,7 @@ def prompt_of(r: TraceRequest, index: int) -> list[int]:
 class Served:
     arrival_s: float
     tenant: str
-    klass: str
+    request_class: str
     ttft_ms: float
     tpot_ms: float
     prompt_tokens: int
@@ -194,7 +193,7 @@ class Replay:
     def _add(self, scheduler: Scheduler, index: int, r: TraceRequest) -> None:
         request_id = f"r{index}"
         ttft, tpot = r.ttft_ms or self.ttft_ms, r.tpot_ms or self.tpot_ms
-        objectives = Objectives(ttft / 1e3, tpot / 1e3, r.tenant, r.klass)
+        objectives = Objectives(seconds_of(ttft), seconds_of(tpot), r.tenant, r.request_class)
         request = Request(request_id, "replay", prompt_of(r, index),
                           StopParams(r.output_tokens, ignore_eos=True), arrival_time=r.arrival_s,
                           objectives=objectives, labels={"tenant": r.tenant})  # fmt: skip
@@ -202,7 +201,7 @@ class Replay:
             scheduler.add_request(request)
         except RequestRejected:
             return  # longer than this engine serves: not part of the replay
-        self.served[request_id] = Served(r.arrival_s, r.tenant, r.klass, ttft, tpot,
+        self.served[request_id] = Served(r.arrival_s, r.tenant, r.request_class, ttft, tpot,
                                          r.prompt_tokens)  # fmt: skip
 
     def _take_shed(self, scheduler: Scheduler) -> None:

@@ -20,7 +20,7 @@ from flagstop.adapters import already_loaded, name_refusal
 from flagstop.health import Health
 from flagstop.router.admission import AdmissionBudget
 from flagstop.router.detokenizer import StopStringMatcher, new_detokenizer
-from flagstop.router.objectives import ObjectiveDefaults
+from flagstop.router.objective_defaults import ObjectiveDefaults
 from flagstop.router.output import ChunkBuilder, Pending, RequestFailed
 from flagstop.router.recorder import recorder
 from flagstop.router.replicas import ReplicaSet
@@ -28,6 +28,7 @@ from flagstop.router.settings import RouterSettings
 from flagstop.router.telemetry import RequestTrace
 from flagstop.router.validation import ModelLimits, prompt_ids, validate
 from flagstop.scheduler_svc.core.limits import RequestRejected
+from flagstop.scheduler_svc.core.objectives import ms_of
 from flagstop.telemetry import Telemetry
 from flagstop.v1 import generation_pb2, scheduler_pb2
 
@@ -138,9 +139,10 @@ class RouterEngine:
             min_tokens=request.min_tokens, ignore_eos=request.ignore_eos,
             stop_token_ids=request.stop_token_ids, priority=request.priority,
             arrival_time=arrival, traceparent=trace.traceparent(), labels=request.labels,
-            lora_name=lora_name, lora_id=lora_id,
+            lora_name=lora_name, lora_id=lora_id, tenant=objectives.tenant,
+            request_class=objectives.request_class, slo_ttft_ms=ms_of(objectives.ttft_s),
+            slo_tpot_ms=ms_of(objectives.tpot_s),
         )  # fmt: skip
-        objectives.fill(add)
         if request.HasField("max_tokens"):
             add.max_tokens = request.max_tokens
         if request.HasField("num_speculative_tokens"):

@@ -20,6 +20,7 @@ from flagstop.router.output import Pending, RequestFailed
 from flagstop.router.validation import prompt_ids
 from flagstop.scheduler_svc.core.kv_cache_manager import chain_hashes
 from flagstop.scheduler_svc.core.limits import RequestRejected
+from flagstop.scheduler_svc.core.objectives import ms_of
 from flagstop.scheduler_svc.core.request import FinishReason
 
 RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
@@ -48,8 +49,9 @@ class WorkloadRecorder:
             "output_tokens": num_output or (request.max_tokens if request.HasField("max_tokens")
                                             else 1),
             "block_hashes": block_ids(pending.prompt_token_ids),
-            "tenant": objectives.tenant, "class": objectives.klass,
-            "ttft_ms": objectives.ttft_ms or None, "tpot_ms": objectives.tpot_ms or None,
+            "tenant": objectives.tenant, "class": objectives.request_class,
+            "ttft_ms": ms_of(objectives.ttft_s) or None,
+            "tpot_ms": ms_of(objectives.tpot_s) or None,
             "finish": _finish(pending),
         }  # fmt: skip
         self._write(entry)

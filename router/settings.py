@@ -17,7 +17,7 @@ from pydantic import (
 from pydantic_settings import SettingsConfigDict
 
 from flagstop.router.discovery import parse_targets
-from flagstop.router.objectives import SLOTarget, check_default_keys
+from flagstop.router.objective_defaults import SLOTarget, check_default_keys
 from flagstop.router.routing import Routing
 from flagstop.server import GrpcServerKind
 from flagstop.settings import Port, ServiceSettings

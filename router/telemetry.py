@@ -8,7 +8,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-from flagstop.router.objectives import RequestObjectives
+from flagstop.scheduler_svc.core.objectives import NO_OBJECTIVES, Objectives
 from flagstop.scheduler_svc.core.request import FinishReason
 from flagstop.telemetry import LATENCY_BUCKETS, extract_metadata, inject
 
@@ -85,9 +85,6 @@ def export_model(model: str) -> None:
         SUCCESS.labels(model, reason.label)
 
 
-NO_OBJECTIVES = RequestObjectives()
-
-
 class RequestTrace:
     """The span and clocks of one client request."""
 
@@ -95,11 +92,11 @@ class RequestTrace:
 
     def __init__(
         self, tracer: trace.Tracer, model: str, request, num_prompt: int, metadata,
-        operation: str = "text_completion", objectives: RequestObjectives = NO_OBJECTIVES,
+        operation: str = "text_completion", objectives: Objectives = NO_OBJECTIVES,
     ) -> None:  # fmt: skip
         """operation: gen_ai.operation.name, "text_completion" or "chat"."""
         self.model, self.started, self.first_token_at = model, time.monotonic(), 0.0
-        self.objectives, self.by = objectives, (model, objectives.tenant, objectives.klass)
+        self.objectives, self.by = objectives, (model, objectives.tenant, objectives.request_class)
         attributes = {
             "gen_ai.operation.name": operation,
             "gen_ai.request.model": model,

@@ -9,7 +9,7 @@ from flagstop.scheduler_svc.core.kv_connector import (
     KVTransferResult,
 )
 from flagstop.scheduler_svc.core.kv_groups import LayerSpec
-from flagstop.scheduler_svc.core.objectives import NO_OBJECTIVES, Objectives
+from flagstop.scheduler_svc.core.objectives import NO_OBJECTIVES, Objectives, seconds_of
 from flagstop.scheduler_svc.core.output import SchedulerOutput, StepOutcome
 from flagstop.scheduler_svc.core.request import Request, StopParams
 from flagstop.v1 import executor_pb2, generation_pb2, scheduler_pb2
@@ -29,9 +29,14 @@ def layers_to_proto(layers: list[LayerSpec]) -> list[generation_pb2.KVCacheLayer
 
 
 def request_from_proto(
-    add: scheduler_pb2.AddRequest, owner: str, eos_token_ids: frozenset[int], lora_id: str = ""
+    add: scheduler_pb2.AddRequest,
+    owner: str,
+    eos_token_ids: frozenset[int],
+    lora_id: str = "",
+    fallback: Objectives = NO_OBJECTIVES,
 ) -> Request:
-    """lora_id: the identity of the adapter the replica holds under add.lora_name."""
+    """lora_id: the identity of the adapter the replica holds under add.lora_name;
+    fallback: the targets of a request that states none."""
     return Request(
         request_id=add.request_id,
         owner=owner,
@@ -52,18 +57,21 @@ def request_from_proto(
         if add.HasField("num_speculative_tokens") else None,
         lora_name=add.lora_name,
         lora_id=lora_id,
-        objectives=objectives_from_proto(add),
+        objectives=objectives_from_proto(add, fallback),
         do_remote_decode=add.kv_transfer.do_remote_decode,
         remote_prefill=handoff_from_proto(add.kv_transfer)
         if add.kv_transfer.remote_endpoint else None,
     )  # fmt: skip
 
 
-def objectives_from_proto(add: scheduler_pb2.AddRequest) -> Objectives:
+def objectives_from_proto(add: scheduler_pb2.AddRequest, fallback: Objectives) -> Objectives:
+    """fallback: the targets of a request that states none (the router resolved them
+    already; --default-ttft-ms/--default-tpot-ms serve clients that bypass it)."""
     if not (add.slo_ttft_ms or add.slo_tpot_ms or add.tenant or add.request_class):
-        return NO_OBJECTIVES
-    return Objectives(add.slo_ttft_ms / 1e3 or None, add.slo_tpot_ms / 1e3 or None, add.tenant,
-                      add.request_class)  # fmt: skip
+        return fallback
+    objectives = Objectives(seconds_of(add.slo_ttft_ms), seconds_of(add.slo_tpot_ms),
+                            add.tenant, add.request_class)  # fmt: skip
+    return objectives.with_defaults(fallback)
 
 
 def handoff_from_proto(p: scheduler_pb2.KVTransferParams) -> KVHandoff:

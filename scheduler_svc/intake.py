@@ -26,6 +26,7 @@ def request_error(request_id: str, code: grpc.StatusCode, message: str):
 class Intake:
     def __init__(self, service: "SchedulerService") -> None:
         self.service = service
+        self.fallback = service.settings.fallback_objectives()
         # Constrained requests waiting for their grammar: by id, (owner, task).
         self.compiling: dict[str, tuple[str, asyncio.Task]] = {}
 
@@ -54,7 +55,8 @@ class Intake:
                 return request_error(add.request_id, *refusal)
             lora_id = service.link.adapters[add.lora_name].id
         try:
-            request = request_from_proto(add, conn.router_id, service.eos_token_ids, lora_id)
+            request = request_from_proto(add, conn.router_id, service.eos_token_ids, lora_id,
+                                         self.fallback)  # fmt: skip
             service.scheduler.add_request(request)
         except RequestRejected as e:
             return request_error(add.request_id, grpc.StatusCode.INVALID_ARGUMENT, str(e))

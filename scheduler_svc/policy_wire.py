@@ -4,7 +4,7 @@ its requests and reads answers; a policy server (examples/policy_server.py) rebu
 the view, runs a core policy, and answers."""
 
 from flagstop.scheduler_svc.core.decision import UNLIMITED, PolicyView, StepDecision
-from flagstop.scheduler_svc.core.objectives import Objectives
+from flagstop.scheduler_svc.core.objectives import Objectives, ms_of, seconds_of
 from flagstop.scheduler_svc.core.request import Request, StopParams
 from flagstop.scheduler_svc.core.step_cost import StepCostModel
 from flagstop.v1 import policy_pb2
@@ -19,9 +19,8 @@ def describe(request: Request, out: policy_pb2.PolicyRequest) -> policy_pb2.Poli
     out.max_tokens = request.stop.max_tokens or 0
     out.first_token_time = request.first_token_time
     objectives = request.objectives
-    out.slo_ttft_ms = (objectives.ttft_s or 0.0) * 1e3
-    out.slo_tpot_ms = (objectives.tpot_s or 0.0) * 1e3
-    out.tenant, out.request_class = objectives.tenant, objectives.klass
+    out.slo_ttft_ms, out.slo_tpot_ms = ms_of(objectives.ttft_s), ms_of(objectives.tpot_s)
+    out.tenant, out.request_class = objectives.tenant, objectives.request_class
     return out
 
 
@@ -62,7 +61,7 @@ def request_from_proto(entry: policy_pb2.PolicyRequest) -> Request:
     request = Request(
         entry.request_id, "", [0] * entry.prompt_tokens, StopParams(entry.max_tokens or None),
         priority=entry.priority, arrival_time=entry.arrival_time, labels=dict(entry.labels),
-        objectives=Objectives(entry.slo_ttft_ms / 1e3 or None, entry.slo_tpot_ms / 1e3 or None,
+        objectives=Objectives(seconds_of(entry.slo_ttft_ms), seconds_of(entry.slo_tpot_ms),
                               entry.tenant, entry.request_class),
     )  # fmt: skip
     request.all_token_ids += [0] * entry.output_tokens

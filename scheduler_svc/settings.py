@@ -15,6 +15,7 @@ from pydantic import (
 from pydantic_settings import SettingsConfigDict
 
 from flagstop.scheduler_svc.core.config import SchedulerConfig
+from flagstop.scheduler_svc.core.objectives import Objectives, seconds_of
 from flagstop.scheduler_svc.core.policy import POLICIES
 from flagstop.settings import Port, ServiceSettings, config_from
 
@@ -53,10 +54,11 @@ class SchedulerSettings(ServiceSettings):
     fair (tenant shares, VTC), remote (a SchedulerPolicy service at --policy-addr)"""
     no_shed: bool = CORE.no_shed
     """slo: never shed a request predicted to miss its TTFT target (order it only)"""
-    default_ttft_ms: NonNegativeFloat = CORE.default_ttft_ms
-    """slo: the TTFT target of a request that states none; 0: none"""
-    default_tpot_ms: NonNegativeFloat = CORE.default_tpot_ms
-    """slo: the TPOT target of a request that states none; 0: none"""
+    default_ttft_ms: NonNegativeFloat = 0.0
+    """the TTFT target of a request that reaches the scheduler with none (a gRPC client
+    that bypasses the router; the router's --slo-defaults resolve the rest); 0: none"""
+    default_tpot_ms: NonNegativeFloat = 0.0
+    """the TPOT target of a request that reaches the scheduler with none; 0: none"""
     shadow_policy: Literal["", "fcfs", "priority", "hrrn", "slo", "fair"] = ""
     """a built-in policy run in shadow: decides every step beside the live one, compared
     and counted (flagstop:shadow_*), never applied"""
@@ -95,6 +97,10 @@ class SchedulerSettings(ServiceSettings):
         if path is not None and not path.parent.is_dir():
             raise ValueError(f"{path.parent} is not a directory to write {path.name} in")
         return path
+
+    def fallback_objectives(self) -> Objectives:
+        """The targets of a request that reaches the scheduler with none."""
+        return Objectives(seconds_of(self.default_ttft_ms), seconds_of(self.default_tpot_ms))
 
     def core_config(
         self, executor_max_model_len: int, block_size: int, num_speculative_tokens: int = 0,

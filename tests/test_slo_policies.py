@@ -8,14 +8,17 @@ from dataclasses import dataclass
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from flagstop.router.objective_defaults import ObjectiveDefaults, SLOTarget
+from flagstop.scheduler_svc.convert import objectives_from_proto
 from flagstop.scheduler_svc.core.config import SchedulerConfig
 from flagstop.scheduler_svc.core.decision import NO_DECISION, PolicyView, StepDecision
-from flagstop.scheduler_svc.core.objectives import Objectives
+from flagstop.scheduler_svc.core.objectives import NO_OBJECTIVES, Objectives, ms_of, seconds_of
 from flagstop.scheduler_svc.core.output import StepOutcome
 from flagstop.scheduler_svc.core.policy import FCFSPolicy, make_policy
 from flagstop.scheduler_svc.core.request import FINISH_REASON, Request, StopParams
 from flagstop.scheduler_svc.core.scheduler import Scheduler
 from flagstop.scheduler_svc.core.step_cost import StepCostModel
+from flagstop.v1 import generation_pb2, scheduler_pb2
 from tests.helpers.scheduler_invariants import check_idle, check_invariants
 
 BLOCK = 16
@@ -309,3 +312,19 @@ def test_a_shadow_policy_is_compared_and_counted_but_never_applied():
     assert shadow.num_would_shed >= 1 and scheduler.policy_step.num_shed == 0
     assert shadow.num_agreed < shadow.num_decisions and shadow.recent
     assert "r5" in shadow.recent[0].would_shed
+
+
+def test_objectives_are_seconds_inside_and_milliseconds_on_the_wire():
+    """One type end to end: the wire's ms (0: none) read as seconds (None: none), the
+    scheduler's fallback filling only what a request leaves unstated."""
+    fallback = Objectives(ttft_s=2.0, tpot_s=0.1)
+    add = scheduler_pb2.AddRequest(slo_ttft_ms=250, tenant="acme", request_class="chat")
+    assert objectives_from_proto(add, fallback) == Objectives(0.25, 0.1, "acme", "chat")
+    assert objectives_from_proto(scheduler_pb2.AddRequest(), fallback) is fallback
+    assert ms_of(0.25) == 250 and ms_of(None) == 0 and seconds_of(0) is None
+    defaults = ObjectiveDefaults({"class:chat": SLOTarget(tpot_ms=50), "*": SLOTarget(ttft_ms=900)})
+    request = generation_pb2.GenerateRequest(request_class="chat")
+    resolved = defaults.resolve(request, [("x-llm-d-slo-ttft-ms", "300")])
+    assert resolved == Objectives(0.3, 0.05, "", "chat")
+    assert resolved.attained(0.29, 0.06) == "missed_tpot"
+    assert NO_OBJECTIVES.attained(9.0, 9.0) == "no_target"

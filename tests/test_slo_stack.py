@@ -75,9 +75,9 @@ def test_tenants_classes_and_attainment_show_in_the_metrics(stack):
     )
     assert http.status_code == 200, http.text
     text = metrics(stack, "router")
-    for tenant, klass in (("acme", "batch"), ("globex", ""), ("initech", "chat")):
+    for tenant, request_class in (("acme", "batch"), ("globex", ""), ("initech", "chat")):
         assert (
-            f'flagstop:time_to_first_token_seconds_count{{class="{klass}",'
+            f'flagstop:time_to_first_token_seconds_count{{class="{request_class}",'
             f'model_name="flagstop-tiny",tenant="{tenant}"}} 1.0'
         ) in text
     # acme's target comes from --slo-defaults for its class; all three met theirs.

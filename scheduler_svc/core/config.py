@@ -14,11 +14,8 @@ class SchedulerConfig:
     no_chunked_prefill: bool = False
     no_prefix_caching: bool = False
     policy: str = "fcfs"
-    # The slo policy's: shed requests it predicts will miss their TTFT, and the targets
-    # of requests that state none (0: no target).
+    # The slo policy's: shed requests it predicts will miss their TTFT.
     no_shed: bool = False
-    default_ttft_ms: float = 0.0
-    default_tpot_ms: float = 0.0
     # Admit a waiting request only when the pool could hold its whole known sequence
     # (vLLM's scheduler_reserve_full_isl). False: as soon as its first chunk fits,
     # which under memory pressure admits a long prompt, preempts it the next step and
@@ -42,8 +39,6 @@ class SchedulerConfig:
             raise ValueError("long_prefill_token_threshold must be >= 0")
         if self.num_speculative_tokens < 0 or self.speculative_disable_batch_size < 1:
             raise ValueError("num_speculative_tokens >= 0, speculative_disable_batch_size >= 1")
-        if self.default_ttft_ms < 0 or self.default_tpot_ms < 0:
-            raise ValueError("default_ttft_ms and default_tpot_ms must be >= 0")
         if self.max_loras < 0:
             raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
         if not 0 < self.speculative_min_gain <= 1:

@@ -142,13 +142,11 @@ def policy_for(config: SchedulerConfig) -> SchedulingPolicy:
     """The policy the config names, with its options."""
     if config.policy != "slo":
         return make_policy(config.policy)
-    return make_policy("slo", shed=not config.no_shed,
-                       default_ttft_s=config.default_ttft_ms / 1e3 or None,
-                       default_tpot_s=config.default_tpot_ms / 1e3 or None)  # fmt: skip
+    return make_policy("slo", shed=not config.no_shed)
 
 
 def make_policy(name: str, **options) -> SchedulingPolicy:
-    """options: the policy's own (slo: shedding, default targets; fair: weights)."""
+    """options: the policy's own (slo: shedding; fair: weights)."""
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; choose one of {sorted(POLICIES)}")
     return POLICIES[name](**options)

@@ -12,8 +12,9 @@
   at the others' expense. A request that already streamed tokens is never shed.
 - Victims: the running request with the least work to recompute.
 
-A request without a target gets the policy's defaults (None: no deadline, ordered
-behind those with one, by arrival)."""
+A request without a target (after the router's --slo-defaults and the scheduler's
+--default-ttft-ms fallback, core/objectives.py) has no deadline: ordered behind those
+with one, by arrival."""
 
 import math
 from collections.abc import Callable, Mapping
@@ -27,9 +28,8 @@ from flagstop.scheduler_svc.core.request import Request
 class SLOPolicy:
     name = "slo"
 
-    def __init__(self, shed: bool = True, default_ttft_s: float | None = None,
-                 default_tpot_s: float | None = None) -> None:  # fmt: skip
-        self.shed, self.default_ttft_s, self.default_tpot_s = shed, default_ttft_s, default_tpot_s
+    def __init__(self, shed: bool = True) -> None:
+        self.shed = shed
         # The last decision's predicted first-token time of each request it kept.
         self.predicted: dict[str, float] = {}
         self.hits: dict[str, int | None] = {}
@@ -87,21 +87,16 @@ class SLOPolicy:
 
     def _deadline(self, request: Request) -> float:
         ttft = request.objectives.ttft_s
-        ttft = self.default_ttft_s if ttft is None else ttft
         return math.inf if ttft is None else request.arrival_time + ttft
 
     def _prefill_budget(self, view: PolicyView) -> int:
-        targets = [t for r in view.running if (t := self._tpot(r)) is not None]
+        targets = [t for r in view.running if (t := r.objectives.tpot_s) is not None]
         if not targets:
             return UNLIMITED
         # The decodes, and one request more: the prefill's own.
         num_decodes = len(view.running)
         within = view.cost.tokens_within(min(targets), _context(view)) - num_decodes
         return max(view.block_size, within)
-
-    def _tpot(self, request: Request) -> float | None:
-        tpot = request.objectives.tpot_s
-        return self.default_tpot_s if tpot is None else tpot
 
     def observe(self, plan: SchedulerOutput, requests: Mapping[str, Request]) -> None:
         pass
