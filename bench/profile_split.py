@@ -22,7 +22,7 @@ ROUTER_PARTS = [
     ("stop strings", ["StopStringMatcher"]),
     ("telemetry", ["router/telemetry.py", "opentelemetry/", "prometheus_client/",
                    "flagstop/telemetry.py"]),
-    ("chunk (text, ids, logprobs, usage)", ["router/output.py", "router/openai/bodies.py",
+    ("chunk (text, ids, logprobs, usage)", ["router/pending.py", "router/openai/bodies.py",
                                             "router/openai/sse.py"]),
     ("fan-out", ["RouterEngine.fan_out", "RouterEngine._prefill_facts",
                  "RouterEngine._logprobs"]),

@@ -78,7 +78,7 @@ def run(model: Path, args, label: str) -> dict:
     num_linear = runner.model_config.layer_types.count(LINEAR_ATTENTION)
     return {
         "variant": label, "kv_bytes_a_token": kv_a_token,
-        "state_bytes": num_linear * runner.model_config.linear.state_bytes(),
+        "state_bytes": num_linear * runner.model_config.recurrent.state_bytes(),
         "block_size": runner.block_size, "num_blocks": runner.num_blocks,
         "resident_max": max(resident), "resident_mean": statistics.fmean(resident),
         "preemptions": result.scheduler.num_preemptions, "steps": result.num_steps,

@@ -91,7 +91,7 @@ async def serve(settings: ExecutorSettings) -> None:
     membership = None
     if not config.simulate:
         from flagstop.executor.distributed import Membership
-        from flagstop.executor.worker import follow
+        from flagstop.executor.tp_worker import follow
 
         membership = Membership.from_environment(config)
         if membership is not None and membership.rank != 0:

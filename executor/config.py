@@ -18,7 +18,7 @@ from pydantic import (
 )
 
 from flagstop.adapters import name_refusal
-from flagstop.executor.spec.config import SpeculativeConfig
+from flagstop.executor.speculative.config import SpeculativeConfig
 
 
 class ExecutorConfig(BaseModel):

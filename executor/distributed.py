@@ -336,7 +336,7 @@ def _spawn(config: ExecutorConfig, world_size: int, port: int) -> list[subproces
     env.setdefault("OMP_NUM_THREADS", "1")
     return [
         subprocess.Popen(
-            [sys.executable, "-m", "flagstop.executor.worker"],
+            [sys.executable, "-m", "flagstop.executor.tp_worker"],
             env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
             preexec_fn=die_with_parent,  # a started rank dies with rank 0
         )

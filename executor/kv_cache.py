@@ -9,7 +9,7 @@ import torch
 
 from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.models.config import ModelConfig
-from flagstop.executor.models.llama import KVCache
+from flagstop.executor.models.decoder import KVCache
 from flagstop.scheduler_svc.core.kv_groups import (
     LINEAR_ATTENTION,
     KVCacheGroup,
@@ -38,7 +38,7 @@ def block_size_for(mc: ModelConfig, layers: Sequence[LayerSpec], block_size: int
     if LINEAR_ATTENTION not in mc.layer_types:
         return block_size
     page = max(x.kv_bytes_per_token for x in layers) * block_size
-    return block_size * cdiv(mc.linear.state_bytes(tp_size), page)
+    return block_size * cdiv(mc.recurrent.state_bytes(tp_size), page)
 
 
 def layer_shapes(backend, mc: ModelConfig, num_kv_heads: int, num_blocks: int,

@@ -5,7 +5,7 @@ off, so the step never asks whether one is on:
 - `self.lora` (lora/manager.py; NoLoRA at --max-loras 0): each token's adapter;
 - `self.drafter` (spec/drafter.py; no proposer at k = 0): the step's drafts;
 - `self.grammars` (grammar_rows.py): the constrained rows' masks, loaded on first use;
-- `self.kv_worker` (kv_worker.py; NoKVWorker without one): KV beyond the pool."""
+- `self.kv_worker` (kv_transfers/; NoKVWorker without one): KV beyond the pool."""
 
 import uuid
 from collections.abc import Callable
@@ -20,13 +20,13 @@ from flagstop.executor.attention import attention_backend
 from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.grammar_rows import GrammarRows
 from flagstop.executor.input_batch import InputBatch
-from flagstop.executor.kv_transfers.worker import (
+from flagstop.executor.kv_transfers.base import (
     POLL_WAIT_S,
     KVWorker,
     NoKVWorker,
     kv_layout,
-    make_kv_worker,
 )
+from flagstop.executor.kv_transfers.factory import make_kv_worker
 from flagstop.executor.lora.manager import lora_manager
 from flagstop.executor.models.loader import load_model
 from flagstop.executor.parallel import SINGLE, TensorParallel
@@ -34,7 +34,7 @@ from flagstop.executor.prompt_logprobs import prompt_logprobs
 from flagstop.executor.rejection_sampler import verify
 from flagstop.executor.sampling import sample
 from flagstop.executor.sampling_params import SampleOutput, SamplingParams
-from flagstop.executor.spec.drafter import make_drafter
+from flagstop.executor.speculative.drafter import make_drafter
 from flagstop.executor.step_inputs import StepInputs, prepare_inputs
 from flagstop.scheduler_svc.core.kv_connector import NO_TRANSFERS
 from flagstop.scheduler_svc.core.kv_groups import kv_cache_groups
@@ -280,9 +280,9 @@ class ModelRunner:
     ) -> None:
         # Computed: the tokens before the drafts (the accepted drafts are counted from
         # num_sampled).
+        self.model.after_verify(num_sampled)
         num_scheduled = inputs.num_scheduled
         if inputs.drafts is not None:
-            self.model.accept_drafts(num_sampled or [])
             num_scheduled = num_scheduled.copy()
             num_scheduled[np.isin(inputs.rows, inputs.sampling_rows)] -= inputs.drafts.num_drafts
         self.batch.advance(inputs.rows, num_scheduled, inputs.sampling_rows, token_ids,

@@ -73,8 +73,8 @@ def check_divisible(c: "ModelConfig", size: int, expert_parallel: bool = False) 
         return f"{c.num_heads} attention heads do not split into {size} ranks"
     if c.num_kv_heads % size and size % c.num_kv_heads:
         return f"{c.num_kv_heads} KV heads neither split into nor divide {size} ranks"
-    if c.linear is not None and c.linear.num_k_heads % size:
-        return (f"linear_num_key_heads={c.linear.num_k_heads} (gated DeltaNet) does not "
+    if c.recurrent is not None and c.recurrent.num_k_heads % size:
+        return (f"linear_num_key_heads={c.recurrent.num_k_heads} (gated DeltaNet) does not "
                 f"split into {size} ranks")  # fmt: skip
     moe = c.moe
     if (moe is None or not all(moe.sparse_layers)) and c.intermediate_size % size:

@@ -13,7 +13,7 @@ from flagstop.scheduler_svc.core.output import SchedulerOutput
 from flagstop.structured import GrammarSpec
 
 if TYPE_CHECKING:
-    from flagstop.executor.kv_transfers.worker import KVWorker
+    from flagstop.executor.kv_transfers.base import KVWorker
 
 
 class Runner(Protocol):
@@ -32,7 +32,7 @@ class Runner(Protocol):
     # and how they are proposed.
     num_speculative_tokens: int
     speculative_method: str
-    # The KV connector's executor side (executor/kv_transfers/worker.py; NoKVWorker without
+    # The KV connector's executor side (executor/kv_transfers/base.py; NoKVWorker without
     # one); the KV layout two executors must share to exchange blocks, and this
     # instance's id.
     kv_worker: "KVWorker"

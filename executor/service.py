@@ -14,7 +14,7 @@ from prometheus_client import Histogram
 
 from flagstop.adapters import LoadedAdapter, already_loaded, name_refusal
 from flagstop.executor.convert import plan_from_proto, result_to_proto
-from flagstop.executor.kv_transfers.worker import LayoutMismatch
+from flagstop.executor.kv_transfers.base import LayoutMismatch
 from flagstop.executor.tp_messages import LORA_LOAD, LORA_UNLOAD
 from flagstop.scheduler_svc.convert import layers_to_proto
 from flagstop.structured import GrammarError, spec_from_proto

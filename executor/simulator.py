@@ -43,9 +43,9 @@ import numpy as np
 from flagstop.adapters import LoadedAdapter, adapter_digest
 from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.input_batch import InputBatch
+from flagstop.executor.kv_transfers.base import POLL_WAIT_S, KVWorker, NoKVWorker, kv_layout
 from flagstop.executor.kv_transfers.decode import DecodeSide, SimulatedTransport
 from flagstop.executor.kv_transfers.prefill import PrefillSide
-from flagstop.executor.kv_transfers.worker import POLL_WAIT_S, KVWorker, NoKVWorker, kv_layout
 from flagstop.executor.models.config import ModelConfig
 from flagstop.executor.sampling_params import SampleOutput, SamplingParams
 from flagstop.scheduler_svc.core.kv_groups import kv_cache_groups

@@ -4,7 +4,7 @@ admission, the fan-out of each step's tokens and the client streams.
 A request is validated against the model, given a replica (router/replicas.py) and
 queued there; its scheduler's steps come back as one message per step whose tokens
 the fan-out appends to each request's Pending; the client stream turns them into
-chunks (router/output.py). A front calls submit(), iterates stream() and the stream
+chunks (router/pending.py). A front calls submit(), iterates stream() and the stream
 releases the request however it ends; a request that cannot be served raises
 RequestFailed with a gRPC status code, which the HTTP front maps to its own."""
 
@@ -21,7 +21,7 @@ from flagstop.health import Health
 from flagstop.router.admission import AdmissionBudget
 from flagstop.router.detokenizer import StopStringMatcher, new_detokenizer
 from flagstop.router.objective_defaults import ObjectiveDefaults
-from flagstop.router.output import ChunkBuilder, Pending, RequestFailed
+from flagstop.router.pending import ChunkBuilder, Pending, RequestFailed
 from flagstop.router.recorder import recorder
 from flagstop.router.replicas import ReplicaSet
 from flagstop.router.settings import RouterSettings

@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import orjson
 
-from flagstop.router.output import Pending, RequestFailed
+from flagstop.router.pending import Pending, RequestFailed
 from flagstop.router.validation import prompt_ids
 from flagstop.scheduler_svc.core.kv_cache_manager import chain_hashes
 from flagstop.scheduler_svc.core.limits import RequestRejected

@@ -6,7 +6,8 @@ comes back on its own after it is lost."""
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
 import grpc
 
@@ -16,10 +17,18 @@ from flagstop.router.settings import RouterSettings
 from flagstop.server import TLSConfig, channel
 from flagstop.v1 import generation_pb2, scheduler_pb2, scheduler_pb2_grpc
 
-if TYPE_CHECKING:
-    from flagstop.router.replicas import ReplicaSet
-
 log = logging.getLogger("flagstop.router")
+
+
+class Fleet(Protocol):
+    """What a replica tells the router's set of replicas (replicas.py's ReplicaSet)."""
+
+    fan_out: Callable[[scheduler_pb2.SchedulerMessage], None]  # each step's message
+
+    def described(self, info: generation_pb2.ModelInfo) -> None: ...
+    def connected(self) -> None: ...
+    def sent(self, adds) -> None: ...
+    def lost(self, replica: "Replica") -> None: ...
 
 
 class ReplicaMismatch(Exception):
@@ -28,7 +37,7 @@ class ReplicaMismatch(Exception):
 
 class Replica:
     def __init__(
-        self, address: str, settings: RouterSettings, tls: TLSConfig, fleet: "ReplicaSet"
+        self, address: str, settings: RouterSettings, tls: TLSConfig, fleet: Fleet
     ) -> None:
         self.address, self.settings, self.fleet = address, settings, fleet
         self.admission = AdmissionQueue()

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import grpc
 
 from flagstop.router.discovery import Resolver, has_names, parse_targets
-from flagstop.router.output import Pending
+from flagstop.router.pending import Pending
 from flagstop.router.replica import Replica, ReplicaMismatch
 from flagstop.router.routing import (
     BOTH,

@@ -8,7 +8,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from flagstop.router.engine import RouterEngine
-from flagstop.router.output import RequestFailed
+from flagstop.router.pending import RequestFailed
 from flagstop.v1 import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger("flagstop.router")

@@ -4,7 +4,8 @@ failure says what to change."""
 import math
 from dataclasses import dataclass
 
-from flagstop.scheduler_svc.core.limits import RequestRejected, check_request_length, stop_token_ids
+from flagstop.scheduler_svc.core.limits import RequestRejected, check_request_length
+from flagstop.scheduler_svc.core.request import stop_token_ids
 from flagstop.structured import NONE, GrammarError, check, spec_from_proto, spec_to_proto
 from flagstop.v1 import executor_pb2, generation_pb2
 

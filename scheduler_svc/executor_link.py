@@ -5,28 +5,28 @@ back after one is lost.
 
 The service (scheduler_svc/service.py) owns the routers and the requests' way in;
 this class owns everything that talks to the executor and drives the core's
-schedule() / update_from_output() between the two."""
+schedule() / update_from_output() between the two, telling the rest of the shell
+through its hooks (LinkHooks)."""
 
 import asyncio
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 
 from flagstop.reconnect import Reconnect
 from flagstop.scheduler_svc.convert import outcome_from_result, step_to_proto
-from flagstop.scheduler_svc.core.output import SchedulerOutput
+from flagstop.scheduler_svc.core.output import OwnerOutputs, SchedulerOutput
+from flagstop.scheduler_svc.core.request import Request
 from flagstop.scheduler_svc.core.scheduler import Scheduler
 from flagstop.scheduler_svc.cost_record import cost_record
 from flagstop.scheduler_svc.settings import SchedulerSettings
 from flagstop.scheduler_svc.telemetry import SchedulerTelemetry
 from flagstop.server import TLSConfig, channel
 from flagstop.v1 import executor_pb2, executor_pb2_grpc, generation_pb2, scheduler_pb2
-
-if TYPE_CHECKING:
-    from flagstop.scheduler_svc.service import SchedulerService
 
 log = logging.getLogger("flagstop.scheduler")
 # An idle engine probes its executor this often: a dead one is noticed (and the routers
@@ -42,15 +42,34 @@ class ExecutorMismatch(Exception):
     """The executor cannot honour this scheduler's settings; the message says which."""
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinkHooks:
+    """What the link tells the rest of the shell, wired by the service (the
+    composition root): the link knows the executor and the engine loop, not who
+    listens."""
+
+    # A step's result: its tokens to their routers.
+    on_step: Callable[[SchedulerOutput, executor_pb2.StepResult, dict[str, OwnerOutputs]], None]
+    # Requests the policy shed: their clients told to retry.
+    on_shed: Callable[[list[tuple[Request, str]]], None]
+    # Before each schedule(): the remote policy's query (none for a built-in one).
+    before_schedule: Callable[[Scheduler], None]
+    # The requests the routers still hold queued for us (the step's telemetry).
+    num_queued_at_routers: Callable[[], int]
+    # Every request ends with this error (no executor, or a bug in the loop).
+    fail_all: Callable[[grpc.StatusCode, str], None]
+    # The executor came or went.
+    on_connection: Callable[[], None]
+    # A new executor instance answered (its adapters restored).
+    on_new_executor: Callable[[executor_pb2.DescribeExecutorResponse], None]
+
+
 class ExecutorLink:
     def __init__(
-        self,
-        settings: SchedulerSettings,
-        tls: TLSConfig,
-        telemetry: SchedulerTelemetry,
-        service: "SchedulerService",
-    ) -> None:
-        self.settings, self.telemetry, self.service = settings, telemetry, service
+        self, settings: SchedulerSettings, tls: TLSConfig, telemetry: SchedulerTelemetry,
+        hooks: LinkHooks,
+    ) -> None:  # fmt: skip
+        self.settings, self.telemetry, self.hooks = settings, telemetry, hooks
         self.stub = executor_pb2_grpc.ExecutorStub(channel(settings.executor, tls))
         self.info = executor_pb2.DescribeExecutorResponse()  # the first executor's
         self.connected = False
@@ -125,7 +144,7 @@ class ExecutorLink:
             except grpc.aio.AioRpcError as e:
                 log.info("waiting for the executor at %s: %s", self.settings.executor, e.code())
             if self.reconnect.gave_up:
-                self.service.fail_all(grpc.StatusCode.UNAVAILABLE, (
+                self.hooks.fail_all(grpc.StatusCode.UNAVAILABLE, (
                     f"no executor for {self.settings.executor_timeout:g}s: retry the request"
                 ))  # fmt: skip
             await self.reconnect.wait()
@@ -138,13 +157,12 @@ class ExecutorLink:
                 self._check(info)
             except ExecutorMismatch as e:
                 log.error("%s", e)
-                self.service.fail_all(grpc.StatusCode.UNAVAILABLE, str(e))
+                self.hooks.fail_all(grpc.StatusCode.UNAVAILABLE, str(e))
                 await self.reconnect.wait()
                 continue
             await self._restore_adapters(info)
-            self.service.adapters_changed()
             self.info.model.num_host_blocks = info.model.num_host_blocks
-            self.service.executor_replaced(info)
+            self.hooks.on_new_executor(info)
             return info
 
     # -- LoRA adapters ---------------------------------------------------------
@@ -230,7 +248,7 @@ class ExecutorLink:
             call = self.stub.Execute()
             self.connected = True
             self.reconnect.connected()
-            self.service.executor_changed()
+            self.hooks.on_connection()
             try:
                 await self._drive(call, scheduler)
             except (grpc.aio.AioRpcError, ExecutorLost) as e:
@@ -239,7 +257,7 @@ class ExecutorLink:
                 log.error("executor lost: silent for %gs", self.settings.executor_heartbeat_timeout)
             except Exception:  # a bug: fail what is in flight rather than hang forever
                 log.exception("engine loop failed")
-                self.service.fail_all(grpc.StatusCode.INTERNAL, "the scheduler failed; retry")
+                self.hooks.fail_all(grpc.StatusCode.INTERNAL, "the scheduler failed; retry")
             finally:
                 call.cancel()
                 self.in_flight.clear()  # lost with the executor
@@ -247,7 +265,7 @@ class ExecutorLink:
                 self.step_returned.set()
             self.connected = False
             self.reconnect.lost()
-            self.service.executor_changed()  # still live: the queue waits for the executor
+            self.hooks.on_connection()  # still live: the queue waits for the executor
             self.telemetry.executor_lost(scheduler)
             scheduler.reset_executor()
             info = await self._next_executor()
@@ -257,17 +275,16 @@ class ExecutorLink:
         """Plan step N+1 while step N runs (--max-steps-in-flight 2), so the executor
         never waits for the scheduler; read a result when two are out, or when there
         is nothing more to plan."""
-        service, telemetry = self.service, self.telemetry
+        hooks, telemetry = self.hooks, self.telemetry
         in_flight = self.in_flight
         while True:
             if not scheduler.has_unfinished_requests() and not in_flight:
                 await self._idle(call)
                 continue
-            if service.policy_client is not None:
-                service.policy_client.maybe_query(scheduler)
+            hooks.before_schedule(scheduler)
             plan = scheduler.schedule()
             if scheduler.policy_step.shed:
-                service.links.refuse_shed(scheduler.policy_step.take_shed())
+                hooks.on_shed(scheduler.policy_step.take_shed())
             if not plan.is_empty:
                 step = step_to_proto(plan)
                 telemetry.on_schedule(plan, step, scheduler)
@@ -282,10 +299,9 @@ class ExecutorLink:
                 self._measured(scheduler, done)
                 self.step_returned.set()
                 outputs = scheduler.update_from_output(done, outcome_from_result(result))
-                telemetry.on_update(
-                    done, outputs, scheduler, service.num_queued_at_routers(), result
-                )
-                service.dispatch(done, result, outputs)
+                telemetry.on_update(done, outputs, scheduler, hooks.num_queued_at_routers(),
+                                    result)  # fmt: skip
+                hooks.on_step(done, result, outputs)
             elif not in_flight:
                 # Nothing runnable (e.g. all waiting on blocks held by nobody yet).
                 self.wakeup.clear()

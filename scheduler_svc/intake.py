@@ -4,17 +4,19 @@ does not), its LoRA adapter resolved to the identity it runs under, then added."
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
 
 import grpc
 
+from flagstop.scheduler_svc.adapter_loads import Adapters
 from flagstop.scheduler_svc.convert import request_from_proto
 from flagstop.scheduler_svc.core.limits import RequestRejected
+from flagstop.scheduler_svc.core.objectives import Objectives
+from flagstop.scheduler_svc.core.scheduler import Scheduler
+from flagstop.scheduler_svc.core_handle import CoreHandle
+from flagstop.scheduler_svc.executor_link import ExecutorLink
+from flagstop.scheduler_svc.router_connection import RouterConnection
+from flagstop.scheduler_svc.telemetry import SchedulerTelemetry
 from flagstop.v1 import scheduler_pb2
-
-if TYPE_CHECKING:
-    from flagstop.scheduler_svc.router_links import RouterConnection
-    from flagstop.scheduler_svc.service import SchedulerService
 
 log = logging.getLogger("flagstop.scheduler")
 
@@ -24,9 +26,13 @@ def request_error(request_id: str, code: grpc.StatusCode, message: str):
 
 
 class Intake:
-    def __init__(self, service: "SchedulerService") -> None:
-        self.service = service
-        self.fallback = service.settings.fallback_objectives()
+    def __init__(
+        self, core: CoreHandle, adapters: Adapters, link: ExecutorLink,
+        telemetry: SchedulerTelemetry, fallback: Objectives,
+    ) -> None:  # fmt: skip
+        """fallback: the targets of a request that states none."""
+        self.core, self.adapters, self.link, self.telemetry = core, adapters, link, telemetry
+        self.fallback = fallback
         # Constrained requests waiting for their grammar: by id, (owner, task).
         self.compiling: dict[str, tuple[str, asyncio.Task]] = {}
 
@@ -34,11 +40,11 @@ class Intake:
     def num_compiling(self) -> int:
         return len(self.compiling)
 
-    def add(self, conn: "RouterConnection", add: scheduler_pb2.AddRequest):
+    def add(self, conn: RouterConnection, add: scheduler_pb2.AddRequest):
         """A router's request: None once it is in (or on its way), else its error."""
-        service = self.service
         # While a lost executor may still come back, new requests wait with the rest.
-        if not service.accepting or service.scheduler is None or service.link.reconnect.gave_up:
+        core = self.core
+        if not core.accepting or core.scheduler is None or self.link.reconnect.gave_up:
             return request_error(add.request_id, grpc.StatusCode.UNAVAILABLE,
                                  "the scheduler is not serving (starting, stopping, or no "
                                  "executor)")  # fmt: skip
@@ -46,30 +52,30 @@ class Intake:
             task = asyncio.create_task(self._compile_then_admit(conn, add))
             self.compiling[add.request_id] = (conn.router_id, task)
             return None
-        return self._admit(conn, add)
+        return self._admit(conn, add, core.scheduler)
 
-    def _admit(self, conn: "RouterConnection", add: scheduler_pb2.AddRequest):
-        service, lora_id = self.service, ""
+    def _admit(self, conn: RouterConnection, add: scheduler_pb2.AddRequest, scheduler: Scheduler):
+        lora_id = ""
         if add.lora_name:
-            if refusal := service.adapters.refusal(add.lora_name, add.lora_id):
+            if refusal := self.adapters.refusal(add.lora_name, add.lora_id):
                 return request_error(add.request_id, *refusal)
-            lora_id = service.link.adapters[add.lora_name].id
+            lora_id = self.link.adapters[add.lora_name].id
         try:
-            request = request_from_proto(add, conn.router_id, service.eos_token_ids, lora_id,
+            request = request_from_proto(add, conn.router_id, self.core.eos_token_ids, lora_id,
                                          self.fallback)  # fmt: skip
-            service.scheduler.add_request(request)
+            scheduler.add_request(request)
         except RequestRejected as e:
             return request_error(add.request_id, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        service.telemetry.on_add(add.request_id, len(add.prompt_token_ids), add.traceparent)
+        self.telemetry.on_add(add.request_id, len(add.prompt_token_ids), add.traceparent)
         return None
 
-    async def _compile_then_admit(self, conn: "RouterConnection", add: scheduler_pb2.AddRequest):
+    async def _compile_then_admit(self, conn: RouterConnection, add: scheduler_pb2.AddRequest):
         """A grammar the executor refuses ends the request with INVALID_ARGUMENT; an
         executor that does not answer (lost, restarting) leaves the compile to the
         request's first step."""
-        error, service = None, self.service
+        error = None
         try:
-            await service.link.prepare_grammar(add)
+            await self.link.prepare_grammar(add)
         except grpc.aio.AioRpcError as e:
             if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
                 error = request_error(add.request_id, e.code(), e.details())
@@ -77,12 +83,12 @@ class Intake:
                 log.warning("grammar of %s not compiled ahead: %s", add.request_id, e.code())
         finally:
             self.compiling.pop(add.request_id, None)
-        if service.links.routers.get(conn.router_id) is not conn:
+        if conn.closed or self.core.scheduler is None:
             return  # its router left meanwhile
-        error = error or self._admit(conn, add)
+        error = error or self._admit(conn, add, self.core.scheduler)
         if error is not None:
-            service.links.send_errors(conn.router_id, [error])
-        service.link.wakeup.set()
+            conn.send_errors([error])
+        self.link.wakeup.set()
 
     def cancel(self, request_ids) -> None:
         for request_id in request_ids:

@@ -23,6 +23,22 @@ FAILURES = Counter("flagstop:policy_fallbacks", "Remote policy failures (FCFS us
 RETRY_AFTER_S = 0.5
 
 
+class NoRemotePolicy:
+    """A built-in policy runs: nothing to ask, nothing to close."""
+
+    active = False
+    num_failures = 0
+
+    def maybe_query(self, scheduler: Scheduler) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+NO_REMOTE_POLICY = NoRemotePolicy()
+
+
 class RemotePolicyClient:
     def __init__(
         self, address: str, policy: RankedPolicy, deadline_s: float,

@@ -12,18 +12,20 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import grpc
 
 from flagstop.scheduler_svc.convert import handoff_to_proto
 from flagstop.scheduler_svc.core.output import OwnerOutputs, SchedulerOutput
 from flagstop.scheduler_svc.core.request import FINISHED_ERROR, FinishReason, Request
+from flagstop.scheduler_svc.core.scheduler import Scheduler
+from flagstop.scheduler_svc.core_handle import CoreHandle
+from flagstop.scheduler_svc.executor_link import ExecutorLink
+from flagstop.scheduler_svc.intake import Intake
+from flagstop.scheduler_svc.router_connection import RouterConnection
+from flagstop.scheduler_svc.settings import SchedulerSettings
+from flagstop.scheduler_svc.telemetry import SchedulerTelemetry
 from flagstop.v1 import executor_pb2, generation_pb2, scheduler_pb2
-
-if TYPE_CHECKING:
-    from flagstop.scheduler_svc.service import SchedulerService
 
 log = logging.getLogger("flagstop.scheduler")
 # A router with nothing running here still hears the load this often (and when the
@@ -34,19 +36,13 @@ EMPTY_LOGPROB = generation_pb2.TokenLogprob()
 SPARE_CREDITS = 8
 
 
-@dataclass(slots=True, eq=False)
-class RouterConnection:
-    router_id: str
-    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
-    credits: int = 0  # granted, not yet sent
-    held: int = 0  # sent, not yet used by an add (standing credits, or on their way)
-    num_queued: int = 0  # requests waiting at the router, as it last said
-    load_sent_at: float = 0.0  # monotonic time of the last load report to it
-
-
 class RouterLinks:
-    def __init__(self, service: "SchedulerService") -> None:
-        self.service, self.telemetry = service, service.telemetry
+    def __init__(
+        self, core: CoreHandle, intake: Intake, link: ExecutorLink,
+        settings: SchedulerSettings, telemetry: SchedulerTelemetry,
+    ) -> None:  # fmt: skip
+        self.core, self.intake, self.link = core, intake, link
+        self.settings, self.telemetry = settings, telemetry
         self.routers: dict[str, RouterConnection] = {}
 
     # -- a router's stream ------------------------------------------------------------
@@ -76,49 +72,50 @@ class RouterLinks:
                     conn.router_id = msg.router_id or conn.router_id
                     self.routers[conn.router_id] = conn
                     registered = True
-                    if self.service.scheduler is not None:  # where it stands, at once
+                    if self.core.scheduler is not None:  # where it stands, at once
                         conn.outbox.put_nowait(scheduler_pb2.SchedulerMessage(
-                            load=self.service.load()))  # fmt: skip
+                            load=self.load()))  # fmt: skip
                 self._apply(conn, msg)
         finally:
             conn.outbox.put_nowait(None)
 
     def _apply(self, conn: RouterConnection, msg: scheduler_pb2.RouterMessage) -> None:
         conn.num_queued = msg.num_queued
-        service, scheduler = self.service, self.service.scheduler
+        scheduler = self.core.scheduler
         # While steps run, each step's message carries the credits (dispatch): only a
         # router with requests waiting for them, or an idle engine, gets them at once.
         stepping = scheduler is not None and scheduler.has_unfinished_requests()
         if msg.aborts and scheduler is not None:
             self.abort(msg.aborts)
         conn.held = max(0, conn.held - len(msg.adds))
-        errors = [e for add in msg.adds if (e := service.intake.add(conn, add)) is not None]
+        errors = [e for add in msg.adds if (e := self.intake.add(conn, add)) is not None]
         self._grant_credits()
         if errors or (conn.credits and (conn.num_queued or not stepping)):
             conn.outbox.put_nowait(
                 scheduler_pb2.SchedulerMessage(errors=errors, credits=self._take_credits(conn))
             )
-        service.link.wakeup.set()
+        self.link.wakeup.set()
 
     def _drop(self, conn: RouterConnection) -> None:
         """Its clients are gone with it: nobody is left to stream these tokens to."""
+        conn.closed = True
         if self.routers.get(conn.router_id) is conn:
             del self.routers[conn.router_id]
-        self.service.intake.cancel_owned_by(conn.router_id)
-        if self.service.scheduler is not None:
-            self.abort(self.service.scheduler.request_ids_by_owner().get(conn.router_id, []))
+        self.intake.cancel_owned_by(conn.router_id)
+        if (scheduler := self.core.scheduler) is not None:
+            self.abort(scheduler.request_ids_by_owner().get(conn.router_id, []))
 
     def abort(self, request_ids) -> None:
         """Their clients left: ended without a word to anyone."""
-        self.service.intake.cancel(request_ids)
-        self.service.scheduler.abort(request_ids)
+        self.intake.cancel(request_ids)
+        self._scheduler().abort(request_ids)
         for request_id in request_ids:
             self.telemetry.on_finish(request_id, FinishReason.ABORT)
 
     def fail(self, ids_by_owner: dict[str, list[str]], code: grpc.StatusCode, message: str) -> None:
         """End these requests with an error their clients can act on."""
         for owner, ids in ids_by_owner.items():
-            self.service.scheduler.abort(ids, FINISHED_ERROR)
+            self._scheduler().abort(ids, FINISHED_ERROR)
             for request_id in ids:
                 self.telemetry.on_finish(request_id, FinishReason.ERROR)
             self.send_errors(owner, [scheduler_pb2.RequestError(
@@ -138,11 +135,11 @@ class RouterLinks:
 
     def send_errors(self, owner: str, errors: list[scheduler_pb2.RequestError]) -> None:
         if (conn := self.routers.get(owner)) is not None:
-            conn.outbox.put_nowait(scheduler_pb2.SchedulerMessage(errors=errors))
+            conn.send_errors(errors)
 
     def report_load(self) -> None:
         """The load to every router now (its executor came or went)."""
-        load, now = self.service.load(), time.monotonic()
+        load, now = self.load(), time.monotonic()
         for conn in self.routers.values():
             conn.load_sent_at = now
             conn.outbox.put_nowait(scheduler_pb2.SchedulerMessage(load=load))
@@ -161,7 +158,7 @@ class RouterLinks:
         to the others now and then."""
         logprobs = self._logprobs(plan, result) if result.logprobs else {}
         self._grant_credits()
-        load, now = self.service.load(), time.monotonic()
+        load, now = self.load(), time.monotonic()
         prompt_logprobs = self._prompt_logprobs(plan, result) if result.prompt_logprobs else {}
         for owner in prompt_logprobs.keys() - outputs.keys():
             outputs[owner] = OwnerOutputs()  # a prefill chunk that sampled nothing
@@ -181,7 +178,7 @@ class RouterLinks:
             if logprobs:
                 msg.logprobs.extend(self._in_order(out.req_ids, logprobs))
             conn.outbox.put_nowait(msg)
-        idle = not self.service.scheduler.has_unfinished_requests()
+        idle = not self._scheduler().has_unfinished_requests()
         for conn in self.routers.values():
             if conn.router_id in outputs:
                 continue
@@ -216,7 +213,7 @@ class RouterLinks:
     ) -> dict[str, list]:
         """The step's prompt logprobs by owner: of requests still held, or that
         finished in this very step (their first token was their last)."""
-        owner_of = self.service.scheduler.owner_of
+        owner_of = self._scheduler().owner_of
         sampled = {r.request_id: r.owner for r in plan.sampling_requests}
         by_owner: dict[str, list] = {}
         for chunk in result.prompt_logprobs:
@@ -224,6 +221,34 @@ class RouterLinks:
             if owner is not None:
                 by_owner.setdefault(owner, []).append(chunk)
         return by_owner
+
+    # -- the load ----------------------------------------------------------------------
+
+    def load(self) -> scheduler_pb2.ReplicaLoad:
+        """What this replica reports to its routers (and gateways) with each step."""
+        scheduler = self._scheduler()
+        figures = scheduler.load()
+        load = scheduler_pb2.ReplicaLoad(
+            num_running=figures.num_running, num_waiting=self.num_waiting(scheduler),
+            kv_cache_usage=figures.kv_cache_usage, lora_adapters_version=self.link.lora_version,
+            executor_lost=not self.link.connected,
+            num_host_cached_blocks=figures.num_host_cached_blocks,
+            external_prefix_cache_hits=figures.external_prefix_cache_hits,
+            running_loras=figures.running_loras, waiting_loras=figures.waiting_loras,
+        )  # fmt: skip
+        if scheduler.config.max_loras:
+            self.telemetry.lora_requests(figures.running_loras, figures.waiting_loras,
+                                         scheduler.config.max_loras)  # fmt: skip
+        return load
+
+    def num_waiting(self, scheduler: Scheduler) -> int:
+        """Requests waiting here and those the routers still hold queued for us."""
+        return len(scheduler.waiting) + self.intake.num_compiling + self.num_queued
+
+    def _scheduler(self) -> Scheduler:
+        scheduler = self.core.scheduler
+        assert scheduler is not None, "a step or a request before the executor described itself"
+        return scheduler
 
     # -- credits -----------------------------------------------------------------------
 
@@ -236,10 +261,10 @@ class RouterLinks:
         """--max-waiting-tokens: the prompt tokens still to compute of the requests
         waiting here reached it (no cap: 0); the rest wait at the routers, whose own
         caps then refuse with RESOURCE_EXHAUSTED."""
-        cap = self.service.settings.max_waiting_tokens
+        cap = self.settings.max_waiting_tokens
         if not cap:
             return False
-        waiting = self.service.scheduler.waiting
+        waiting = self._scheduler().waiting
         return sum(r.num_tokens - r.num_computed_tokens for r in waiting) >= cap
 
     def _grant_credits(self) -> None:
@@ -248,12 +273,12 @@ class RouterLinks:
         (SPARE_CREDITS), so that a request arriving at a router goes out at once in one
         message, instead of being announced, waiting a round trip for its credit and
         then sent (three messages)."""
-        service = self.service
-        if service.scheduler is None or not service.accepting:
+        core = self.core
+        if core.scheduler is None or not core.accepting:
             return
         outstanding = sum(c.credits + c.held for c in self.routers.values())
-        waiting = len(service.scheduler.waiting) + service.intake.num_compiling
-        room = service.settings.max_waiting_requests - waiting - outstanding
+        waiting = len(core.scheduler.waiting) + self.intake.num_compiling
+        room = self.settings.max_waiting_requests - waiting - outstanding
         if self._tokens_full():
             room = 0
         for spare in (0, SPARE_CREDITS):

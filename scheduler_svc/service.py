@@ -1,11 +1,13 @@
 """The scheduler's gRPC servicer: it builds the core from the executor's description
-and answers what a router or a client asks. Its parts each have their own room:
+and answers what a router or a client asks. It is the composition root of the shell:
+each part has its own room and is given its collaborators (the core through
+core_handle.py, the other parts, callbacks), never the service:
 - router_links.py: the router streams (requests and aborts in, each step's tokens,
   credits and load out) and the one way a request fails;
 - intake.py: a request's way into the core (grammars compiled first);
-- adapters.py: LoRA loads, replacements and unloads;
+- adapter_loads.py: LoRA loads, replacements and unloads;
 - executor_link.py: the executor's side, and the engine loop that drives the core's
-  schedule() / update_from_output()."""
+  schedule() / update_from_output(), telling the others through its hooks."""
 
 import asyncio
 import dataclasses
@@ -17,13 +19,12 @@ from collections.abc import AsyncIterator
 import grpc
 
 from flagstop.health import Health
-from flagstop.scheduler_svc.adapters import Adapters
+from flagstop.scheduler_svc.adapter_loads import Adapters
 from flagstop.scheduler_svc.convert import layer_specs
 from flagstop.scheduler_svc.core.disaggregation import DecodeConnector, PrefillConnector
-from flagstop.scheduler_svc.core.host_tier import HostTierConnector
+from flagstop.scheduler_svc.core.host_tier_connector import HostTierConnector
 from flagstop.scheduler_svc.core.kv_connector import KVConnector
 from flagstop.scheduler_svc.core.kv_groups import describe_groups, kv_cache_groups
-from flagstop.scheduler_svc.core.output import OwnerOutputs, SchedulerOutput
 from flagstop.scheduler_svc.core.policy import (
     RankedPolicy,
     SchedulingPolicy,
@@ -31,9 +32,15 @@ from flagstop.scheduler_svc.core.policy import (
     policy_for,
 )
 from flagstop.scheduler_svc.core.scheduler import Scheduler
-from flagstop.scheduler_svc.executor_link import ExecutorLink, ExecutorMismatch
+from flagstop.scheduler_svc.core_handle import CoreHandle
+from flagstop.scheduler_svc.executor_link import ExecutorLink, ExecutorMismatch, LinkHooks
 from flagstop.scheduler_svc.intake import Intake
-from flagstop.scheduler_svc.policy_client import POLICY_SERVICE, RemotePolicyClient
+from flagstop.scheduler_svc.policy_client import (
+    NO_REMOTE_POLICY,
+    POLICY_SERVICE,
+    NoRemotePolicy,
+    RemotePolicyClient,
+)
 from flagstop.scheduler_svc.router_links import RouterLinks
 from flagstop.scheduler_svc.settings import SchedulerSettings
 from flagstop.scheduler_svc.telemetry import SchedulerTelemetry
@@ -52,15 +59,27 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.tls = TLSConfig.from_settings(settings)
         self.health = health
         self.telemetry = telemetry
-        self.scheduler: Scheduler | None = None
+        self.core = CoreHandle()
         self.kv_connector: KVConnector | None = None  # the core's, built from Describe
-        self.eos_token_ids: frozenset[int] = frozenset()
-        self.link = ExecutorLink(settings, self.tls, telemetry, self)
-        self.links = RouterLinks(self)
-        self.intake = Intake(self)
-        self.adapters = Adapters(self)
-        self.accepting = True
-        self.policy_client: RemotePolicyClient | None = None
+        self.policy_client: RemotePolicyClient | NoRemotePolicy = NO_REMOTE_POLICY
+        hooks = LinkHooks(
+            on_step=lambda plan, result, outputs: self.links.dispatch(plan, result, outputs),
+            on_shed=lambda shed: self.links.refuse_shed(shed),
+            before_schedule=lambda scheduler: self.policy_client.maybe_query(scheduler),
+            num_queued_at_routers=lambda: self.links.num_queued,
+            fail_all=self.fail_all, on_connection=self.executor_changed,
+            on_new_executor=self.executor_replaced,
+        )  # fmt: skip
+        self.link = ExecutorLink(settings, self.tls, telemetry, hooks)
+        # The router links come last, and the earlier parts call them late (lambdas).
+        self.adapters = Adapters(self.core, self.link, lambda *failed: self.links.fail(*failed))
+        self.intake = Intake(self.core, self.adapters, self.link, telemetry,
+                             settings.fallback_objectives())  # fmt: skip
+        self.links = RouterLinks(self.core, self.intake, self.link, settings, telemetry)
+
+    @property
+    def scheduler(self) -> Scheduler | None:
+        return self.core.scheduler
 
     # -- the executor --------------------------------------------------------
 
@@ -78,14 +97,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         except (ExecutorMismatch, ValueError) as e:
             raise StartupError(str(e)) from None
         self.telemetry.model_name = info.model.model_name
-        self.eos_token_ids = frozenset(info.model.eos_token_ids)
+        self.core.eos_token_ids = frozenset(info.model.eos_token_ids)
         self.kv_connector = self.telemetry.kv_connector = self._connector(info, config, groups)
         policy = policy_for(config)
-        self.scheduler = Scheduler(config, info.model.num_blocks, policy, self.kv_connector,
-                                   groups)  # fmt: skip
+        scheduler = Scheduler(config, info.model.num_blocks, policy, self.kv_connector, groups)
+        self.core.scheduler = scheduler
         self._remote_client(policy, s.policy_addr)
         if s.shadow_policy:
-            self.scheduler.policy_step.set_shadow(make_policy(s.shadow_policy))
+            scheduler.policy_step.set_shadow(make_policy(s.shadow_policy))
         extras = ""
         if info.num_speculative_tokens:
             extras = f", speculative decoding ({info.speculative_method}, k <= "
@@ -98,14 +117,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if len(groups) > 1 or groups[0].is_window:
             # Each group's share of the pool, were every group's table as long (vLLM's
             # "GPU KV cache size" of a hybrid model); a window group holds far less.
-            per_group = self.scheduler.num_total_blocks // len(groups) * config.block_size
+            per_group = scheduler.num_total_blocks // len(groups) * config.block_size
             extras += f", KV cache groups {describe_groups(groups)} ({per_group} tokens a group)"
         kv_bytes = sum(x.kv_bytes_per_token for x in info.model.kv_layers)
         self.telemetry.kv_cache_groups(describe_groups(groups), kv_bytes,
-                                       self.scheduler.kv_capacity_tokens)  # fmt: skip
+                                       scheduler.kv_capacity_tokens)  # fmt: skip
         log.info("executor %s: %s, %d blocks of %d (a sequence of up to %d tokens)%s",
                  s.executor, info.model.model_name, info.model.num_blocks,
-                 info.model.block_size, self.scheduler.kv_capacity_tokens, extras)  # fmt: skip
+                 info.model.block_size, scheduler.kv_capacity_tokens, extras)  # fmt: skip
 
     @staticmethod
     def _connector(info: executor_pb2.DescribeExecutorResponse, config, groups):
@@ -135,7 +154,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         return None
 
     def executor_replaced(self, info: executor_pb2.DescribeExecutorResponse) -> None:
-        """A new executor instance: its KV is read from there now (hand-offs name it)."""
+        """A new executor instance: the requests whose adapter changed end, and its KV
+        is read from there now (hand-offs name it)."""
+        self.adapters.changed()
         if self.kv_connector is not None:
             self.kv_connector.executor_replaced(info.kv_endpoint, info.kv_engine_id)
 
@@ -147,51 +168,17 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def executor_changed(self) -> None:
         """Ready while an executor is connected (and we admit); the routers hear it at
         once, in the load (executor_lost), to place requests elsewhere meanwhile."""
-        self.health.set_ready(self.accepting and self.link.connected)
+        self.health.set_ready(self.core.accepting and self.link.connected)
         if self.scheduler is not None:
             self.links.report_load()
-
-    def dispatch(
-        self, plan: SchedulerOutput, result: executor_pb2.StepResult,
-        outputs: dict[str, OwnerOutputs],
-    ) -> None:  # fmt: skip
-        self.links.dispatch(plan, result, outputs)
-
-    def load(self) -> scheduler_pb2.ReplicaLoad:
-        """What this replica reports to its routers (and gateways) with each step."""
-        scheduler = self.scheduler
-        assert scheduler is not None
-        load = scheduler_pb2.ReplicaLoad(
-            num_running=len(scheduler.running), num_waiting=self.num_waiting(),
-            kv_cache_usage=scheduler.kv_cache_usage,
-            lora_adapters_version=self.link.lora_version, executor_lost=not self.link.connected,
-        )  # fmt: skip
-        if self.kv_connector is not None:
-            load.num_host_cached_blocks = scheduler.transfers.num_host_cached_blocks
-            load.external_prefix_cache_hits = scheduler.transfers.external_stats.num_hits
-        if scheduler.config.max_loras:
-            running, waiting = scheduler.loras_in_use()
-            load.running_loras.extend(running)
-            load.waiting_loras.extend(waiting)
-            self.telemetry.lora_requests(running, waiting, scheduler.config.max_loras)
-        return load
-
-    def num_waiting(self) -> int:
-        """Requests waiting here and those the routers still hold queued for us."""
-        assert self.scheduler is not None
-        return len(self.scheduler.waiting) + self.intake.num_compiling + self.links.num_queued
-
-    def num_queued_at_routers(self) -> int:
-        return self.links.num_queued
 
     # -- the policy ------------------------------------------------------------
 
     def _remote_client(self, policy: SchedulingPolicy, address: str) -> None:
         """The client that feeds a remote policy (a RankedPolicy) its answers; None for
         a built-in one."""
-        if self.policy_client is not None:
-            self.policy_client.close()
-        self.policy_client = None
+        self.policy_client.close()
+        self.policy_client = NO_REMOTE_POLICY
         if isinstance(policy, RankedPolicy):
             s = self.settings
             self.policy_client = RemotePolicyClient(
@@ -266,9 +253,6 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if self.scheduler is not None:
             self.links.fail(self.scheduler.request_ids_by_owner(), code, message)
 
-    def adapters_changed(self) -> None:
-        self.adapters.changed()
-
     # -- unary -----------------------------------------------------------------
 
     async def Describe(self, request, context) -> scheduler_pb2.DescribeSchedulerResponse:
@@ -287,8 +271,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         policy = self.policy_client
         return scheduler_pb2.GetStatsResponse(
             **self.scheduler.stats().as_fields(), executor_connected=self.link.connected,
-            remote_policy_active=policy is not None and policy.active,
-            remote_policy_failures=policy.num_failures if policy is not None else 0,
+            remote_policy_active=policy.active, remote_policy_failures=policy.num_failures,
             num_routers=len(self.links.routers), num_host_blocks=self.link.model.num_host_blocks,
         )  # fmt: skip
 
@@ -303,7 +286,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def drain(self) -> None:
         """Stop admitting, let the requests in flight finish (for a while), then abort
         what is left and close the router streams."""
-        self.accepting = False
+        self.core.accepting = False
         self.health.set_ready(False)
         deadline = asyncio.get_running_loop().time() + self.settings.drain_timeout
         while self.scheduler is not None and self.scheduler.has_unfinished_requests():

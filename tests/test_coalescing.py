@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from flagstop.router.detokenizer import StopStringMatcher, new_detokenizer
-from flagstop.router.output import ChunkBuilder, Pending
+from flagstop.router.pending import ChunkBuilder, Pending
 from flagstop.server import CHANNEL_OPTIONS
 from flagstop.v1 import generation_pb2, generation_pb2_grpc, scheduler_pb2
 from tools.make_model import write_model

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from flagstop.executor.kv_transfers import leases
+from flagstop.executor.kv_transfers.base import LayoutMismatch
 from flagstop.executor.kv_transfers.decode import READ, DecodeSide, TransferFailed
 from flagstop.executor.kv_transfers.leases import Leases
 from flagstop.executor.kv_transfers.prefill import PrefillSide
-from flagstop.executor.kv_transfers.worker import LayoutMismatch
 from flagstop.router.routing import (
     BOTH,
     DECODE,

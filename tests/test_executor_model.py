@@ -22,7 +22,7 @@ from tests.helpers.executor_harness import Harness
 
 pytestmark = pytest.mark.numeric  # no clock in its in-process tests (Makefile: test)
 
-ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "llama3-rope-tied", *MOE_VARIANTS,
+ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "granite", "llama3-rope-tied", *MOE_VARIANTS,
                  *WINDOW_VARIANTS, *DEEPSEEK_VARIANTS, *RECURRENT_VARIANTS]  # fmt: skip
 
 

@@ -4,7 +4,7 @@ is arriving waits (its own queue, its blocks reserved, no seat, no spurious hit)
 
 from flagstop.scheduler_svc.core.block_pool import KVCacheBlock
 from flagstop.scheduler_svc.core.config import SchedulerConfig
-from flagstop.scheduler_svc.core.host_tier import HostTierConnector
+from flagstop.scheduler_svc.core.host_tier_connector import HostTierConnector
 from flagstop.scheduler_svc.core.kv_connector import KVTransferResult
 from flagstop.scheduler_svc.core.request import RequestStatus
 from flagstop.scheduler_svc.core.scheduler import Scheduler

@@ -1,8 +1,10 @@
 """The shape of the house: the scheduler core stays pure, every import goes through
-the one `flagstop` package, the wheel installs nothing else, and the enums that cross
-the wire agree with the core's."""
+the one `flagstop` package, no room's imports lead back to it, the wheel installs
+nothing else, and the enums that cross the wire agree with the core's."""
 
 import ast
+import graphlib
+import re
 import subprocess
 import sys
 import zipfile
@@ -76,6 +78,44 @@ def test_every_import_of_our_code_goes_through_the_flagstop_package():
     assert not offenders, offenders
 
 
+def runtime_modules() -> dict[str, Path]:
+    """Every runtime module by its import name (pyproject's package-dir applied; the
+    generated stubs left out)."""
+    modules = {}
+    for folder in ("flagstop", *FOLDER_NAMES):
+        package = "flagstop" if folder == "flagstop" else f"flagstop.{folder}"
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            if "_pb2" in path.name or (folder == "flagstop" and parts[0] in FOLDER_NAMES):
+                continue
+            modules[".".join((package, *(p for p in parts if p != "__init__")))] = path
+    return modules
+
+
+def flagstop_imports(path: Path) -> set[str]:
+    """Every module of ours it imports, anywhere in it (TYPE_CHECKING blocks and
+    functions included), a `from package import module` by the module."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("flagstop"):
+            names |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+        elif isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names if alias.name.startswith("flagstop")}
+    return names
+
+
+def test_no_imports_lead_in_a_circle():
+    """A circle, even through a TYPE_CHECKING back-pointer or an import inside a
+    function, is two rooms that cannot be read (or changed) one without the other."""
+    modules = runtime_modules()
+    graph = {name: (flagstop_imports(path) & modules.keys()) - {name}
+             for name, path in modules.items()}  # fmt: skip
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as e:
+        pytest.fail(f"an import circle: {' -> '.join(e.args[1])}")
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> zipfile.ZipFile:
     out = tmp_path_factory.mktemp("wheel")
@@ -99,7 +139,8 @@ def test_the_wheel_installs_one_top_level_package(wheel):
         assert f"flagstop/{module}" in names
     assert not any(n.startswith(("flagstop/tools", "flagstop/tests")) for n in names)
     # Every subpackage, not only those the editable install finds by path (a `pip
-    # install .` image once lacked executor/spec and could not start an executor).
+    # install .` image once lacked executor/spec, now speculative, and could not start an
+    # executor).
     folders = {"flagstop": "", "router": "router/", "scheduler_svc": "scheduler_svc/",
                "executor": "executor/", "kernels": "kernels/"}  # fmt: skip
     for folder, inside in folders.items():
@@ -146,3 +187,42 @@ def test_the_routers_kv_roles_are_the_wire_values():
     assert (BOTH, PREFILL, DECODE) == (
         generation_pb2.KV_ROLE_BOTH, generation_pb2.KV_ROLE_PREFILL, generation_pb2.KV_ROLE_DECODE,
     )  # fmt: skip
+
+
+def defined_names(path: Path) -> set[str]:
+    """What a module defines: its functions, classes and names, and its classes'
+    methods, fields and attributes (self.x = ...; a folder: every module's in it)."""
+    if path.is_dir():
+        return set().union(*(defined_names(p) for p in path.rglob("*.py")))
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+            names |= {t.attr for t in targets if isinstance(t, ast.Attribute)}  # self.x
+    return names
+
+
+def feature_table() -> list[list[str]]:
+    """The feature table's rows of docs/layout.md, each cell's backticked entries."""
+    text = (ROOT / "docs" / "layout.md").read_text()
+    table = text[text.index("| feature | scheduler core |") :].splitlines()[2:]
+    return [re.findall(r"`([^`]+)`", line) for line in table if line.startswith("|")]
+
+
+def test_every_path_and_name_of_the_feature_table_exists():
+    """A path, then the names it defines for the feature: a stale row (a file moved,
+    a class renamed) fails here."""
+    rows = feature_table()
+    assert len(rows) >= 12, "the feature table lost rows"
+    for entries in rows:
+        path = None
+        for entry in entries:
+            if "/" in entry or entry.endswith(".py"):
+                path = ROOT / entry
+                assert path.exists(), f"docs/layout.md names {entry}, which is gone"
+            else:
+                assert path is not None, f"{entry!r} follows no path in its cell"
+                assert entry in defined_names(path), f"{entry} is not defined in {path}"

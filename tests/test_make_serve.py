@@ -20,6 +20,7 @@ import httpx
 import openai
 import pytest
 
+from tests.helpers.checkpoints import load_reference, reference_generate
 from tools.make_model import VOCAB_SIZE, write_model
 from tools.stack import ROOT, free_port
 
@@ -269,5 +270,27 @@ def test_a_think_the_model_writes_although_the_template_opened_it_is_not_reasoni
         blocks = [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None))
                   for b in message.content]  # fmt: skip
         assert blocks == [("thinking", "Hm, Oslo."), ("text", "Sunny.")]
+    finally:
+        served.stop()
+
+
+def test_make_serve_arch_granite_serves_it_token_for_token_as_transformers(tmp_path):
+    """docs/models.md's checklist, followed once for Granite, ends here: `make serve
+    ARCH=granite` writes its checkpoint (the multipliers away from 1) and serves it,
+    greedy, token for token as transformers generates on the same weights."""
+    served = Served(tmp_path, "ARCH=granite")
+    try:
+        served.wait_ready()
+        prompt = [5, 17, 42, 9, 100, 7, 31]
+        reply = httpx.post(f"{served.http}/v1/completions", timeout=120, json={
+            "model": "flagstop-tiny-granite", "prompt": prompt, "max_tokens": 12,
+            "temperature": 0, "ignore_eos": True, "logprobs": 0,
+            "return_tokens_as_token_ids": True})  # fmt: skip
+        assert reply.status_code == 200, reply.text
+        tokens = reply.json()["choices"][0]["logprobs"]["tokens"]
+        served_ids = [int(t.removeprefix("token_id:")) for t in tokens]
+        reference = load_reference(ROOT / "models" / "flagstop-tiny-granite")
+        assert served_ids == reference_generate(reference, prompt, 12)
+        assert len(set(served_ids)) > 1, "a degenerate model: the test could not fail"
     finally:
         served.stop()

@@ -1,4 +1,4 @@
-"""MoE routing of DeepSeek's families (executor/models/routing.py) against transformers'
+"""MoE routing of DeepSeek's families (executor/models/expert_routing.py) against transformers'
 routers on the same weights: DeepSeek-V3's and GLM-4.5's noaux_tc (sigmoid, correction
 bias, group-limited), DeepSeek-V2's softmax greedy and group_limited_greedy, a whole
 DeepSeek-V3 sparse layer; and the plain softmax top-k unchanged."""
@@ -12,9 +12,9 @@ from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkR
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
 
+from flagstop.executor.models.expert_routing import Routing
 from flagstop.executor.models.moe import select_experts
 from flagstop.executor.models.quantization import ConfigError
-from flagstop.executor.models.routing import Routing
 
 pytestmark = pytest.mark.numeric  # no clock in its in-process tests (Makefile: test)
 
@@ -107,7 +107,9 @@ def test_a_deepseek_v3_sparse_layer_matches_transformers():
 
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
-    from flagstop.executor.models.config import ModelConfig, MoeConfig
+    from flagstop.executor.models.config import ModelConfig
+    from flagstop.executor.models.config_sections import MoeConfig
+    from flagstop.executor.models.families import ARCHITECTURES
     from flagstop.executor.models.moe import SparseMoeBlock
     from flagstop.executor.parallel import SINGLE
 
@@ -115,7 +117,8 @@ def test_a_deepseek_v3_sparse_layer_matches_transformers():
                   num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=6,
                   n_shared_experts=2, routed_scaling_factor=2.5, first_k_dense_replace=1,
                   hidden_act="silu")  # fmt: skip
-    moe = MoeConfig.from_hf("deepseek_v3", fields, num_layers=3)
+    layout = ARCHITECTURES["DeepseekV3ForCausalLM"].moe
+    moe = MoeConfig.from_hf(layout, fields, num_layers=3)
     assert moe.sparse_layers == (False, True, True) and moe.shared_expert_intermediate_size == 12
     base = ModelConfig.from_hf({"architectures": ["Qwen3ForCausalLM"], "vocab_size": 32,
                                 "hidden_size": HIDDEN, "intermediate_size": 8,

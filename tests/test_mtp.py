@@ -168,7 +168,7 @@ def test_under_tensor_parallelism_a_layer_without_its_own_head_copies_the_models
     rank 0: there it loads whole copies of them (Qwen's layers never have their own)."""
     from types import SimpleNamespace
 
-    from flagstop.executor.spec.mtp import load_mtp
+    from flagstop.executor.speculative.mtp import load_mtp
 
     path = shutil.copytree(echo[0], tmp_path / "headless")
     tensors = load_file(path / "model.safetensors")

@@ -17,7 +17,7 @@ from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.model_runner import ModelRunner
 from flagstop.executor.models.config import ConfigError, ModelConfig
 from flagstop.executor.sampling_params import SamplingParams
-from flagstop.executor.spec.proposer import NoProposer
+from flagstop.executor.speculative.proposer import NoProposer
 from tests.helpers.checkpoints import (
     RECURRENT_VARIANTS,
     load_reference,
@@ -153,9 +153,9 @@ def test_states_larger_than_a_block_raise_the_block_size(tmp_path):
     runner = _runner(path)
     mc = ModelConfig.from_pretrained(path)
     page = 2 * 2 * 32 * 4  # a full-attention layer's K and V, a token (2 KV heads, fp32)
-    assert runner.block_size == 4 * -(-mc.linear.state_bytes() // (page * 4))
+    assert runner.block_size == 4 * -(-mc.recurrent.state_bytes() // (page * 4))
     assert runner.block_size > 4
-    assert mc.linear.state_bytes() <= page * runner.block_size
+    assert mc.recurrent.state_bytes() <= page * runner.block_size
 
 
 def test_a_recurrent_model_refuses_one_kv_cache_group_in_one_line(recurrent):

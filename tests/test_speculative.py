@@ -15,8 +15,8 @@ from flagstop.executor.model_runner import ModelRunner
 from flagstop.executor.rejection_sampler import verify
 from flagstop.executor.sampling import SamplingMetadata
 from flagstop.executor.sampling_params import SamplingParams
-from flagstop.executor.spec.config import SpeculativeConfig
-from flagstop.executor.spec.ngram import propose_ngram
+from flagstop.executor.speculative.config import SpeculativeConfig
+from flagstop.executor.speculative.ngram import propose_ngram
 from flagstop.executor.step_inputs import Drafts
 from flagstop.scheduler_svc.core.config import SchedulerConfig
 from flagstop.scheduler_svc.core.output import StepOutcome

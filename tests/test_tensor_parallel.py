@@ -46,7 +46,8 @@ CHECKPOINTS = [("llama", False), ("qwen2", False), ("qwen2-tied-odd-vocab", Fals
                ("llama-1kv", False), ("qwen2-moe", False), ("qwen3-moe", True),
                ("qwen2-window", False), ("gemma2", False), ("gemma3", False), ("gpt-oss", False),
                ("gpt-oss", True), ("deepseek-v3", False), ("deepseek-v2", True),
-               ("qwen3-next", False), ("qwen3.5", False), ("qwen3.5-moe", True)]  # fmt: skip
+               ("qwen3-next", False), ("qwen3.5", False), ("qwen3.5-moe", True),
+               ("granite", False)]  # fmt: skip
 
 
 @pytest.mark.processes

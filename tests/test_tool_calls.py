@@ -6,9 +6,8 @@ import json
 import jsonschema
 import pytest
 
-from flagstop.router.openai.chat_request import ChatCompletionRequest, ToolSpec
+from flagstop.router.openai.chat_request import ChatCompletionRequest, ToolSpec, required_schema
 from flagstop.router.openai.tool_parsers import NamedCall, RequiredCalls
-from flagstop.router.openai.tools import required_schema
 
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": CITY}}

@@ -3,11 +3,12 @@ locally trained byte-level BPE tokenizer, in the normal Hugging Face layout; wit
 --arch, a Mixture-of-Experts one (Qwen3-MoE or Mixtral) of the same size class, for
 tests and benches of the sparse path, or one of mixed attention (Gemma 3: sliding-window
 layers beside full ones), gpt-oss (sinks, YaRN, biased experts), DeepSeek-V3 (latent
-attention, its routing) or GLM-4.5 (V3's MoE under GQA with partial rotary).
+attention, its routing), GLM-4.5 (V3's MoE under GQA with partial rotary), Qwen3-Next
+(gated DeltaNet layers) or Granite (the Llama block with its multipliers).
 
     python -m tools.make_model [--size nano|tiny|small]
                                [--arch llama|qwen3_moe|mixtral|gemma3|gpt_oss|
-                                       deepseek_v3|glm4_moe]
+                                       deepseek_v3|glm4_moe|qwen3_next|granite]
                                [--out DIR] [--seed N] [--thinking] [--harmony]
 
 The default initialisation (std 0.02) makes greedy continuations collapse into short
@@ -147,6 +148,10 @@ ARCHS = {
                    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
                    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                        "partial_rotary_factor": 0.25}},
+    # IBM Granite's: the Llama block with its four multipliers (docs/models.md).
+    "granite": {"architectures": ["GraniteForCausalLM"], "model_type": "granite",
+                "embedding_multiplier": 12.0, "attention_multiplier": 0.0625,
+                "residual_multiplier": 0.22, "logits_scaling": 8.0},
 }  # fmt: skip
 DEEPSEEK_LAYOUT = ("deepseek_v3", "glm4_moe")  # routed + shared experts, first layer dense
 GEMMA_PATTERN = 6  # a global layer after every 5 local ones
@@ -265,7 +270,8 @@ def mlp_shapes(config: dict, prefix: str) -> dict[str, tuple[int, ...]]:
     h, i = config["hidden_size"], config["intermediate_size"]
     arch = config["model_type"]
     layer = int(prefix.split(".")[2])
-    if arch in ("llama", "gemma3_text") or layer < config.get("first_k_dense_replace", 0):
+    dense = ("llama", "gemma3_text", "granite")
+    if arch in dense or layer < config.get("first_k_dense_replace", 0):
         return {f"{prefix}mlp.{n}_proj.weight": s for n, s in
                 (("gate", (i, h)), ("up", (i, h)), ("down", (h, i)))}  # fmt: skip
     if arch == "gpt_oss":  # stacked, gate and up interleaved; a biased router

@@ -29,7 +29,7 @@ from typing import Protocol
 
 import grpc
 
-from flagstop.executor.kv_transfers.worker import NoLeases
+from flagstop.executor.kv_transfers.base import NoLeases
 from flagstop.scheduler_svc.core.kv_connector import (
     KVConnectorMetadata,
     KVLoad,

@@ -1,6 +1,6 @@
 """The host-memory tier of the prefix cache, executor side: the bytes, and the copies
 the scheduler's plan asks for (the index and the policy are the scheduler's:
-scheduler_svc/core/host_tier.py).
+scheduler_svc/core/host_tier_connector.py).
 
 Every KV cache tensor of a rank (each layer's K and V, a draft model's too) has its
 block dimension first, so one slot of the tier is the concatenation of one block's
@@ -25,7 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from flagstop.executor.kv_transfers.worker import NoLeases
+from flagstop.executor.kv_transfers.base import NoLeases
 from flagstop.executor.parallel import TensorParallel
 from flagstop.scheduler_svc.core.kv_connector import KVConnectorMetadata, KVTransferResult
 
@@ -33,7 +33,7 @@ log = logging.getLogger("flagstop.executor")
 
 
 class HostTier(NoLeases):
-    """A KVWorker (executor/kv_transfers/worker.py)."""
+    """A KVWorker (executor/kv_transfers/base.py)."""
 
     def __init__(
         self, caches: list[torch.Tensor], num_slots: int, tp: TensorParallel,

@@ -4,8 +4,8 @@ handshake and holds the leases of the blocks it handed off."""
 
 from collections.abc import Callable
 
+from flagstop.executor.kv_transfers.base import LayoutMismatch, NoKVWorker
 from flagstop.executor.kv_transfers.leases import Leases
-from flagstop.executor.kv_transfers.worker import LayoutMismatch, NoKVWorker
 from flagstop.scheduler_svc.core.kv_connector import (
     KVConnectorMetadata,
     KVTransferResult,

@@ -3,7 +3,7 @@ packed, down) gets a LoRALayer of max_loras slots, whose low-rank products its f
 adds to the base output (linear.py: before a row-parallel layer's all-reduce, so that
 the ranks' partial products sum with the base's). Slots hold this rank's share:
 column-parallel layers keep A whole and B's rows of the rank's outputs; row-parallel
-ones A's columns of the rank's inputs and B whole (loader.rank_slice, the base
+ones A's columns of the rank's inputs and B whole (sharding.rank_slice, the base
 weights' own rule)."""
 
 from dataclasses import dataclass, field
@@ -14,7 +14,7 @@ import torch
 from flagstop.executor.lora.adapter import LoRAAdapter, base_shape
 from flagstop.executor.lora.mapping import LoRAMapping
 from flagstop.executor.models.config import ModelConfig
-from flagstop.executor.models.loader import Target, rank_slice
+from flagstop.executor.models.sharding import Target, rank_slice
 from flagstop.executor.parallel import Shard
 from flagstop.kernels import torch_attention
 

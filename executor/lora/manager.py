@@ -145,7 +145,7 @@ def lora_manager(model, max_loras: int, max_rank: int, modules: list[tuple[str, 
     if not max_loras:
         return NoLoRA()
     config = model.config
-    if config.mla is not None or config.linear is not None:
+    if config.mla is not None or config.recurrent is not None:
         kind = "latent attention" if config.mla is not None else "gated DeltaNet layers"
         raise AdapterError(f"--max-loras: LoRA on a model with {kind} ({config.architecture}) "
                            "is not served; start without --max-loras")  # fmt: skip

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flagstop.executor.models.config import LinearAttentionConfig, ModelConfig
+from flagstop.executor.models.config import ModelConfig
+from flagstop.executor.models.config_sections import RecurrentConfig
 from flagstop.executor.models.linear import make_linear
 from flagstop.executor.parallel import TensorParallel
 from flagstop.kernels import torch_gdn
@@ -79,12 +80,12 @@ class StatePages:
 class GatedDeltaNet(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel, prefix: str) -> None:
         super().__init__()
-        full = config.linear
+        full = config.recurrent
         assert full is not None
         size = tp.size
         # This rank's key heads and their value heads.
         self.full, self.eps = full, config.rms_norm_eps
-        self.shape = s = LinearAttentionConfig(full.num_k_heads // size, full.num_v_heads // size,
+        self.shape = s = RecurrentConfig(full.num_k_heads // size, full.num_v_heads // size,
                                                full.head_k_dim, full.head_v_dim, full.conv_width,
                                                full.per_key_head)  # fmt: skip
         self.rank, self.size = tp.rank, size

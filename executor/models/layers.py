@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flagstop.executor.models.config import yarn_mscale
+from flagstop.executor.models.config_sections import yarn_mscale
 
 
 class RMSNorm(nn.Module):

@@ -16,12 +16,14 @@ import torch
 from torch import nn
 
 from flagstop.executor.models import onednn
-from flagstop.executor.models.config import ConfigError, ModelConfig, MoeConfig
+from flagstop.executor.models.config import ConfigError, ModelConfig
+from flagstop.executor.models.config_sections import MoeConfig
+from flagstop.executor.models.expert_routing import Routing
+from flagstop.executor.models.families.family import MoeLayout
 from flagstop.executor.models.layers import silu_and_mul
 from flagstop.executor.models.linear import QuantLinear, make_linear
 from flagstop.executor.models.onednn import Linear
 from flagstop.executor.models.quantization import LinearScheme
-from flagstop.executor.models.routing import Routing
 from flagstop.executor.parallel import TensorParallel
 from flagstop.kernels import torch_attention, torch_moe
 
@@ -167,12 +169,12 @@ class QuantExperts(nn.Module):
         return sum(t.numel() * t.element_size() for t in self.parameters())
 
 
-def expert_layers(prefix: str, family: str, first: int, count: int) -> set[str]:
-    """The checkpoint layer names of experts first .. first + count - 1 (the loader's
-    target() maps them to our stacked tensors)."""
-    names = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
-    block = prefix.replace(".mlp", ".block_sparse_moe") if family == "mixtral" else prefix
-    return {f"{block}.experts.{first + e}.{hf}" for e in range(count) for hf in names}
+def expert_layers(prefix: str, layout: MoeLayout, first: int, count: int) -> set[str]:
+    """The checkpoint layer names of experts first .. first + count - 1, as the family's
+    layout names them (the loader's target() maps them to our stacked tensors)."""
+    block = prefix.replace(".mlp", f".{layout.block_name}")
+    return {f"{block}.experts.{first + e}.{hf}" for e in range(count)
+            for hf in layout.expert_names}  # fmt: skip
 
 
 def make_experts(config: ModelConfig, tp: TensorParallel, prefix: str) -> nn.Module:
@@ -181,15 +183,14 @@ def make_experts(config: ModelConfig, tp: TensorParallel, prefix: str) -> nn.Mod
     moe = config.moe
     first, count = tp.shard.experts(moe.num_experts)
     inner = tp.shard.expert_inner(moe.intermediate_size)[1]
-    family = "mixtral" if config.architecture == "MixtralForCausalLM" else "qwen"
-    everyone = expert_layers(prefix, family, 0, moe.num_experts)
+    everyone = expert_layers(prefix, moe.layout, 0, moe.num_experts)
     quant = config.quant
     schemes = {quant.scheme_for(layer) if quant else None for layer in everyone}
     if len(schemes) > 1:
         raise ConfigError(f"{prefix}.experts: quantized with more than one scheme (or partly)")
     if (scheme := schemes.pop()) is None:
         return Experts(first, count, config.hidden_size, inner, moe)
-    layers = expert_layers(prefix, family, first, count)
+    layers = expert_layers(prefix, moe.layout, first, count)
     return QuantExperts(first, count, config.hidden_size, inner, scheme, layers, everyone - layers)
 
 

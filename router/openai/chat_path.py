@@ -10,7 +10,6 @@ from flagstop.router.chat import ChatTemplate
 from flagstop.router.openai.chat_request import ChatCompletionRequest
 from flagstop.router.openai.errors import OpenAIError
 from flagstop.router.openai.outputs import ChatOutput, ReasoningSetup, Rendered, text_outputs
-from flagstop.router.openai.reasoning import HARMONY
 from flagstop.router.openai.tools import parser_factory
 from flagstop.router.settings import RouterSettings
 from flagstop.v1 import generation_pb2
@@ -67,11 +66,3 @@ class ChatPath:
         without a tool-call parser)."""
         tools = parser_factory(body, self.settings.tool_call_parser)
         return text_outputs(self.reasoning.parser(prompt), tools, body.include_reasoning)
-
-
-def chat_path(chat: ChatTemplate, settings: RouterSettings, tokenizer) -> ChatPath:
-    if settings.reasoning_parser == HARMONY:
-        from flagstop.router.openai.harmony import HarmonyPath
-
-        return HarmonyPath(chat, settings, tokenizer)
-    return ChatPath(chat, settings, tokenizer)

@@ -228,8 +228,6 @@ class ChatCompletionRequest(TemplateParams, OpenAIRequest):
                     None)  # fmt: skip
 
     def _constraints(self) -> list[tuple[str, generation_pb2.StructuredOutputs]]:
-        from flagstop.router.openai.tools import arguments_schema, required_schema
-
         found = super()._constraints()
         if (tool := self.named_tool) is not None:
             schema = arguments_schema(tool)
@@ -280,3 +278,20 @@ def as_chat(body) -> ChatCompletionRequest:
     except ValueError as e:  # chat_body()'s own refusals
         message = str(e)
     raise OpenAIError(400, message)
+
+
+def arguments_schema(tool: ToolSpec) -> dict[str, Any]:
+    return tool.function.parameters or {"type": "object"}
+
+
+def required_schema(tools: list[ToolSpec], parallel: bool) -> dict[str, Any]:
+    """tool_choice "required": a JSON array of one or more {name, arguments}, each
+    call one of the tools with arguments of its schema."""
+    calls = [{"type": "object", "properties": {
+                "name": {"type": "string", "enum": [t.function.name]},
+                "arguments": arguments_schema(t)},
+              "required": ["name", "arguments"]} for t in tools]  # fmt: skip
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema

@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
-from flagstop.router.output import RETRY_AFTER_S, RequestFailed
+from flagstop.router.pending import RETRY_AFTER_S, RequestFailed
 from flagstop.scheduler_svc.core.limits import RequestRejected
 
 HTTP_STATUS = {

@@ -17,10 +17,12 @@ from flagstop.router.auth import REFUSAL, BearerKey
 from flagstop.router.chat import ChatTemplate
 from flagstop.router.engine import RouterEngine
 from flagstop.router.openai.bodies import Choice, ResponseBuilder, TokenTexts
-from flagstop.router.openai.chat_path import chat_path
+from flagstop.router.openai.chat_path import ChatPath
 from flagstop.router.openai.errors import OpenAIError, from_failure, internal_error, stream_error
+from flagstop.router.openai.harmony import HarmonyPath
+from flagstop.router.openai.reasoning import HARMONY
 from flagstop.router.openai.sse import DONE, sse
-from flagstop.router.output import Pending, RequestFailed
+from flagstop.router.pending import Pending, RequestFailed
 from flagstop.router.settings import RouterSettings
 
 log = logging.getLogger("flagstop.router.http")
@@ -28,6 +30,12 @@ log = logging.getLogger("flagstop.router.http")
 
 def token_id_texts(token_id: int) -> str:
     return f"token_id:{token_id}"
+
+
+def chat_path(chat: ChatTemplate, settings: RouterSettings, tokenizer) -> ChatPath:
+    if settings.reasoning_parser == HARMONY:
+        return HarmonyPath(chat, settings, tokenizer)
+    return ChatPath(chat, settings, tokenizer)
 
 
 class OpenAIFront:

@@ -32,7 +32,7 @@ from flagstop.router.openai.errors import (
 from flagstop.router.openai.front import Front, until_disconnected
 from flagstop.router.openai.messages_request import MessagesRequest
 from flagstop.router.openai.sse import json_line
-from flagstop.router.output import RequestFailed
+from flagstop.router.pending import RequestFailed
 
 
 def authorized_by_key(request: Request) -> None:

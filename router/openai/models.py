@@ -9,7 +9,7 @@ from pydantic import ConfigDict, Field
 from flagstop.router.openai.errors import from_failure, json_response
 from flagstop.router.openai.front import Front, OpenAIFront, authorized
 from flagstop.router.openai.protocol import EncodableText
-from flagstop.router.output import RequestFailed
+from flagstop.router.pending import RequestFailed
 from flagstop.scheduler_svc.convert import layer_specs
 from flagstop.scheduler_svc.core.kv_groups import describe_groups, kv_cache_groups
 

@@ -20,7 +20,7 @@ from flagstop.router.openai.bodies import Choice, ResponseBuilder
 from flagstop.router.openai.errors import OpenAIError, from_failure, internal_error, stream_error
 from flagstop.router.openai.responses_request import NamedFunctionChoice, ResponsesRequest
 from flagstop.router.openai.sse import json_line
-from flagstop.router.output import RequestFailed
+from flagstop.router.pending import RequestFailed
 
 Event = tuple[str, dict[str, Any]]  # (type, payload)
 

@@ -10,26 +10,9 @@ and finish_reason "tool_calls"."""
 
 from typing import Any, Protocol
 
-from flagstop.router.openai.chat_request import ChatCompletionRequest, ToolSpec
+from flagstop.router.openai.chat_request import ChatCompletionRequest
 from flagstop.router.openai.tool_parsers import PARSERS, NamedCall, RequiredCalls
 from flagstop.scheduler_svc.core.limits import RequestRejected
-
-
-def arguments_schema(tool: ToolSpec) -> dict[str, Any]:
-    return tool.function.parameters or {"type": "object"}
-
-
-def required_schema(tools: list[ToolSpec], parallel: bool) -> dict[str, Any]:
-    """tool_choice "required": a JSON array of one or more {name, arguments}, each
-    call one of the tools with arguments of its schema."""
-    calls = [{"type": "object", "properties": {
-                "name": {"type": "string", "enum": [t.function.name]},
-                "arguments": arguments_schema(t)},
-              "required": ["name", "arguments"]} for t in tools]  # fmt: skip
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-    if not parallel:
-        schema["maxItems"] = 1
-    return schema
 
 
 class ToolParser(Protocol):

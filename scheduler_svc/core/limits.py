@@ -2,11 +2,7 @@
 them before queueing (INVALID_ARGUMENT), the scheduler again on admission (its own
 limits may be tighter, and a resubmitted remainder is checked anew)."""
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # request.py imports this module
-    from flagstop.scheduler_svc.core.request import Request
+from flagstop.scheduler_svc.core.request import Request
 
 
 class RequestRejected(ValueError):
@@ -43,14 +39,7 @@ def check_request_length(
         )
 
 
-def stop_token_ids(
-    stop_token_ids: Iterable[int], eos_token_ids: Iterable[int], ignore_eos: bool
-) -> frozenset[int]:
-    """The tokens that end a request: its own stop tokens, and EOS unless ignore_eos."""
-    return frozenset(stop_token_ids) | (frozenset() if ignore_eos else frozenset(eos_token_ids))
-
-
-def check_admissible(request: "Request", max_model_len: int, kv_capacity_tokens: int,
+def check_admissible(request: Request, max_model_len: int, kv_capacity_tokens: int,
                      max_loras: int) -> None:  # fmt: skip
     """What the scheduler checks again on admission: the length against its own
     limits, and that a LoRA request can run here under a known identity."""

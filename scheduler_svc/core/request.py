@@ -1,14 +1,19 @@
 """A request as the scheduler tracks it, its status and why it finished."""
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from flagstop.scheduler_svc.core.limits import stop_token_ids
+from flagstop.scheduler_svc.core.kv_handoff import KVHandoff
 from flagstop.scheduler_svc.core.objectives import NO_OBJECTIVES, Objectives
 
-if TYPE_CHECKING:
-    from flagstop.scheduler_svc.core.kv_connector import KVHandoff
+
+def stop_token_ids(
+    stop_token_ids: Iterable[int], eos_token_ids: Iterable[int], ignore_eos: bool
+) -> frozenset[int]:
+    """The tokens that end a request: its own stop tokens, and EOS unless ignore_eos."""
+    return frozenset(stop_token_ids) | (frozenset() if ignore_eos else frozenset(eos_token_ids))
 
 
 class RequestStatus(enum.IntEnum):
@@ -115,8 +120,8 @@ class Request:
     # and hand the decode off (kv_handoff: where its blocks wait). On a decode
     # replica: where its prompt's KV waits, until its load is planned.
     do_remote_decode: bool = False
-    kv_handoff: "KVHandoff | None" = None
-    remote_prefill: "KVHandoff | None" = None
+    kv_handoff: KVHandoff | None = None
+    remote_prefill: KVHandoff | None = None
     status: RequestStatus = RequestStatus.WAITING
     all_token_ids: list[int] = field(init=False)
     num_prompt_tokens: int = field(init=False)

@@ -46,7 +46,7 @@ from flagstop.scheduler_svc.core.request import (
     RequestStatus,
 )
 from flagstop.scheduler_svc.core.speculative import draft_budget
-from flagstop.scheduler_svc.core.stats import SchedulerStats, make_stats
+from flagstop.scheduler_svc.core.stats import LoadFigures, SchedulerStats, make_load, make_stats
 from flagstop.scheduler_svc.core.step import Step
 
 __all__ = ["RequestRejected", "Scheduler", "SchedulerStats"]
@@ -476,10 +476,9 @@ class Scheduler:
         """Full blocks of the request's known tokens already in the prefix cache."""
         return len(self.kv.get_computed_blocks(request))
 
-    def loras_in_use(self) -> tuple[list[str], list[str]]:
-        """The LoRA adapters of the running requests, and of the waiting ones, sorted."""
-        waiting = {r.lora_name for r in (*self.waiting, *self.transfers.loaded) if r.lora_name}
-        return sorted(AdapterSeats.of(self.running, self.config.max_loras).names), sorted(waiting)
+    def load(self) -> LoadFigures:
+        """What the replica's load report says of the core (each step)."""
+        return make_load(self)
 
     def stats(self) -> SchedulerStats:
         return make_stats(self)

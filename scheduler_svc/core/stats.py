@@ -3,10 +3,25 @@ answers them (the shell copies them by name), for GetStats, the metrics and the 
 each router hears."""
 
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from flagstop.scheduler_svc.core.scheduler import Scheduler
+from flagstop.scheduler_svc.core.kv_cache_manager import KVCacheManager
+from flagstop.scheduler_svc.core.kv_transfers import KVTransfers
+from flagstop.scheduler_svc.core.policy_step import PolicyStep
+from flagstop.scheduler_svc.core.queues import RequestQueue
+from flagstop.scheduler_svc.core.request import Request
+
+
+class Core(Protocol):
+    """What the figures read of the scheduler (scheduler.py), below it."""
+
+    step_id: int
+    num_preemptions: int
+    running: list[Request]
+    waiting: RequestQueue
+    kv: KVCacheManager
+    transfers: KVTransfers
+    policy_step: PolicyStep
 
 
 @dataclass(slots=True)
@@ -37,7 +52,32 @@ class SchedulerStats:
         return asdict(self)
 
 
-def make_stats(scheduler: "Scheduler") -> SchedulerStats:
+@dataclass(slots=True)
+class LoadFigures:
+    """What a replica's load report says of its core, each step (cheaper than the
+    stats: no counters)."""
+
+    num_running: int
+    kv_cache_usage: float
+    num_host_cached_blocks: int
+    external_prefix_cache_hits: int
+    running_loras: list[str]  # the adapters of the running requests, sorted
+    waiting_loras: list[str]  # of the waiting ones
+
+
+def make_load(scheduler: Core) -> LoadFigures:
+    transfers = scheduler.transfers
+    waiting = (*scheduler.waiting, *transfers.loaded)
+    return LoadFigures(
+        num_running=len(scheduler.running), kv_cache_usage=scheduler.kv.pool.usage(),
+        num_host_cached_blocks=transfers.num_host_cached_blocks,
+        external_prefix_cache_hits=transfers.external_stats.num_hits,
+        running_loras=sorted({r.lora_name for r in scheduler.running if r.lora_name}),
+        waiting_loras=sorted({r.lora_name for r in waiting if r.lora_name}),
+    )  # fmt: skip
+
+
+def make_stats(scheduler: Core) -> SchedulerStats:
     pool, transfers, decisions = scheduler.kv.pool, scheduler.transfers, scheduler.policy_step
     shadow = decisions.shadow
     prefix, external = scheduler.kv.prefix_stats, transfers.external_stats

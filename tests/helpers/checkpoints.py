@@ -16,6 +16,7 @@ from transformers import (
     GenerationConfig,
     Glm4MoeConfig,
     GptOssConfig,
+    GraniteConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -56,6 +57,14 @@ VARIANTS = {
     "llama-1kv": lambda: LlamaConfig(**{**COMMON, "num_key_value_heads": 1}),
     "qwen2": lambda: Qwen2Config(**COMMON),
     "qwen3": lambda: Qwen3Config(**COMMON, head_dim=48),
+    # Granite: the four multipliers away from 1 (the family's whole difference).
+    "granite": lambda: GraniteConfig(
+        **COMMON,
+        embedding_multiplier=6.0,
+        attention_multiplier=0.125,
+        residual_multiplier=0.5,
+        logits_scaling=4.0,
+    ),
     "llama3-rope-tied": lambda: LlamaConfig(
         **COMMON,
         tie_word_embeddings=True,

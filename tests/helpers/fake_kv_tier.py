@@ -14,7 +14,7 @@ send (or a lease) reads it changes tokens or trips an assertion."""
 import random
 from dataclasses import dataclass
 
-from flagstop.scheduler_svc.core.host_tier import HostTierConnector
+from flagstop.scheduler_svc.core.host_tier_connector import HostTierConnector
 from flagstop.scheduler_svc.core.kv_connector import KVHandoff, KVTransferResult
 from flagstop.scheduler_svc.core.output import SchedulerOutput
 from flagstop.scheduler_svc.core.request import Request

@@ -12,7 +12,11 @@ import torch
 from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.grammar_rows import GrammarRows
 from flagstop.executor.input_batch import InputBatch, ScheduledRows
-from flagstop.executor.spec.proposer import NoProposer, Proposer, make_proposer
+from flagstop.executor.speculative.config import SpeculativeConfig
+from flagstop.executor.speculative.draft_model import DraftModelProposer
+from flagstop.executor.speculative.mtp import MtpProposer
+from flagstop.executor.speculative.proposer import NgramProposer, NoProposer, Proposer
+from flagstop.executor.speculative.suffix import SuffixProposer
 from flagstop.executor.step_inputs import Drafts, StepInputs
 from flagstop.scheduler_svc.core.output import SchedulerOutput
 
@@ -101,3 +105,15 @@ def make_drafter(config: ExecutorConfig, runner, rank: int) -> Drafter:
     leader_proposes = speculative is not None and rank == 0
     proposer = make_proposer(speculative, runner) if leader_proposes else NoProposer()
     return Drafter(proposer, leader=rank == 0)
+
+
+def make_proposer(config: SpeculativeConfig, runner) -> Proposer:
+    """runner: the target's ModelRunner (a draft model shares its device, dtype, block
+    pool and attention backend)."""
+    if config.method == "ngram":
+        return NgramProposer(config)
+    if config.method == "mtp":
+        return MtpProposer(runner)
+    if config.method == "suffix":
+        return SuffixProposer(config)
+    return DraftModelProposer(config, runner)

@@ -18,7 +18,7 @@ from flagstop.executor.input_batch import InputBatch
 from flagstop.executor.models.loader import load_model
 from flagstop.executor.parallel import SINGLE
 from flagstop.executor.sampling import noise, probabilities, process_logits
-from flagstop.executor.spec.config import SpeculativeConfig
+from flagstop.executor.speculative.config import SpeculativeConfig
 from flagstop.executor.step_inputs import flatten, sampling_metadata
 from flagstop.server import StartupError
 

@@ -9,8 +9,8 @@ import numpy as np
 import torch
 
 from flagstop.executor.input_batch import InputBatch
-from flagstop.executor.spec.config import SpeculativeConfig
-from flagstop.executor.spec.ngram import propose_ngram
+from flagstop.executor.speculative.config import SpeculativeConfig
+from flagstop.executor.speculative.ngram import propose_ngram
 
 if TYPE_CHECKING:
     from flagstop.executor.step_inputs import StepInputs
@@ -80,7 +80,7 @@ class NoProposer:
 
 
 class NgramProposer(NoProposer):
-    """Prompt lookup (executor/spec/ngram.py): stateless."""
+    """Prompt lookup (executor/speculative/ngram.py): stateless."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
@@ -92,21 +92,3 @@ class NgramProposer(NoProposer):
             for row, k in zip(rows.tolist(), slots.tolist(), strict=True)
         ]  # fmt: skip
         return drafts, None
-
-
-def make_proposer(config: SpeculativeConfig, runner) -> Proposer:
-    """runner: the target's ModelRunner (a draft model shares its device, dtype, block
-    pool and attention backend)."""
-    if config.method == "ngram":
-        return NgramProposer(config)
-    if config.method == "mtp":
-        from flagstop.executor.spec.mtp import MtpProposer
-
-        return MtpProposer(runner)
-    if config.method == "suffix":
-        from flagstop.executor.spec.suffix import SuffixProposer
-
-        return SuffixProposer(config)
-    from flagstop.executor.spec.draft_model import DraftModelProposer
-
-    return DraftModelProposer(config, runner)

@@ -1,9 +1,10 @@
-"""The Llama family on a paged KV cache: Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3
-(per-head q/k RMSNorm), and their Mixture-of-Experts kin, Mixtral, Qwen2-MoE and
-Qwen3-MoE, whose sparse layers' MLP is an executor/models/moe.py block. One flattened
-varlen forward per step; q/k/v and gate/up are packed into one matmul each. Under
-tensor parallelism (executor/parallel.py) each rank builds the same modules at its
-shard's sizes."""
+"""The one decoder of every supported architecture on a paged KV cache: a stack of
+attention (or latent attention, or a gated DeltaNet mixer) and MLP (or MoE) layers,
+one flattened varlen forward per step; q/k/v and gate/up packed into one matmul each.
+What a family changes is declared in its file under executor/models/families/ and
+read here from the config's sections (GemmaStyle, MlaConfig, MoeConfig,
+RecurrentConfig), never by architecture name. Under tensor parallelism
+(executor/parallel.py) each rank builds the same modules at its shard's sizes."""
 
 from collections.abc import Sequence
 from types import ModuleType
@@ -61,9 +62,17 @@ class VocabParallelEmbedding(nn.Embedding):
         return self.tp.all_reduce(out.masked_fill_(~mine.unsqueeze(-1), 0))
 
 
+def softmax_scale(config: ModelConfig) -> float:
+    """head_dim ** -0.5, or Gemma's query_pre_attn_scalar ** -0.5, or Granite's own."""
+    if config.multipliers is not None:
+        return config.multipliers.attention
+    gemma = config.gemma
+    return (gemma.query_pre_attn_scalar if gemma else config.head_dim) ** -0.5
+
+
 def norm_class(config: ModelConfig) -> type[RMSNorm]:
     """Gemma's and the recurrent Qwens' norms are (1 + w), Llama's w."""
-    return GemmaRMSNorm if config.gemma is not None or config.linear is not None else RMSNorm
+    return GemmaRMSNorm if config.gemma is not None or config.recurrent is not None else RMSNorm
 
 
 class Attention(nn.Module):
@@ -78,7 +87,7 @@ class Attention(nn.Module):
         self.gated = config.attention_gated
         q_rows = self.q_size * (2 if self.gated else 1)
         gemma = config.gemma
-        self.scale = (gemma.query_pre_attn_scalar if gemma else config.head_dim) ** -0.5
+        self.scale = softmax_scale(config)
         qkv = tuple(f"{prefix}.{name}_proj" for name in "qkv")
         self.qkv_proj = make_linear(
             config, qkv, config.hidden_size, q_rows + 2 * self.kv_size, config.qkv_bias
@@ -191,7 +200,26 @@ class DecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
-class LlamaForCausalLM(nn.Module):
+class ScaledDecoderLayer(DecoderLayer):
+    """Granite's layer: each residual branch (the attention's output, the MLP's) scaled
+    by residual_multiplier before it joins the residual stream."""
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel, index: int) -> None:
+        super().__init__(config, tp, index)
+        assert config.multipliers is not None
+        self.residual_multiplier = config.multipliers.residual
+
+    def forward(self, ropes, x, residual, kv_cache: KVCache, meta: AttentionMetadata):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.mixer[0](ropes, x, kv_cache, meta) * self.residual_multiplier
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x) * self.residual_multiplier, residual
+
+
+class Decoder(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config, self.tp = config, tp
@@ -208,16 +236,23 @@ class LlamaForCausalLM(nn.Module):
                 config.head_dim, config.max_position_embeddings, gemma.local_rope_theta,
                 gemma.local_rope_scaling,
             ))  # fmt: skip
-        # Gemma scales the embedding by sqrt(hidden_size), rounded to the model's dtype.
-        self.embed_scale = config.hidden_size**0.5 if gemma is not None else None
+        # Gemma scales the embedding by sqrt(hidden_size), rounded to the model's dtype;
+        # Granite by its embedding_multiplier, as is; the logits divided by its
+        # logits_scaling.
+        multipliers = config.multipliers
+        self.embed_scale = config.hidden_size**0.5 if gemma is not None else \
+            multipliers.embedding if multipliers is not None else None  # fmt: skip
+        self.embed_scale_rounded = gemma is not None
+        self.logits_divisor = multipliers.logits if multipliers is not None else None
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(config, tp, i) for i in range(config.num_layers))
+        layer = ScaledDecoderLayer if multipliers is not None else DecoderLayer
+        self.layers = nn.ModuleList(layer(config, tp, i) for i in range(config.num_layers))
         # Each layer's KV cache group: the step's metadata has a block table per group.
         self.set_kv_groups(kv_cache_groups(config.layer_specs(1, 1)))
         mlps = (layer.mlp for layer in self.layers)
         self.moe_blocks = [mlp for mlp in mlps if isinstance(mlp, SparseMoeBlock)]
         self.recurrent_layers = [m for m in self.modules() if isinstance(m, GatedDeltaNet)]
-        self.block_size = 0  # the cache's, once the runner knows it (accept_drafts)
+        self.block_size = 0  # the cache's, once the runner knows it (after_verify)
         self.norm = norm_class(config)(config.hidden_size, config.rms_norm_eps)
         # The checkpoint's K/V cache scales by layer, [2, this rank's KV heads] (the
         # loader's; an FP8 cache without them scales by 1.0).
@@ -234,11 +269,13 @@ class LlamaForCausalLM(nn.Module):
         """The KV cache groups the runner holds (its own when the hybrid manager is off)."""
         self.layer_groups = [g for g, _ in layer_slots(groups, self.config.num_layers)]
 
-    def accept_drafts(self, num_sampled: list[int]) -> None:
-        """The last step's verification kept num_sampled tokens per sampling request:
-        the recurrent layers keep their states after those (a no-op without them)."""
+    def after_verify(self, num_sampled: list[int] | None) -> None:
+        """The model's hook after each step (vLLM's ModelState.postprocess_state): a
+        verification kept num_sampled tokens per sampling request (None: no drafts),
+        and the recurrent layers keep their states after those. A no-op without drafts
+        or without recurrent layers, so the runner calls it every step."""
         for layer in self.recurrent_layers:
-            layer.accept(num_sampled, self.block_size)
+            layer.accept(num_sampled or [], self.block_size)
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -259,8 +296,8 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [num_tokens, hidden] of one flattened step; kv_caches by layer,
         metas by KV cache group."""
         x, residual = self.embed_tokens(input_ids), None
-        if self.embed_scale is not None:
-            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        if (scale := self.embed_scale) is not None:
+            x = x * (torch.tensor(scale, dtype=x.dtype) if self.embed_scale_rounded else scale)
         ropes = tuple(table.lookup(positions) for table in self.rotary_tables)
         for layer, kv_cache, g in zip(self.layers, kv_caches, self.layer_groups, strict=True):
             x, residual = layer(ropes, x, residual, kv_cache, metas[g])
@@ -275,6 +312,8 @@ class LlamaForCausalLM(nn.Module):
         logits = logits[:, : self.config.vocab_size]
         if (gemma := self.config.gemma) is not None and (cap := gemma.final_logit_softcapping):
             logits = torch.tanh(logits / cap) * cap  # Gemma 2's final soft cap
+        if self.logits_divisor is not None:
+            logits = logits / self.logits_divisor
         return logits
 
     def set_attention_backend(self, backend: ModuleType) -> None:

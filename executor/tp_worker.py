@@ -1,5 +1,5 @@
 """A tensor-parallel rank other than 0: it loads its shard and follows rank 0's steps,
-serving no gRPC. Started by rank 0 (python -m flagstop.executor.worker, its settings
+serving no gRPC. Started by rank 0 (python -m flagstop.executor.tp_worker, its settings
 in the environment), or by torchrun as flagstop-executor with RANK > 0."""
 
 import logging

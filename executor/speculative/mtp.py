@@ -41,7 +41,7 @@ from torch import nn
 from flagstop.executor import kv_cache
 from flagstop.executor.input_batch import InputBatch
 from flagstop.executor.models.config import ModelConfig
-from flagstop.executor.models.llama import (
+from flagstop.executor.models.decoder import (
     DecoderLayer,
     VocabParallelEmbedding,
     norm_class,
@@ -50,7 +50,7 @@ from flagstop.executor.models.llama import (
 from flagstop.executor.models.loader import Names, build
 from flagstop.executor.models.onednn import Linear
 from flagstop.executor.parallel import SINGLE
-from flagstop.executor.spec.proposer import NoProposer
+from flagstop.executor.speculative.proposer import NoProposer
 from flagstop.executor.step_inputs import StepInputs, flatten
 from flagstop.scheduler_svc.core.kv_groups import FULL_ATTENTION
 from flagstop.server import StartupError

@@ -9,8 +9,8 @@ import numpy as np
 from arctic_inference.suffix_decoding import SuffixDecodingCache
 
 from flagstop.executor.input_batch import InputBatch
-from flagstop.executor.spec.config import SpeculativeConfig
-from flagstop.executor.spec.proposer import NoProposer
+from flagstop.executor.speculative.config import SpeculativeConfig
+from flagstop.executor.speculative.proposer import NoProposer
 
 
 class SuffixProposer(NoProposer):

@@ -7,20 +7,22 @@ executor that came back, ends, for its tokens would go on from other weights. Th
 executor's side changes only after the steps in flight (executor_link.py)."""
 
 import asyncio
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import grpc
 
 from flagstop.adapters import already_loaded
+from flagstop.scheduler_svc.core_handle import CoreHandle
+from flagstop.scheduler_svc.executor_link import ExecutorLink
 from flagstop.v1 import generation_pb2
 
-if TYPE_CHECKING:
-    from flagstop.scheduler_svc.service import SchedulerService
+# The one way requests fail here (router_links.py's fail): ids by owner, code, message.
+FailRequests = Callable[[dict[str, list[str]], grpc.StatusCode, str], None]
 
 
 class Adapters:
-    def __init__(self, service: "SchedulerService") -> None:
-        self.service, self.link = service, service.link
+    def __init__(self, core: CoreHandle, link: ExecutorLink, fail: FailRequests) -> None:
+        self.core, self.link, self.fail = core, link, fail
         self.changes = asyncio.Lock()
         self.replacing: set[str] = set()  # whose requests are refused meanwhile
 
@@ -80,7 +82,7 @@ class Adapters:
 
     def changed(self) -> None:
         """End every request whose adapter is no longer the one it began under."""
-        scheduler = self.service.scheduler
+        scheduler = self.core.scheduler
         if scheduler is None:
             return
         ended: dict[tuple[grpc.StatusCode, str], dict[str, list[str]]] = {}
@@ -89,4 +91,4 @@ class Adapters:
                 by_owner = ended.setdefault(refusal, {})
                 by_owner.setdefault(request.owner, []).append(request.request_id)
         for (code, message), ids_by_owner in ended.items():
-            self.service.links.fail(ids_by_owner, code, message)
+            self.fail(ids_by_owner, code, message)
