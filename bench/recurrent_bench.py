@@ -37,7 +37,7 @@ from flagstop.scheduler_svc.core.config import SchedulerConfig
 from flagstop.scheduler_svc.core.kv_cache_manager import KVCacheManager
 from flagstop.scheduler_svc.core.kv_groups import (
     LINEAR_ATTENTION,
-    LayerSpec,
+    KVLayer,
     kv_cache_groups,
 )
 from flagstop.scheduler_svc.core.request import Request, StopParams
@@ -134,7 +134,7 @@ def _prefill(kv: KVCacheManager, request: Request, hits) -> bool:
 
 
 def shared_pool_hits(prompts: list[list[int]], budget: int) -> tuple[int, int]:
-    layers = [LayerSpec(LINEAR_ATTENTION)] * 3 + [LayerSpec(kv_bytes_per_token=KV_A_TOKEN)]
+    layers = [KVLayer(LINEAR_ATTENTION)] * 3 + [KVLayer(kv_bytes_per_token=KV_A_TOKEN)]
     groups = kv_cache_groups(layers * FULL_LAYERS)
     block_bytes = FULL_LAYERS * SHARED_BLOCK * KV_A_TOKEN
     kv = KVCacheManager(1 + budget // block_bytes, SHARED_BLOCK, groups=groups)

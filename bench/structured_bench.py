@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.output import write_result
 from bench.serve_bench import cpu_seconds
 from flagstop.executor.grammar_book import GrammarBook
-from flagstop.structured import check, spec_from_proto
+from flagstop.structured import check, constraint_from_proto
 from flagstop.v1 import generation_pb2
 from tools.make_model import write_model
 from tools.stack import generate, start_stack
@@ -91,7 +91,7 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def constraint(i: int) -> generation_pb2.StructuredOutputs:
+def constraint_message(i: int) -> generation_pb2.StructuredOutputs:
     if i % 2 == 0:
         return generation_pb2.StructuredOutputs(json_schema=json.dumps(LONG_SCHEMA), strict=True)
     return generation_pb2.StructuredOutputs(regex=LONG_REGEX)
@@ -105,7 +105,7 @@ def run_mix(stack, args, percent: int) -> tuple[float, float]:
         fields: dict = {"prompt": f"Request {i}: the scheduler", "max_tokens": args.max_tokens,
                         "temperature": 1.0, "seed": i}  # fmt: skip
         if i < num_constrained:
-            fields["structured_outputs"] = constraint(i)
+            fields["structured_outputs"] = constraint_message(i)
         else:
             fields["ignore_eos"] = True
         tokens, _, _ = generate(stack, timeout=600, **fields)
@@ -156,14 +156,14 @@ def compile_times(model_dir: Path, vocab_size: int) -> tuple[str, dict]:
             "lookup + matcher copy (us) |", "|---|---:|---:|---:|"]  # fmt: skip
     data = {}
     for name, message in CASES.items():
-        spec = spec_from_proto(message)
+        constraint = constraint_from_proto(message)
         started = time.perf_counter()
-        check.__wrapped__(spec)  # uncached, as for a schema the router has not seen
+        check.__wrapped__(constraint)  # uncached, as for a schema the router has not seen
         checked = time.perf_counter() - started
-        cold = book.compile(spec)
+        cold = book.compile(constraint)
         started = time.perf_counter()
         for row in range(8):
-            book.add(row, spec, [])
+            book.add(row, constraint, [])
         cached = (time.perf_counter() - started) / 8
         data[name] = {"check_ms": checked * 1e3, "cold_ms": cold * 1e3, "cached_us": cached * 1e6}
         rows.append(f"| {name} | {checked * 1e3:.2f} | {cold * 1e3:.1f} | {cached * 1e6:.0f} |")
@@ -174,10 +174,10 @@ def compile_times(model_dir: Path, vocab_size: int) -> tuple[str, dict]:
 
 
 def step_mask_ms(book: GrammarBook, vocab_size: int, num_rows: int = 16, steps: int = 200):
-    spec = spec_from_proto(constraint(0))
-    book.compile(spec)
+    constraint = constraint_from_proto(constraint_message(0))
+    book.compile(constraint)
     for row in range(num_rows):
-        book.add(row, spec, [])
+        book.add(row, constraint, [])
     rows, rng, elapsed = np.arange(num_rows), np.random.default_rng(0), 0.0
     for _ in range(steps):
         logits = torch.randn(num_rows, vocab_size)

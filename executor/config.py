@@ -147,10 +147,10 @@ class ExecutorConfig(BaseModel):
     @classmethod
     def _name_equals_dir(cls, value: list[str]) -> list[str]:
         names = set()
-        for spec in value:
-            name, sep, path = spec.partition("=")
+        for entry in value:
+            name, sep, path = entry.partition("=")
             if not (name and sep and path):
-                raise ValueError(f"{spec!r}: each adapter is name=DIR")
+                raise ValueError(f"{entry!r}: each adapter is name=DIR")
             if name in names:
                 raise ValueError(f"{name!r} is named twice: one adapter a name")
             names.add(name)

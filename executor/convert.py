@@ -9,7 +9,7 @@ from flagstop.scheduler_svc.core.output import (
     NewRequestData,
     SchedulerOutput,
 )
-from flagstop.structured import spec_from_proto, spec_to_proto
+from flagstop.structured import constraint_from_proto, constraint_to_proto
 from flagstop.v1 import executor_pb2, generation_pb2
 
 
@@ -24,7 +24,7 @@ def sampling_from_proto(p: executor_pb2.SamplingParams) -> SamplingParams:
         min_tokens=p.min_tokens,
         stop_token_ids=tuple(p.stop_token_ids),
         logprobs=p.logprobs if p.HasField("logprobs") else None,
-        grammar=None if structured is None else spec_from_proto(structured),
+        grammar=None if structured is None else constraint_from_proto(structured),
         num_prompt_tokens_constrained=0 if structured is None
         else structured.num_prompt_tokens_constrained,
         repetition_penalty=p.repetition_penalty or 1.0,
@@ -45,7 +45,7 @@ def sampling_to_proto(p: SamplingParams) -> executor_pb2.SamplingParams:
         prompt_logprobs=p.prompt_logprobs,
     )  # fmt: skip
     if p.grammar is not None:
-        out.structured_outputs.CopyFrom(spec_to_proto(p.grammar))
+        out.structured_outputs.CopyFrom(constraint_to_proto(p.grammar))
         out.structured_outputs.num_prompt_tokens_constrained = p.num_prompt_tokens_constrained
     return out
 

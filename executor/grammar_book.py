@@ -18,7 +18,7 @@ import llguidance.torch
 import numpy as np
 import torch
 
-from flagstop.structured import NONE, GrammarError, GrammarSpec, refusal_of, to_grammar
+from flagstop.structured import NONE, Constraint, GrammarError, refusal_of, to_grammar
 
 log = logging.getLogger("flagstop.executor")
 MAX_CACHED_GRAMMARS = 128
@@ -48,19 +48,19 @@ class GrammarBook:
         cores = os.cpu_count() or 1
         self.executor = llguidance.LLExecutor(cores // 2) if cores >= PARALLEL_MASK_CORES else None
 
-    def compile(self, spec: GrammarSpec) -> float:
+    def compile(self, constraint: Constraint) -> float:
         """Compile (or find) a grammar: the seconds it took, 0 when cached. Raises
         GrammarError."""
-        if spec.kind == NONE or self._cached(spec.key) is not None:
+        if constraint.kind == NONE or self._cached(constraint.key) is not None:
             return 0.0
         started = time.perf_counter()
-        matcher = llguidance.LLMatcher(self.tokenizer, to_grammar(spec), log_level=0)
+        matcher = llguidance.LLMatcher(self.tokenizer, to_grammar(constraint), log_level=0)
         if matcher.is_error():
-            raise GrammarError(refusal_of(spec, matcher.get_error()))
+            raise GrammarError(refusal_of(constraint, matcher.get_error()))
         # The first mask builds the lexer's start: part of compiling, not of a step.
         llguidance.torch.fill_next_token_bitmask(matcher, self.bitmask[-1:].clone(), 0)
         with self.lock:
-            self.compiled[spec.key] = matcher
+            self.compiled[constraint.key] = matcher
             while len(self.compiled) > MAX_CACHED_GRAMMARS:
                 self.compiled.popitem(last=False)
         return time.perf_counter() - started
@@ -72,28 +72,28 @@ class GrammarBook:
                 self.compiled.move_to_end(key)
             return compiled
 
-    def add(self, row: int, spec: GrammarSpec, output_token_ids: Sequence[int]) -> None:
+    def add(self, row: int, constraint: Constraint, output_token_ids: Sequence[int]) -> None:
         """A constrained request took a row: its matcher, brought up to date by
         replaying the tokens it already generated (a resumed or resubmitted request);
         or, while its trigger (the end of its reasoning) has not appeared, a Waiting
         that starts the matcher when it does. Compiles here if nothing did before (an
         executor restarted under running requests): the one case where the step waits
         for a grammar."""
-        if spec.after_token_ids:
-            waiting = Waiting(row, spec, spec.after_token_ids)
+        if constraint.after_token_ids:
+            waiting = Waiting(row, constraint, constraint.after_token_ids)
             constrained = waiting.feed(list(output_token_ids))
             if constrained is None:
                 self.waiting[row] = waiting
                 return
             output_token_ids = constrained
-        if spec.kind != NONE:  # NONE: a budget alone, nothing after its trigger
-            self.matchers[row] = self._matcher(spec, output_token_ids)
+        if constraint.kind != NONE:  # NONE: a budget alone, nothing after its trigger
+            self.matchers[row] = self._matcher(constraint, output_token_ids)
 
-    def _matcher(self, spec: GrammarSpec, output_token_ids: Sequence[int]):
-        compiled = self._cached(spec.key)
+    def _matcher(self, constraint: Constraint, output_token_ids: Sequence[int]):
+        compiled = self._cached(constraint.key)
         if compiled is None:
-            self.compile(spec)
-            compiled = self._cached(spec.key)
+            self.compile(constraint)
+            compiled = self._cached(constraint.key)
         matcher = compiled.deep_copy()
         if output_token_ids and not matcher.consume_tokens(list(output_token_ids)):
             raise GrammarError(f"the request's output breaks its grammar: {matcher.get_error()}")
@@ -215,11 +215,14 @@ class GrammarBook:
             if isinstance(matcher, Waiting):
                 if (after := matcher.feed(tokens)) is None:
                     continue
-                row, spec = matcher.row, matcher.spec  # its trigger came: the constraint starts
+                row, constraint = (
+                    matcher.row,
+                    matcher.constraint,
+                )  # its trigger came: the constraint starts
                 del self.waiting[row]
-                if spec.kind == NONE:
+                if constraint.kind == NONE:
                     continue
-                matcher = self.matchers[row] = self._matcher(spec, [])
+                matcher = self.matchers[row] = self._matcher(constraint, [])
                 tokens = after
             for token in tokens:
                 if matcher.is_stopped():
@@ -235,7 +238,7 @@ class Waiting:
     reasoning before it is free, as vLLM has it)."""
 
     row: int
-    spec: GrammarSpec
+    constraint: Constraint
     trigger: tuple[int, ...]
     seen: list[int] = field(default_factory=list)  # the output's last tokens, for a match
     count: int = 0  # output tokens so far
@@ -244,7 +247,7 @@ class Waiting:
     def feed(self, tokens: list[int]) -> list[int] | None:
         """The tokens after the trigger, once it has appeared (possibly none); None
         while it has not."""
-        opening = len(self.spec.open_token_ids)
+        opening = len(self.constraint.open_token_ids)
         if len(self.head) < opening:
             self.head += tokens[: opening - len(self.head)]
         self.count += len(tokens)
@@ -259,7 +262,7 @@ class Waiting:
     def forced(self) -> int | None:
         """The trigger's next token, when the budget is spent (a thinking-token budget:
         the reasoning is ended for the model); None otherwise."""
-        budget = self.spec.force_after_within
+        budget = self.constraint.force_after_within
         if not budget or self._spent() < budget:
             return None
         trigger, seen = self.trigger, self.seen
@@ -270,14 +273,14 @@ class Waiting:
     def drafts_allowed(self) -> int:
         """Draft tokens this row may verify: none reaching the budget (where a token
         is forced instead of verified)."""
-        budget = self.spec.force_after_within
+        budget = self.constraint.force_after_within
         return max(0, budget - self._spent() - 1) if budget else 1 << 30
 
     def _spent(self) -> int:
         """The reasoning's tokens so far, as the budget counts them: from the opening
         tokens when the model opens its reasoning itself (none if its output does not
         start with them: there is no reasoning to end)."""
-        opening = self.spec.open_token_ids
+        opening = self.constraint.open_token_ids
         if not opening:
             return self.count
         if len(self.head) < len(opening) or tuple(self.head) != opening:

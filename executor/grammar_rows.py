@@ -15,7 +15,7 @@ from flagstop.executor.input_batch import InputBatch
 from flagstop.executor.sampling_params import SampleOutput
 from flagstop.executor.step_inputs import Drafts
 from flagstop.scheduler_svc.core.output import SchedulerOutput
-from flagstop.structured import GrammarError, GrammarSpec
+from flagstop.structured import Constraint, GrammarError
 
 if TYPE_CHECKING:
     from flagstop.executor.grammar_book import GrammarBook
@@ -46,9 +46,9 @@ class GrammarRows:
         book = self._book
         return book is not None and bool(book.matchers or book.waiting)
 
-    def prepare(self, spec: GrammarSpec) -> float:
+    def prepare(self, constraint: Constraint) -> float:
         """Compile a constraint ahead of its request (on a thread): seconds taken."""
-        return self.book.compile(spec)
+        return self.book.compile(constraint)
 
     def added(self, plan: SchedulerOutput, batch: InputBatch) -> None:
         """The plan's new and resumed requests took rows: a matcher for each

@@ -13,7 +13,7 @@ from flagstop.executor.models.decoder import KVCache
 from flagstop.scheduler_svc.core.kv_groups import (
     LINEAR_ATTENTION,
     KVCacheGroup,
-    LayerSpec,
+    KVLayer,
     group_size,
     layer_slots,
 )
@@ -22,14 +22,14 @@ from flagstop.utils import cdiv
 
 
 def block_bytes(
-    layers: Sequence[LayerSpec], groups: Sequence[KVCacheGroup], block_size: int
+    layers: Sequence[KVLayer], groups: Sequence[KVCacheGroup], block_size: int
 ) -> int:  # fmt: skip
     """A block's bytes on one rank: a group's layers' (one group: every layer;
-    kv_groups.py), each its LayerSpec's bytes a token (K and V, or a latent)."""
+    kv_groups.py), each its KVLayer's bytes a token (K and V, or a latent)."""
     return group_size(groups) * max(x.kv_bytes_per_token for x in layers) * block_size
 
 
-def block_size_for(mc: ModelConfig, layers: Sequence[LayerSpec], block_size: int,
+def block_size_for(mc: ModelConfig, layers: Sequence[KVLayer], block_size: int,
                    tp_size: int) -> int:  # fmt: skip
     """The block size the cache runs: block_size, or with recurrent layers the smallest
     multiple of it whose page (a full-attention layer's K and V of its tokens, on one

@@ -3,7 +3,7 @@
 Each feature is a component called at a named seam, with a null variant when it is
 off, so the step never asks whether one is on:
 - `self.lora` (lora/manager.py; NoLoRA at --max-loras 0): each token's adapter;
-- `self.drafter` (spec/drafter.py; no proposer at k = 0): the step's drafts;
+- `self.drafter` (speculative/drafter.py; no proposer at k = 0): the step's drafts;
 - `self.grammars` (grammar_rows.py): the constrained rows' masks, loaded on first use;
 - `self.kv_worker` (kv_transfers/; NoKVWorker without one): KV beyond the pool."""
 
@@ -39,7 +39,7 @@ from flagstop.executor.step_inputs import StepInputs, prepare_inputs
 from flagstop.scheduler_svc.core.kv_connector import NO_TRANSFERS
 from flagstop.scheduler_svc.core.kv_groups import kv_cache_groups
 from flagstop.scheduler_svc.core.output import SchedulerOutput
-from flagstop.structured import GrammarSpec
+from flagstop.structured import Constraint
 from flagstop.utils import cdiv
 
 
@@ -88,7 +88,7 @@ class ModelRunner:
         self.model_config = mc = self.model.config
         self.num_kv_heads = tp.shard.kv_heads(mc.num_kv_heads)[1]  # this rank's
         # The layers as the scheduler builds its KV cache groups from them (Describe).
-        self.kv_layers = mc.layer_specs(self.num_kv_heads, self.kv_cache_dtype.itemsize,
+        self.kv_layers = mc.kv_layers(self.num_kv_heads, self.kv_cache_dtype.itemsize,
                                         config.disable_hybrid_kv_cache_manager)  # fmt: skip
         self.kv_groups = kv_cache_groups(self.kv_layers)
         self.model.set_kv_groups(self.kv_groups)
@@ -303,7 +303,7 @@ class ModelRunner:
 
     # -- what the service asks -----------------------------------------------------
 
-    def prepare_grammar(self, grammar: GrammarSpec) -> float:
+    def prepare_grammar(self, grammar: Constraint) -> float:
         """Compile a constraint ahead of its request (on a thread): seconds taken."""
         return self.grammars.prepare(grammar)
 

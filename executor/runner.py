@@ -8,9 +8,9 @@ from flagstop.adapters import LoadedAdapter
 from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.models.config import ModelConfig
 from flagstop.executor.sampling_params import SampleOutput
-from flagstop.scheduler_svc.core.kv_groups import KVCacheGroup, LayerSpec
+from flagstop.scheduler_svc.core.kv_groups import KVCacheGroup, KVLayer
 from flagstop.scheduler_svc.core.output import SchedulerOutput
-from flagstop.structured import GrammarSpec
+from flagstop.structured import Constraint
 
 if TYPE_CHECKING:
     from flagstop.executor.kv_transfers.base import KVWorker
@@ -24,7 +24,7 @@ class Runner(Protocol):
     num_blocks: int  # the KV pool, in blocks of block_size tokens
     # The layers as the KV cache holds them, and the groups they make (kv_groups.py):
     # Describe sends the layers, the scheduler builds the same groups from them.
-    kv_layers: list[LayerSpec]
+    kv_layers: list[KVLayer]
     kv_groups: list[KVCacheGroup]
     num_host_blocks: int  # its host tier (--kv-offload-bytes), in blocks; 0: none
     tensor_parallel_size: int
@@ -74,7 +74,7 @@ class Runner(Protocol):
         """Drop an adapter; False when none of that name is registered."""
         ...
 
-    def prepare_grammar(self, grammar: GrammarSpec) -> float:
+    def prepare_grammar(self, grammar: Constraint) -> float:
         """Compile a request's output constraint ahead of it (called on a thread);
         the seconds it took. Raises GrammarError."""
         ...

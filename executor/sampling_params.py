@@ -4,7 +4,7 @@ no torch (the executor simulator and the conversions use them too)."""
 from dataclasses import dataclass
 
 from flagstop.scheduler_svc.core.output import StepOutcome
-from flagstop.structured import GrammarSpec
+from flagstop.structured import Constraint
 
 
 @dataclass(slots=True, frozen=True)
@@ -18,7 +18,7 @@ class SamplingParams:
     # token ids): masked while fewer than min_tokens were generated.
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None  # None: off; n: the sampled token's and the top n
-    grammar: GrammarSpec | None = None  # set: the output is constrained
+    grammar: Constraint | None = None  # set: the output is constrained
     # The prompt's last tokens that are output the grammar already covers (a request
     # resubmitted with its outputs so far in its prompt).
     num_prompt_tokens_constrained: int = 0

@@ -17,7 +17,7 @@ from flagstop.executor.convert import plan_from_proto, result_to_proto
 from flagstop.executor.kv_transfers.base import LayoutMismatch
 from flagstop.executor.tp_messages import LORA_LOAD, LORA_UNLOAD
 from flagstop.scheduler_svc.convert import layers_to_proto
-from flagstop.structured import GrammarError, spec_from_proto
+from flagstop.structured import GrammarError, constraint_from_proto
 from flagstop.telemetry import LATENCY_BUCKETS, Telemetry, extract
 from flagstop.v1 import executor_pb2, executor_pb2_grpc, generation_pb2
 
@@ -105,10 +105,10 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
 
     async def PrepareGrammar(self, request, context) -> executor_pb2.PrepareGrammarResponse:
         try:
-            spec = spec_from_proto(request.structured_outputs)
+            constraint = constraint_from_proto(request.structured_outputs)
             # On a thread: llguidance compiles without the GIL, beside the step loop.
             seconds = await asyncio.get_running_loop().run_in_executor(
-                self.compile_pool, self.runner.prepare_grammar, spec
+                self.compile_pool, self.runner.prepare_grammar, constraint
             )
         except GrammarError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -50,7 +50,7 @@ from flagstop.executor.models.config import ModelConfig
 from flagstop.executor.sampling_params import SampleOutput, SamplingParams
 from flagstop.scheduler_svc.core.kv_groups import kv_cache_groups
 from flagstop.scheduler_svc.core.output import SchedulerOutput
-from flagstop.structured import GrammarSpec
+from flagstop.structured import Constraint
 from flagstop.v1 import executor_pb2
 
 _A, _B, _C = 0x9E3779B1, 0x85EBCA6B, 0xC2B2AE35  # odd 32-bit mixers
@@ -102,7 +102,7 @@ class SimulatedRunner:
         self.num_blocks = config.num_blocks or config.simulate_num_blocks
         # The model's layers as a real executor describes them (bf16 K and V), so that
         # the scheduler's block accounting under load is the model's.
-        self.kv_layers = mc.layer_specs(mc.num_kv_heads, 2, config.disable_hybrid_kv_cache_manager)
+        self.kv_layers = mc.kv_layers(mc.num_kv_heads, 2, config.disable_hybrid_kv_cache_manager)
         self.kv_groups = kv_cache_groups(self.kv_layers)
         self.cost = CostModel(config.simulate_base_ms, config.simulate_us_per_scheduled_token,
                               config.simulate_us_per_context_token)  # fmt: skip
@@ -167,7 +167,7 @@ class SimulatedRunner:
     def take_expert_tokens(self) -> None:
         return None  # the simulator routes nothing
 
-    def prepare_grammar(self, grammar: GrammarSpec) -> float:
+    def prepare_grammar(self, grammar: Constraint) -> float:
         """Nothing to compile: the simulator's tokens are not sampled from a model, so
         a constrained request runs unconstrained here (a load-test tool)."""
         return 0.0

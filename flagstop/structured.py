@@ -1,5 +1,5 @@
 """Structured outputs: the one canonical form of a request's output constraint
-(`GrammarSpec`), its wire form, and the grammar engine's check of it.
+(`Constraint`), its wire form, and the grammar engine's check of it.
 
 The engine is llguidance, measured beside xgrammar on this CPU (make bench-structured,
 bench/results/structured.md): xgrammar's masks are cheaper (33 vs 56 us a token on
@@ -10,7 +10,7 @@ json.loads refuses: raw control characters in length-bounded strings
 as E0 99 AA, encoded surrogates). llguidance: 0 of 200. Output that parses is the
 point, and masking 16 rows costs 0.25 ms a step (the tiny model's steps: 1-8 ms).
 
-The router checks a spec (no tokenizer needed: 0.2-1.7 ms, once per spec) to
+The router checks a constraint (no tokenizer needed: 0.2-1.7 ms, once per constraint) to
 refuse a bad one before admission; the executor compiles it against the model's
 vocabulary (executor/grammar_book.py). The engine is imported on first use."""
 
@@ -33,7 +33,7 @@ class GrammarError(ValueError):
 
 
 @dataclass(slots=True, frozen=True)
-class GrammarSpec:
+class Constraint:
     kind: str  # JSON_SCHEMA, REGEX, EBNF or LARK
     text: str  # canonical: a JSON schema is re-serialized compactly
     strict: bool = True  # json_schema: only the listed properties and items
@@ -51,48 +51,50 @@ class GrammarSpec:
         return f"{self.kind}:{int(self.strict)}:{self.text}"
 
 
-def spec_from_proto(message: generation_pb2.StructuredOutputs) -> GrammarSpec:
-    """The canonical spec of a request's constraint. Raises GrammarError."""
+def constraint_from_proto(message: generation_pb2.StructuredOutputs) -> Constraint:
+    """The canonical form of a request's constraint. Raises GrammarError."""
     budget = message.force_after_within
     if message.WhichOneof("kind") is None and message.after_token_ids and budget > 0:
-        spec = GrammarSpec(NONE, "")
+        constraint = Constraint(NONE, "")
     else:
-        spec = _spec_of_kind(message)
+        constraint = _constraint_of_kind(message)
     if message.after_token_ids:
         return dataclasses.replace(
-            spec, after_token_ids=tuple(message.after_token_ids),
+            constraint, after_token_ids=tuple(message.after_token_ids),
             force_after_within=max(0, budget), open_token_ids=tuple(message.open_token_ids),
         )  # fmt: skip
-    return spec
+    return constraint
 
 
-def _spec_of_kind(message: generation_pb2.StructuredOutputs) -> GrammarSpec:
+def _constraint_of_kind(message: generation_pb2.StructuredOutputs) -> Constraint:
     kind = message.WhichOneof("kind")
     if kind == "json_schema":
-        return GrammarSpec(JSON_SCHEMA, _canonical_schema(message.json_schema), message.strict)
+        return Constraint(JSON_SCHEMA, _canonical_schema(message.json_schema), message.strict)
     if kind == "json_object":
-        return GrammarSpec(JSON_SCHEMA, ANY_JSON_OBJECT, strict=False)
+        return Constraint(JSON_SCHEMA, ANY_JSON_OBJECT, strict=False)
     if kind == "regex":
-        return GrammarSpec(REGEX, _bounded(message.regex, "regex"))
+        return Constraint(REGEX, _bounded(message.regex, "regex"))
     if kind == "choice":
-        return GrammarSpec(LARK, _choice_grammar(list(message.choice.choices)))
+        return Constraint(LARK, _choice_grammar(list(message.choice.choices)))
     if kind == "grammar":
         text = _bounded(message.grammar, "grammar")
-        return GrammarSpec(EBNF if "::=" in text else LARK, text)
+        return Constraint(EBNF if "::=" in text else LARK, text)
     raise GrammarError("structured_outputs sets no constraint: set one of its fields")
 
 
-def spec_to_proto(spec: GrammarSpec) -> generation_pb2.StructuredOutputs:
-    after = {"after_token_ids": spec.after_token_ids,
-             "force_after_within": spec.force_after_within,
-             "open_token_ids": spec.open_token_ids}  # fmt: skip
-    if spec.kind == NONE:
+def constraint_to_proto(constraint: Constraint) -> generation_pb2.StructuredOutputs:
+    after = {"after_token_ids": constraint.after_token_ids,
+             "force_after_within": constraint.force_after_within,
+             "open_token_ids": constraint.open_token_ids}  # fmt: skip
+    if constraint.kind == NONE:
         return generation_pb2.StructuredOutputs(**after)
-    if spec.kind == JSON_SCHEMA:
-        return generation_pb2.StructuredOutputs(json_schema=spec.text, strict=spec.strict, **after)
-    if spec.kind == REGEX:
-        return generation_pb2.StructuredOutputs(regex=spec.text, **after)
-    return generation_pb2.StructuredOutputs(grammar=spec.text, **after)
+    if constraint.kind == JSON_SCHEMA:
+        return generation_pb2.StructuredOutputs(
+            json_schema=constraint.text, strict=constraint.strict, **after
+        )
+    if constraint.kind == REGEX:
+        return generation_pb2.StructuredOutputs(regex=constraint.text, **after)
+    return generation_pb2.StructuredOutputs(grammar=constraint.text, **after)
 
 
 def _bounded(text: str, name: str) -> str:
@@ -123,7 +125,7 @@ def _choice_grammar(choices: list[str]) -> str:
     return "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
-def to_grammar(spec: GrammarSpec) -> str:
+def to_grammar(constraint: Constraint) -> str:
     """The engine's grammar (llguidance's grammar document). Raises GrammarError
     with the engine's message. JSON is compact (no free whitespace): free whitespace
     lets a weak model fill max_tokens with blanks mid-structure, the failure vLLM's
@@ -132,19 +134,19 @@ def to_grammar(spec: GrammarSpec) -> str:
     from llguidance.gbnf_to_lark import gbnf_to_lark
 
     # The engine's converters raise what their parsers raise (ValueError, a number
-    # past 64 bits in a schema: OverflowError, ...): each is a refusal of the spec.
+    # past 64 bits in a schema: OverflowError, ...): each is a refusal of the constraint.
     try:
-        if spec.kind == JSON_SCHEMA:
-            schema = json.loads(spec.text)
-            if spec.strict:
+        if constraint.kind == JSON_SCHEMA:
+            schema = json.loads(constraint.text)
+            if constraint.strict:
                 schema = _closed_objects(schema)
             return LLMatcher.grammar_from_json_schema(schema, defaults=_COMPACT)
-        if spec.kind == REGEX:
-            return LLMatcher.grammar_from_regex(spec.text)
-        text = gbnf_to_lark(spec.text) if spec.kind == EBNF else spec.text
+        if constraint.kind == REGEX:
+            return LLMatcher.grammar_from_regex(constraint.text)
+        text = gbnf_to_lark(constraint.text) if constraint.kind == EBNF else constraint.text
         return LLMatcher.grammar_from_lark(text)
     except Exception as e:
-        raise GrammarError(refusal_of(spec, str(e) or type(e).__name__)) from None
+        raise GrammarError(refusal_of(constraint, str(e) or type(e).__name__)) from None
 
 
 _COMPACT = {"whitespace_flexible": False}
@@ -172,24 +174,24 @@ _KIND_NAMES = {
 }
 
 
-def refusal_of(spec: GrammarSpec, error: str) -> str:
+def refusal_of(constraint: Constraint, error: str) -> str:
     """The engine's error, said as a refusal of the request's constraint."""
-    return f"{_KIND_NAMES[spec.kind]}: {error.strip()}"
+    return f"{_KIND_NAMES[constraint.kind]}: {error.strip()}"
 
 
 @functools.lru_cache(maxsize=256)
-def check(spec: GrammarSpec) -> str | None:
-    """The refusal of a spec the engine cannot use, or None: what the router asks
+def check(constraint: Constraint) -> str | None:
+    """The refusal of a constraint the engine cannot use, or None: what the router asks
     before admission (no tokenizer needed: 0.2 ms for a small schema). Cached,
     refusals included (a client retrying a bad schema costs a lookup)."""
     from llguidance import LLMatcher
 
-    if spec.kind == NONE:
+    if constraint.kind == NONE:
         return None
     try:
-        error = LLMatcher.validate_grammar(to_grammar(spec))
+        error = LLMatcher.validate_grammar(to_grammar(constraint))
     except GrammarError as e:
         return str(e)
     except Exception as e:  # the engine's own parser, on input it chokes on
-        return refusal_of(spec, str(e) or type(e).__name__)
-    return refusal_of(spec, error) if error else None
+        return refusal_of(constraint, str(e) or type(e).__name__)
+    return refusal_of(constraint, error) if error else None

@@ -6,7 +6,13 @@ from dataclasses import dataclass
 
 from flagstop.scheduler_svc.core.limits import RequestRejected, check_request_length
 from flagstop.scheduler_svc.core.request import stop_token_ids
-from flagstop.structured import NONE, GrammarError, check, spec_from_proto, spec_to_proto
+from flagstop.structured import (
+    NONE,
+    GrammarError,
+    check,
+    constraint_from_proto,
+    constraint_to_proto,
+)
 from flagstop.v1 import executor_pb2, generation_pb2
 
 MAX_STOP_STRINGS = 16
@@ -110,17 +116,17 @@ def _check_processing(request: generation_pb2.GenerateRequest, limits: ModelLimi
 def _structured(request: generation_pb2.GenerateRequest) -> generation_pb2.StructuredOutputs:
     """The constraint's canonical form, once the grammar engine has parsed it."""
     try:
-        spec = spec_from_proto(request.structured_outputs)
+        constraint = constraint_from_proto(request.structured_outputs)
     except GrammarError as e:
         raise RequestRejected(str(e), "structured_outputs") from None
-    if spec.kind != NONE and (request.ignore_eos or request.min_tokens):
+    if constraint.kind != NONE and (request.ignore_eos or request.min_tokens):
         raise RequestRejected(
             "ignore_eos and min_tokens cannot be combined with structured outputs: the "
             "grammar decides where the output ends", "structured_outputs",
         )  # fmt: skip
-    if refusal := check(spec):
+    if refusal := check(constraint):
         raise RequestRejected(refusal, "structured_outputs")
-    return spec_to_proto(spec)
+    return constraint_to_proto(constraint)
 
 
 def _check_tokens(prompt_token_ids: list[int], limits: ModelLimits) -> None:

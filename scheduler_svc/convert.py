@@ -8,21 +8,21 @@ from flagstop.scheduler_svc.core.kv_connector import (
     KVHandoff,
     KVTransferResult,
 )
-from flagstop.scheduler_svc.core.kv_groups import LayerSpec
+from flagstop.scheduler_svc.core.kv_groups import KVLayer
 from flagstop.scheduler_svc.core.objectives import NO_OBJECTIVES, Objectives, seconds_of
 from flagstop.scheduler_svc.core.output import SchedulerOutput, StepOutcome
 from flagstop.scheduler_svc.core.request import Request, StopParams
 from flagstop.v1 import executor_pb2, generation_pb2, scheduler_pb2
 
 
-def layer_specs(model: generation_pb2.ModelInfo) -> list[LayerSpec]:
+def kv_layers_from_proto(model: generation_pb2.ModelInfo) -> list[KVLayer]:
     """The executor's layers as the core's groups are built from (ValueError names a
     bad one)."""
-    return [LayerSpec(x.attention, x.sliding_window, x.sinks, x.kv_bytes_per_token)
+    return [KVLayer(x.attention, x.sliding_window, x.sinks, x.kv_bytes_per_token)
             for x in model.kv_layers]  # fmt: skip
 
 
-def layers_to_proto(layers: list[LayerSpec]) -> list[generation_pb2.KVCacheLayer]:
+def layers_to_proto(layers: list[KVLayer]) -> list[generation_pb2.KVCacheLayer]:
     return [generation_pb2.KVCacheLayer(attention=x.attention, sliding_window=x.sliding_window,
                                         sinks=x.sinks, kv_bytes_per_token=x.kv_bytes_per_token)
             for x in layers]  # fmt: skip

@@ -20,7 +20,7 @@ import grpc
 
 from flagstop.health import Health
 from flagstop.scheduler_svc.adapter_loads import Adapters
-from flagstop.scheduler_svc.convert import layer_specs
+from flagstop.scheduler_svc.convert import kv_layers_from_proto
 from flagstop.scheduler_svc.core.disaggregation import DecodeConnector, PrefillConnector
 from flagstop.scheduler_svc.core.host_tier_connector import HostTierConnector
 from flagstop.scheduler_svc.core.kv_connector import KVConnector
@@ -93,7 +93,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 info.model.max_model_len, info.model.block_size, info.num_speculative_tokens,
                 info.model.max_loras,
             )  # fmt: skip
-            groups = kv_cache_groups(layer_specs(info.model))
+            groups = kv_cache_groups(kv_layers_from_proto(info.model))
         except (ExecutorMismatch, ValueError) as e:
             raise StartupError(str(e)) from None
         self.telemetry.model_name = info.model.model_name

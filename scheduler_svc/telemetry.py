@@ -294,14 +294,14 @@ class SchedulerTelemetry:
             HOST_USAGE.labels(name).set(stats.num_host_cached_blocks / connector.num_host_blocks)
 
     def _export_spec(self, scheduler: Scheduler) -> None:
-        spec, name = scheduler.drafts.stats, self._model_name
+        drafted, name = scheduler.drafts.stats, self._model_name
         drafts, draft_tokens, accepted, per_pos = self.last_spec
-        SPEC_DRAFTS.labels(name).inc(spec.num_drafts - drafts)
-        SPEC_DRAFT_TOKENS.labels(name).inc(spec.num_draft_tokens - draft_tokens)
-        SPEC_ACCEPTED.labels(name).inc(spec.num_accepted_tokens - accepted)
-        for position, count in enumerate(spec.accepted_per_pos):
+        SPEC_DRAFTS.labels(name).inc(drafted.num_drafts - drafts)
+        SPEC_DRAFT_TOKENS.labels(name).inc(drafted.num_draft_tokens - draft_tokens)
+        SPEC_ACCEPTED.labels(name).inc(drafted.num_accepted_tokens - accepted)
+        for position, count in enumerate(drafted.accepted_per_pos):
             before = per_pos[position] if position < len(per_pos) else 0
             if count != before:
                 SPEC_ACCEPTED_PER_POS.labels(name, str(position)).inc(count - before)
-        self.last_spec = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
-                          list(spec.accepted_per_pos))  # fmt: skip
+        self.last_spec = (drafted.num_drafts, drafted.num_draft_tokens, drafted.num_accepted_tokens,
+                          list(drafted.accepted_per_pos))  # fmt: skip

@@ -35,7 +35,7 @@ def checkpoint(request, tmp_path_factory):
 def make_harness(path, num_blocks: int = 64, block_size: int = 4) -> Harness:
     """num_blocks per KV cache group (a block position holds one id per group)."""
     mc = ModelConfig.from_pretrained(path)
-    num_groups = len(kv_cache_groups(mc.layer_specs(1, 1)))
+    num_groups = len(kv_cache_groups(mc.kv_layers(1, 1)))
     config = ExecutorConfig(
         model=str(path), num_blocks=num_blocks * num_groups, block_size=block_size,
         max_num_seqs=16,

@@ -9,7 +9,7 @@ from flagstop.scheduler_svc.core.kv_groups import (
     FULL_ATTENTION,
     LINEAR_ATTENTION,
     SLIDING_ATTENTION,
-    LayerSpec,
+    KVLayer,
     describe_groups,
     kv_cache_groups,
     layer_slots,
@@ -20,7 +20,7 @@ from flagstop.utils import cdiv
 from tests.helpers.hash_model import Driver, HashModelExecutor, reference_tokens
 from tests.helpers.scheduler_invariants import check_idle, check_invariants
 
-FULL, WINDOW_128 = LayerSpec(), LayerSpec(SLIDING_ATTENTION, 128)
+FULL, WINDOW_128 = KVLayer(), KVLayer(SLIDING_ATTENTION, 128)
 GPT_OSS_20B = [WINDOW_128, FULL] * 12  # layer_types alternate, sliding first
 
 
@@ -35,7 +35,7 @@ def test_gpt_oss_layers_make_two_groups_of_twelve():
 
 def test_gemma3_layers_split_the_window_layers_into_groups_of_the_full_count():
     # gemma-3-1b: 26 layers, every sixth global: 4 full, 22 local (512).
-    layers = [FULL if i % 6 == 5 else LayerSpec(SLIDING_ATTENTION, 512) for i in range(26)]
+    layers = [FULL if i % 6 == 5 else KVLayer(SLIDING_ATTENTION, 512) for i in range(26)]
     groups = kv_cache_groups(layers)
     assert [len(g.layers) for g in groups] == [4, 4, 4, 4, 4, 4, 2]
     assert sorted(i for g in groups for i in g.layers) == list(range(26))
@@ -43,7 +43,7 @@ def test_gemma3_layers_split_the_window_layers_into_groups_of_the_full_count():
 
 def test_a_model_of_one_type_is_one_group():
     assert [len(g.layers) for g in kv_cache_groups([FULL] * 4)] == [4]
-    assert [g.sliding_window for g in kv_cache_groups([LayerSpec(SLIDING_ATTENTION, 8)] * 4)] == [8]
+    assert [g.sliding_window for g in kv_cache_groups([KVLayer(SLIDING_ATTENTION, 8)] * 4)] == [8]
 
 
 def _request(rid: str, prompt: list[int], max_tokens: int = 1) -> Request:
@@ -103,7 +103,7 @@ def test_the_pool_holds_what_the_full_groups_need():
 
 
 def test_a_prefix_hit_is_what_every_group_can_serve():
-    kv = KVCacheManager(64, 4, groups=kv_cache_groups([LayerSpec(SLIDING_ATTENTION, 5), FULL]))
+    kv = KVCacheManager(64, 4, groups=kv_cache_groups([KVLayer(SLIDING_ATTENTION, 5), FULL]))
     first = _request("a", list(range(1, 21)))
     kv.update_block_hashes(first)
     first.num_computed_tokens = 0
@@ -123,7 +123,7 @@ def test_a_prefix_hit_is_what_every_group_can_serve():
 
 
 def test_a_window_hit_needs_the_whole_window_before_it():
-    kv = KVCacheManager(64, 4, groups=kv_cache_groups([LayerSpec(SLIDING_ATTENTION, 9), FULL]))
+    kv = KVCacheManager(64, 4, groups=kv_cache_groups([KVLayer(SLIDING_ATTENTION, 9), FULL]))
     first = _request("a", list(range(1, 21)))
     kv.update_block_hashes(first)
     kv.allocate_slots(first, 20)
@@ -138,7 +138,7 @@ def test_a_window_hit_needs_the_whole_window_before_it():
     assert len(kv.get_computed_blocks(second)) == 3
 
 
-LINEAR = LayerSpec(LINEAR_ATTENTION)
+LINEAR = KVLayer(LINEAR_ATTENTION)
 QWEN3_NEXT = [LINEAR, LINEAR, LINEAR, FULL] * 12  # full_attention_interval 4, 48 layers
 
 

@@ -155,10 +155,10 @@ def test_two_ranks_give_the_logits_of_one(base, tmp_path):
     from tests.helpers.tp_scenarios import config, run_group, run_scenarios
 
     adapter = make_adapter(base, tmp_path / "a", "all", 8, seed=4)
-    spec = f"a={adapter}"
+    module = f"a={adapter}"
     vocab = ModelConfig.from_pretrained(base).vocab_size
-    single = run_scenarios(Harness(ModelRunner(config(base, lora_modules=(spec,)))), vocab, "a")
-    parallel = run_group(base, tmp_path / "tp2.pt", 2, lora=spec)
+    single = run_scenarios(Harness(ModelRunner(config(base, lora_modules=(module,)))), vocab, "a")
+    parallel = run_group(base, tmp_path / "tp2.pt", 2, lora=module)
     assert len(parallel) == len(single) >= 10
     for context, one in single:
         torch.testing.assert_close(parallel[tuple(context)], one, atol=TOL, rtol=0)

@@ -19,7 +19,7 @@ from tests.helpers.parser_fixtures import (
     comparable,
     expected_calls,
     pieces_at,
-    tool_specs,
+    tool_definitions,
 )
 
 CASES = cases("reasoning")
@@ -28,7 +28,7 @@ IDS = [case_id(*c) for c in CASES]
 
 def read(family: str, case: dict, pieces: list[str]) -> tuple[str, str, list[tuple]]:
     """(reasoning, content, calls) of the case's output fed in pieces."""
-    tools = PARSERS[case["tool_call_parser"]](tool_specs(case["tools"])) \
+    tools = PARSERS[case["tool_call_parser"]](tool_definitions(case["tools"])) \
         if "tool_call_parser" in case else PlainContent()  # fmt: skip
     fmt = FORMATS[family]
     opened = case["prompt_opened"] or fmt.always_opened  # as ReasoningSetup.parser has it

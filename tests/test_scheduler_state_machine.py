@@ -24,7 +24,7 @@ from flagstop.scheduler_svc.core.kv_connector import KVHandoff
 from flagstop.scheduler_svc.core.kv_groups import (
     LINEAR_ATTENTION,
     SLIDING_ATTENTION,
-    LayerSpec,
+    KVLayer,
     kv_cache_groups,
 )
 from flagstop.scheduler_svc.core.request import FinishReason, Request, StopParams
@@ -35,8 +35,8 @@ from tests.helpers.scheduler_invariants import check_idle, check_invariants
 
 VOCAB, EOS, BLOCK_SIZE, MAX_MODEL_LEN = 24, frozenset({0}), 4, 64
 PREFIXES = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21, 22, 23, 1, 2, 3, 4]]
-_FULL, _WINDOW = LayerSpec(), lambda w: LayerSpec(SLIDING_ATTENTION, w)
-_LINEAR = LayerSpec(LINEAR_ATTENTION)
+_FULL, _WINDOW = KVLayer(), lambda w: KVLayer(SLIDING_ATTENTION, w)
+_LINEAR = KVLayer(LINEAR_ATTENTION)
 LAYOUTS = {
     "full": lambda w: [_FULL] * 2,
     "window": lambda w: [_WINDOW(w)] * 2,  # Mistral: every layer windowed

@@ -398,14 +398,14 @@ def test_an_fp8_kv_cache_with_drafts_emits_what_it_would_without(llama):
 
 
 def test_a_json_schema_request_with_drafts_stays_valid(llama):
-    from flagstop.structured import JSON_SCHEMA, GrammarSpec
+    from flagstop.structured import JSON_SCHEMA, Constraint
 
     path, _ = llama
     ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
              "prompt_lookup_max": 2}  # fmt: skip
     schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
                          "required": ["a"], "additionalProperties": False})  # fmt: skip
-    grammar = GrammarSpec(JSON_SCHEMA, schema)
+    grammar = Constraint(JSON_SCHEMA, schema)
     jobs = [Job(prompt(50 + i, 10), 40, SamplingParams(grammar=grammar)) for i in range(3)]
     outputs, drafted = {}, {}
     for spec in (None, ngram):

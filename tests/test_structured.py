@@ -21,7 +21,7 @@ from flagstop.executor.model_runner import ModelRunner
 from flagstop.executor.sampling_params import SamplingParams
 from flagstop.router.openai.chat_request import ChatCompletionRequest
 from flagstop.router.openai.protocol import CompletionRequest
-from flagstop.structured import GrammarError, GrammarSpec, check, spec_from_proto
+from flagstop.structured import Constraint, GrammarError, check, constraint_from_proto
 from flagstop.v1 import generation_pb2
 from tests.helpers.executor_harness import Harness
 from tools.stack import generate, start_stack
@@ -143,19 +143,29 @@ def in_parallel(fn, n: int = N) -> list:
 
 def test_specs_take_one_canonical_form_per_constraint():
     loose = json.dumps({"type": "object", "properties": {"b": {"type": "integer"}}}, indent=2)
-    spec = spec_from_proto(generation_pb2.StructuredOutputs(json_schema=loose, strict=True))
-    assert spec == GrammarSpec(
+    constraint = constraint_from_proto(
+        generation_pb2.StructuredOutputs(json_schema=loose, strict=True)
+    )
+    assert constraint == Constraint(
         "json_schema", '{"type":"object","properties":{"b":{"type":"integer"}}}'
     )
     choice = generation_pb2.StructuredOutputs(choice=generation_pb2.Choices(choices=['a"b', "c"]))
-    assert spec_from_proto(choice) == GrammarSpec("lark", 'start: "a\\"b" | "c"')
-    assert spec_from_proto(generation_pb2.StructuredOutputs(grammar=ARITHMETIC)).kind == "ebnf"
-    assert spec_from_proto(generation_pb2.StructuredOutputs(grammar=ARITHMETIC_LARK)).kind == "lark"
-    any_object = spec_from_proto(generation_pb2.StructuredOutputs(json_object=True))
+    assert constraint_from_proto(choice) == Constraint("lark", 'start: "a\\"b" | "c"')
+    assert (
+        constraint_from_proto(generation_pb2.StructuredOutputs(grammar=ARITHMETIC)).kind == "ebnf"
+    )
+    assert (
+        constraint_from_proto(generation_pb2.StructuredOutputs(grammar=ARITHMETIC_LARK)).kind
+        == "lark"
+    )
+    any_object = constraint_from_proto(generation_pb2.StructuredOutputs(json_object=True))
     assert (any_object.kind, any_object.strict) == ("json_schema", False)
     for structured, _ in CASES.values():
-        assert check(spec_from_proto(structured)) is None
-    assert check(spec_from_proto(generation_pb2.StructuredOutputs(grammar=ARITHMETIC_LARK))) is None
+        assert check(constraint_from_proto(structured)) is None
+    assert (
+        check(constraint_from_proto(generation_pb2.StructuredOutputs(grammar=ARITHMETIC_LARK)))
+        is None
+    )
 
 
 BAD = {
@@ -168,13 +178,13 @@ BAD = {
 @pytest.mark.parametrize("kind", sorted(BAD))
 def test_a_bad_constraint_is_refused_with_the_engines_message(kind):
     text, message = BAD[kind]
-    refusal = check(spec_from_proto(generation_pb2.StructuredOutputs(**{kind: text})))
+    refusal = check(constraint_from_proto(generation_pb2.StructuredOutputs(**{kind: text})))
     assert refusal is not None and message in refusal and refusal.startswith(kind)
     for bad in ("", "not json", "[1, 2]"):
         with pytest.raises(GrammarError):
-            spec_from_proto(generation_pb2.StructuredOutputs(json_schema=bad))
+            constraint_from_proto(generation_pb2.StructuredOutputs(json_schema=bad))
     with pytest.raises(GrammarError, match="non-empty"):
-        spec_from_proto(generation_pb2.StructuredOutputs(choice=generation_pb2.Choices()))
+        constraint_from_proto(generation_pb2.StructuredOutputs(choice=generation_pb2.Choices()))
 
 
 def test_openai_fields_map_to_one_constraint():
@@ -206,7 +216,7 @@ def test_only_constrained_rows_are_masked_and_a_replay_that_breaks_fails_one_req
     harness, model_dir
 ):
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    digits = GrammarSpec("regex", "[0-9]{3}")
+    digits = Constraint("regex", "[0-9]{3}")
     letters = tokenizer("abc").input_ids[-2:]  # "output" a digit grammar cannot replay
     harness.add("free", [0, 5, 6, 7])
     harness.add("digits", [0, 5, 6, 7], SamplingParams(grammar=digits))
@@ -238,8 +248,8 @@ def test_a_constraint_after_a_trigger_starts_when_the_trigger_is_sampled(model_d
     trigger = tokenizer("</x>", add_special_tokens=False).input_ids
     digit, letter = tokenizer("7", add_special_tokens=False).input_ids[-1], trigger[0]
     book = GrammarBook(str(model_dir), len(tokenizer), [tokenizer.eos_token_id], 4)
-    spec = GrammarSpec("regex", "[0-9]{3}", after_token_ids=tuple(trigger))
-    book.add(0, spec, [letter, *trigger[:-1]])  # a resumed row: the trigger half sampled
+    constraint = Constraint("regex", "[0-9]{3}", after_token_ids=tuple(trigger))
+    book.add(0, constraint, [letter, *trigger[:-1]])  # a resumed row: the trigger half sampled
 
     def step(token: int) -> torch.Tensor:
         logits = torch.zeros(1, len(tokenizer))
@@ -249,7 +259,7 @@ def test_a_constraint_after_a_trigger_starts_when_the_trigger_is_sampled(model_d
     assert torch.isfinite(step(trigger[-1])).all(), "free until the trigger completes"
     masked = step(digit)
     assert torch.isinf(masked[0, letter]) and torch.isfinite(masked[0, digit])
-    assert list(spec_from_proto(generation_pb2.StructuredOutputs(
+    assert list(constraint_from_proto(generation_pb2.StructuredOutputs(
         regex="a", after_token_ids=trigger)).after_token_ids) == trigger  # fmt: skip
 
 
@@ -263,7 +273,7 @@ def test_a_thinking_budget_forces_the_trigger_and_holds_drafts_short_of_it(model
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     trigger = tuple(tokenizer("</x>", add_special_tokens=False).input_ids)
     book = GrammarBook(str(model_dir), len(tokenizer), [tokenizer.eos_token_id], 4)
-    book.add(0, GrammarSpec(NONE, "", after_token_ids=trigger, force_after_within=3), [9])
+    book.add(0, Constraint(NONE, "", after_token_ids=trigger, force_after_within=3), [9])
     assert book.valid_drafts(np.array([0]), [np.array([5, 6, 7])])[0][0].tolist() == [5]
     forced = []
     for token in range(11, 19):  # the model's own picks, overridden past the budget
@@ -277,11 +287,11 @@ def test_a_thinking_budget_forces_the_trigger_and_holds_drafts_short_of_it(model
             break
     assert tuple(forced) == trigger, "the trigger forced, token by token, from the budget on"
     assert not book.matchers and not book.waiting, "a budget alone: nothing after it"
-    assert spec_from_proto(generation_pb2.StructuredOutputs(
+    assert constraint_from_proto(generation_pb2.StructuredOutputs(
         after_token_ids=list(trigger), force_after_within=3)).kind == NONE  # fmt: skip
     # A model that opens its reasoning itself: counted from its opening, and only when
     # its output starts with it.
-    opened = GrammarSpec(NONE, "", after_token_ids=trigger, force_after_within=2,
+    opened = Constraint(NONE, "", after_token_ids=trigger, force_after_within=2,
                          open_token_ids=(7,))  # fmt: skip
     book.add(1, opened, [7, 9])
     book.add(2, opened, [9, 7, 9, 9, 9])
@@ -289,7 +299,7 @@ def test_a_thinking_budget_forces_the_trigger_and_holds_drafts_short_of_it(model
     book.accept([(0, book.waiting[1])], [9])
     assert book.waiting[1].forced() == trigger[0]
     with pytest.raises(GrammarError):  # neither a constraint nor a budget
-        spec_from_proto(generation_pb2.StructuredOutputs(after_token_ids=list(trigger)))
+        constraint_from_proto(generation_pb2.StructuredOutputs(after_token_ids=list(trigger)))
 
 
 # -- 50 sampled completions per case, through both APIs --------------------------------

@@ -6,7 +6,11 @@ import json
 import jsonschema
 import pytest
 
-from flagstop.router.openai.chat_request import ChatCompletionRequest, ToolSpec, required_schema
+from flagstop.router.openai.chat_request import (
+    ChatCompletionRequest,
+    ToolDefinition,
+    required_schema,
+)
 from flagstop.router.openai.tool_parsers import NamedCall, RequiredCalls
 
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -50,7 +54,7 @@ def test_required_calls_come_as_each_closes_and_a_cut_list_keeps_its_complete_on
 
 
 def test_the_required_schema_takes_exactly_the_tools_calls():
-    tools = [ToolSpec(**WEATHER), ToolSpec(**TIME)]
+    tools = [ToolDefinition(**WEATHER), ToolDefinition(**TIME)]
     schema = required_schema(tools, parallel=False)
     jsonschema.validate([{"name": "get_weather", "arguments": {"city": "x"}}], schema)
     for bad in ([], [{"name": "get_weather", "arguments": {}}],

@@ -17,7 +17,7 @@ from tests.helpers.parser_fixtures import (
     expected_calls,
     feed,
     pieces_at,
-    tool_specs,
+    tool_definitions,
 )
 
 CASES = cases("tool_calls")
@@ -25,7 +25,7 @@ IDS = [case_id(*c) for c in CASES]
 
 
 def read(family: str, case: dict, pieces: list[str]) -> tuple[str, list[tuple]]:
-    parser = PARSERS[family](tool_specs(case["tools"]))
+    parser = PARSERS[family](tool_definitions(case["tools"]))
     content, deltas, calls = feed(parser, pieces, case.get("finish", "stop"))
     assert [{k: v for k, v in d.items() if k != "index"} for d in deltas] == calls
     assert [d["index"] for d in deltas] == list(range(len(calls)))

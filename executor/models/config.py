@@ -22,7 +22,7 @@ from flagstop.scheduler_svc.core.kv_groups import (
     LATENT_ATTENTION,
     LINEAR_ATTENTION,
     SLIDING_ATTENTION,
-    LayerSpec,
+    KVLayer,
 )
 
 
@@ -160,13 +160,13 @@ class ModelConfig:
         """Whether full attention's output is gated per head (the recurrent Qwens')."""
         return self.recurrent is not None
 
-    def layer_specs(
+    def kv_layers(
         self, num_kv_heads: int, kv_dtype_bytes: int, all_full: bool = False
-    ) -> list[LayerSpec]:
+    ) -> list[KVLayer]:
         """Each layer as the KV cache holds it (num_kv_heads: one rank's); all_full: as
         full attention (--disable-hybrid-kv-cache-manager: one group)."""
         if self.mla is not None:  # one latent and one rotated key per token, every rank
-            latent = LayerSpec(LATENT_ATTENTION, kv_bytes_per_token=self.mla.latent_width
+            latent = KVLayer(LATENT_ATTENTION, kv_bytes_per_token=self.mla.latent_width
                                * kv_dtype_bytes)  # fmt: skip
             return [latent] * self.num_layers
         kv_bytes = 2 * num_kv_heads * self.head_dim * kv_dtype_bytes
@@ -175,11 +175,11 @@ class ModelConfig:
                 raise ConfigError("--disable-hybrid-kv-cache-manager: this model's "
                                   "linear_attention layers keep a state, not KV a token; "
                                   "serve it with the hybrid manager")  # fmt: skip
-            return [LayerSpec(t, kv_bytes_per_token=kv_bytes if t == FULL_ATTENTION else 0)
+            return [KVLayer(t, kv_bytes_per_token=kv_bytes if t == FULL_ATTENTION else 0)
                     for t in self.layer_types]  # fmt: skip
-        return [LayerSpec(t, self.sliding_window if t == SLIDING_ATTENTION else 0,
+        return [KVLayer(t, self.sliding_window if t == SLIDING_ATTENTION else 0,
                           self.attention_sinks, kv_bytes)
-                if not all_full else LayerSpec(sinks=self.attention_sinks,
+                if not all_full else KVLayer(sinks=self.attention_sinks,
                                                kv_bytes_per_token=kv_bytes)
                 for t in self.layer_types]  # fmt: skip
 

@@ -248,7 +248,7 @@ class Decoder(nn.Module):
         layer = ScaledDecoderLayer if multipliers is not None else DecoderLayer
         self.layers = nn.ModuleList(layer(config, tp, i) for i in range(config.num_layers))
         # Each layer's KV cache group: the step's metadata has a block table per group.
-        self.set_kv_groups(kv_cache_groups(config.layer_specs(1, 1)))
+        self.set_kv_groups(kv_cache_groups(config.kv_layers(1, 1)))
         mlps = (layer.mlp for layer in self.layers)
         self.moe_blocks = [mlp for mlp in mlps if isinstance(mlp, SparseMoeBlock)]
         self.recurrent_layers = [m for m in self.modules() if isinstance(m, GatedDeltaNet)]

@@ -253,8 +253,8 @@ class MtpProposer(NoProposer):
     @property
     def block_bytes(self) -> int:
         mc, runner = self.model.config, self.runner
-        specs = mc.layer_specs(mc.num_kv_heads, runner.dtype.itemsize)
-        return specs[-1].kv_bytes_per_token * runner.block_size
+        kv_layers = mc.kv_layers(mc.num_kv_heads, runner.dtype.itemsize)
+        return kv_layers[-1].kv_bytes_per_token * runner.block_size
 
     def allocate(self, num_blocks: int) -> None:
         mc, runner = self.model.config, self.runner

@@ -23,16 +23,16 @@ class TextPart(BaseModel):
     text: str
 
 
-class FunctionSpec(BaseModel):
+class FunctionDefinition(BaseModel):
     name: str = Field(min_length=1, max_length=256)
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema; none: any object
     strict: bool | None = None
 
 
-class ToolSpec(BaseModel):
+class ToolDefinition(BaseModel):
     type: Literal["function"]
-    function: FunctionSpec
+    function: FunctionDefinition
 
 
 class NamedFunction(BaseModel):
@@ -160,7 +160,7 @@ class ChatCompletionRequest(TemplateParams, OpenAIRequest):
     max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: Int32 | None = None
-    tools: list[ToolSpec] | None = Field(None, max_length=1024)
+    tools: list[ToolDefinition] | None = Field(None, max_length=1024)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
     include_reasoning: bool = True  # vLLM's: false leaves the reasoning out of the reply
@@ -220,7 +220,7 @@ class ChatCompletionRequest(TemplateParams, OpenAIRequest):
         return self.tool_choice or "auto"
 
     @property
-    def named_tool(self) -> ToolSpec | None:
+    def named_tool(self) -> ToolDefinition | None:
         choice = self.tool_choice
         if not isinstance(choice, NamedToolChoice):
             return None
@@ -280,11 +280,11 @@ def as_chat(body) -> ChatCompletionRequest:
     raise OpenAIError(400, message)
 
 
-def arguments_schema(tool: ToolSpec) -> dict[str, Any]:
+def arguments_schema(tool: ToolDefinition) -> dict[str, Any]:
     return tool.function.parameters or {"type": "object"}
 
 
-def required_schema(tools: list[ToolSpec], parallel: bool) -> dict[str, Any]:
+def required_schema(tools: list[ToolDefinition], parallel: bool) -> dict[str, Any]:
     """tool_choice "required": a JSON array of one or more {name, arguments}, each
     call one of the tools with arguments of its schema."""
     calls = [{"type": "object", "properties": {

@@ -10,7 +10,7 @@ from flagstop.router.openai.errors import from_failure, json_response
 from flagstop.router.openai.front import Front, OpenAIFront, authorized
 from flagstop.router.openai.protocol import EncodableText
 from flagstop.router.pending import RequestFailed
-from flagstop.scheduler_svc.convert import layer_specs
+from flagstop.scheduler_svc.convert import kv_layers_from_proto
 from flagstop.scheduler_svc.core.kv_groups import describe_groups, kv_cache_groups
 
 api = APIRouter(dependencies=[Depends(authorized)])
@@ -49,7 +49,7 @@ def model_cards(front: OpenAIFront) -> dict[str, dict]:
 def kv_cache_card(info) -> dict:
     """The KV cache as the model's layers make it (docs/kv_groups.md): its groups, the
     bytes a token takes over every layer on one rank, and the longest sequence it holds."""
-    groups = kv_cache_groups(layer_specs(info))
+    groups = kv_cache_groups(kv_layers_from_proto(info))
     return {"kv_cache_groups": describe_groups(groups),
             "kv_bytes_per_token": sum(x.kv_bytes_per_token for x in info.kv_layers),
             "kv_capacity_tokens": info.kv_capacity_tokens}  # fmt: skip

@@ -10,7 +10,7 @@ from pydantic import Field
 
 from flagstop.router.chat import ChatTemplate
 from flagstop.router.openai.chat_path import ChatPath
-from flagstop.router.openai.chat_request import ChatMessage, TemplateParams, ToolSpec
+from flagstop.router.openai.chat_request import ChatMessage, TemplateParams, ToolDefinition
 from flagstop.router.openai.errors import OpenAIError, json_response
 from flagstop.router.openai.front import Front, authorized
 from flagstop.router.openai.protocol import EncodableText, TokenId
@@ -24,7 +24,7 @@ class TokenizeRequest(TemplateParams, EncodableText):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True  # the prompt's BOS; templates write their own
-    tools: list[ToolSpec] | None = None
+    tools: list[ToolDefinition] | None = None
     return_token_strs: bool = False
 
     def template_tools(self) -> list[dict[str, Any]] | None:

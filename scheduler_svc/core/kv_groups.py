@@ -1,6 +1,6 @@
 """KV cache groups: the model's layers by attention type, as the block pool serves them.
 
-The executor describes its layers (`LayerSpec`); `kv_cache_groups` cuts them into groups
+The executor describes its layers (`KVLayer`); `kv_cache_groups` cuts them into groups
 of one attention type and equal size (vLLM's hybrid KV cache manager): every group's
 layers share the pool's block ids, so one block id is one page in each of
 `group_size` KV tensors, and layer j of each group reads tensor j. A request holds a
@@ -42,7 +42,7 @@ RECURRENT_WINDOW = 2
 
 
 @dataclass(slots=True, frozen=True)
-class LayerSpec:
+class KVLayer:
     """One attention layer as its KV needs it: a query at position p of a window layer
     sees keys p - sliding_window + 1 .. p (transformers' and vLLM's convention);
     sinks: learned per-head logits that join the softmax (no KV of their own)."""
@@ -92,7 +92,7 @@ class KVCacheGroup:
         return f"{kind} x{len(self.layers)}"
 
 
-def kv_cache_groups(layers: Sequence[LayerSpec]) -> list[KVCacheGroup]:
+def kv_cache_groups(layers: Sequence[KVLayer]) -> list[KVCacheGroup]:
     """The groups of a model's layers: each attention type's layers, in order, in runs
     of the rarest type's count (a model of one type: one group of all its layers). A
     type whose count the rarest's does not divide leaves its last group short: its slots'

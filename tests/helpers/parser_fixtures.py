@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from flagstop.router.openai.chat_request import ToolSpec
+from flagstop.router.openai.chat_request import ToolDefinition
 
 DATA = Path(__file__).parent.parent / "data"
 
@@ -28,8 +28,8 @@ def case_id(family: str, case: dict[str, Any]) -> str:
     return f"{family}: {case['name']}"
 
 
-def tool_specs(tools: list[dict[str, Any]]) -> list[ToolSpec]:
-    return [ToolSpec(type="function", function=tool) for tool in tools]
+def tool_definitions(tools: list[dict[str, Any]]) -> list[ToolDefinition]:
+    return [ToolDefinition(type="function", function=tool) for tool in tools]
 
 
 def pieces_at(text: str, cuts: list[int]) -> list[str]:

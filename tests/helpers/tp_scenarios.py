@@ -85,7 +85,7 @@ def config(
     # float32 on every device (CUDA's default is bf16): compared at 1e-4. 64 blocks a
     # KV cache group (a block position holds one id per group).
     mc = ModelConfig.from_pretrained(checkpoint)
-    num_blocks = 64 * len(kv_cache_groups(mc.layer_specs(1, 1)))
+    num_blocks = 64 * len(kv_cache_groups(mc.kv_layers(1, 1)))
     return ExecutorConfig(model=str(checkpoint), num_blocks=num_blocks, block_size=4,
                           max_num_seqs=16,
                           dtype="float32", tensor_parallel_size=tensor_parallel_size,
