@@ -19,6 +19,10 @@ from flagstop.v1 import policy_pb2, policy_pb2_grpc
 log = logging.getLogger("flagstop.scheduler.policy")
 POLICY_SERVICE = policy_pb2.DESCRIPTOR.services_by_name["SchedulerPolicy"].full_name
 FAILURES = Counter("flagstop:policy_fallbacks", "Remote policy failures (FCFS used)", ["reason"])
+# Steps planned while a query was out: the loop goes on without the answer (a loop that
+# waited for it would plan none meanwhile).
+STEPS_WHILE_ASKING = Counter("flagstop:policy_steps_while_asking",
+                             "Steps planned while a remote policy query was in flight")  # fmt: skip
 # After a failure, wait this long before asking again: a dead policy is not hammered.
 RETRY_AFTER_S = 0.5
 
@@ -65,7 +69,10 @@ class RemotePolicyClient:
 
     def maybe_query(self, scheduler: Scheduler) -> None:
         """Start a query when the waiting queue changed and none is in flight."""
-        if self.in_flight is not None or time.monotonic() < self.retry_at:
+        if self.in_flight is not None:
+            STEPS_WHILE_ASKING.inc()
+            return
+        if time.monotonic() < self.retry_at:
             return
         waiting = frozenset(r.request_id for r in scheduler.waiting)
         if not waiting or waiting == self.asked_for:
