@@ -30,13 +30,17 @@ def _spec(**config) -> list[str]:
 @pytest.fixture(scope="module")
 def tp_spec_stack(model_dir, tmp_path_factory):
     """The checkpoint drafting for itself on two ranks, a 256-token pool and a 32-token
-    budget: drafts truncated by the budget, preemption, prefix hits."""
+    budget: drafts truncated by the budget, preemption, prefix hits. Admission as soon as
+    a first chunk fits (--no-reserve-full-isl) fills the pool in any arrival order, so
+    the requests' growth preempts; whole-sequence admission preempted or not by the
+    order the concurrent requests arrived in (a CI run's 12 preempted none)."""
     stack = start_stack(
         model_dir, tmp_path_factory.mktemp("spec-tp"),
         executor_args=["--num-blocks", "16", "--tensor-parallel-size", "2",
                        *_spec(method="draft_model", model=str(model_dir),
                               num_speculative_tokens=3)],
-        scheduler_args=["--max-num-batched-tokens", "32", "--max-num-seqs", "8"],
+        scheduler_args=["--max-num-batched-tokens", "32", "--max-num-seqs", "8",
+                        "--no-reserve-full-isl"],
     )  # fmt: skip
     yield stack
     assert stack.stop() == {"router": 0, "scheduler": 0, "executor": 0}, stack.logs()
