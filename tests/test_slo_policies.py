@@ -322,6 +322,7 @@ def test_objectives_are_seconds_inside_and_milliseconds_on_the_wire():
     assert objectives_from_proto(add, fallback) == Objectives(0.25, 0.1, "acme", "chat")
     assert objectives_from_proto(scheduler_pb2.AddRequest(), fallback) is fallback
     assert ms_of(0.25) == 250 and ms_of(None) == 0 and seconds_of(0) is None
+    assert all(ms_of(seconds_of(ms)) == ms for ms in (1001, 1003.5, 0.001, 86_400_000))
     defaults = ObjectiveDefaults({"class:chat": SLOTarget(tpot_ms=50), "*": SLOTarget(ttft_ms=900)})
     request = generation_pb2.GenerateRequest(request_class="chat")
     resolved = defaults.resolve(request, [("x-llm-d-slo-ttft-ms", "300")])

@@ -44,5 +44,6 @@ def seconds_of(ms: float) -> float | None:
 
 
 def ms_of(seconds: float | None) -> float:
-    """A target in seconds (None: none) in the wire's milliseconds (0: none)."""
-    return 0.0 if seconds is None else seconds * 1e3
+    """A target in seconds (None: none) in the wire's milliseconds (0: none), to the
+    nanosecond: a target stated in ms comes back as stated (1001, not 1000.9999...)."""
+    return 0.0 if seconds is None else round(seconds * 1e3, 6)
