@@ -248,23 +248,21 @@ def test_greedy_streams_on_two_ranks_of_a_quantized_checkpoint_equal_transformer
     """The whole stack on W4A16 (asymmetric) weights over two tensor-parallel ranks, a
     pool small enough to preempt and prompts that share prefixes: every greedy stream is
     transformers' on the dequantized weights (compressed-tensors' decompressor)."""
-    from tests.helpers.streams import assert_matches_reference, run_concurrently
+    from tests.helpers.streams import assert_greedy_under_pressure
     from tests.helpers.streams import short_greedy_workload as workload
     from tools.stack import start_stack
 
     path = quantized("w4a16-asym")
     stack = start_stack(
         path, tmp_path, executor_args=["--num-blocks", "24", "--tensor-parallel-size", "2"],
-        scheduler_args=["--max-num-batched-tokens", "32", "--max-num-seqs", "8"],
+        # Admission as soon as a first chunk fits: whole-sequence admission preempted
+        # this burst or not by its arrival order (two runs in three preempted none).
+        scheduler_args=["--max-num-batched-tokens", "32", "--max-num-seqs", "8",
+                        "--no-reserve-full-isl"],
     )  # fmt: skip
     try:
-        requests = workload(7, n=12, shared_prefix=True)
-        outputs = run_concurrently(stack, requests)
-        assert_matches_reference(dequantized_reference(path, "w4a16-asym", source), requests,
-                                 outputs)  # fmt: skip
-        after = stack.wait_idle()
-        assert after.num_preemptions > 0, "the pool was meant to force preemption"
-        assert after.prefix_cache_hits > 0, "prefixes were meant to be shared"
+        reference = dequantized_reference(path, "w4a16-asym", source)
+        assert_greedy_under_pressure(stack, reference, workload(7, n=12, shared_prefix=True))
     finally:
         assert stack.stop() == {"router": 0, "scheduler": 0, "executor": 0}, stack.logs()
 
