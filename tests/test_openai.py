@@ -211,7 +211,8 @@ def test_bad_requests_get_openai_errors_while_others_complete(
 
 def test_an_unknown_field_is_ignored(client):
     result = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2,
-                                       extra_body={"some_other_providers_flag": True})  # fmt: skip
+                                       extra_body={"some_other_providers_flag": True,
+                                                   "ignore_eos": True})  # fmt: skip
     assert result.usage.completion_tokens == 2
 
 
