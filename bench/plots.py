@@ -189,6 +189,27 @@ def slo_chart(slo: dict, out: Path) -> None:
     plt.close(fig)
 
 
+def fairness_chart(fairness: dict, out: Path) -> None:
+    """The light tenant's TTFT beside the heavy one over its TTFT alone (mean and p99),
+    a group per trace, a bar per policy (bench/slo_bench.py)."""
+    fig, ax = plt.subplots(figsize=(9, 4.2), constrained_layout=True)
+    traces = list(fairness)
+    policies = [p for p in fairness[traces[0]] if p not in ("light alone", "fcfs")]
+    width = 0.8 / (2 * len(policies))
+    for j, (policy, stat) in enumerate((p, s) for p in policies for s in ("mean", "p99")):
+        ratios = [fairness[t][policy][f"ttft_{stat}_ms_by_tenant"]["light"]
+                  / fairness[t]["light alone"][f"ttft_{stat}_ms_by_tenant"]["light"]
+                  for t in traces]  # fmt: skip
+        ax.bar(np.arange(len(traces)) + j * width, ratios, width, label=f"{policy}: {stat}")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks(np.arange(len(traces)) + width * (2 * len(policies) - 1) / 2, traces)
+    ax.set_ylabel("light tenant's TTFT beside the heavy one / alone")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(loc="best")
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, default=Path(__file__).parent / "results")

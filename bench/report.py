@@ -50,6 +50,9 @@ def main() -> None:
             sections.append("![Throughput and p99 TTFT vs request rate](results/serving.png)")
         if path.stem == "slo" and (results / "slo.png").exists():
             sections.append("![Goodput against load, per policy](results/slo.png)")
+        if path.stem == "slo" and (results / "fairness.png").exists():
+            sections.append("![A light tenant's TTFT beside a heavy one, over alone, per "
+                            "policy](results/fairness.png)")  # fmt: skip
         if path.stem == "spec" and (results / "spec.png").exists():
             sections.append(
                 "![Speculative decoding: tok/s and tokens per forward](results/spec.png)"

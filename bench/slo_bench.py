@@ -11,8 +11,9 @@ its SLO when both hold):
   TTFT 1000 ms, TPOT 50 ms;
 - Mooncake FAST'25, conversation (~12k prompt / ~340 output tokens, real prefix
   sharing): TTFT 3000 ms, TPOT 100 ms.
-Fairness: the Azure trace split into a heavy tenant sending 10x the light one's rate,
-under fcfs and fair, against the light tenant replayed alone.
+Fairness: each trace at 1.5x capacity split into a heavy tenant sending 10x the light
+one's rate, under fcfs, VTC alone and fair (VTC with its reserve), against the light
+tenant replayed alone.
 
 Traces: Azure (CC-BY 4.0; Patel et al., "Splitwise", ISCA 2024) and Mooncake
 (Apache-2.0; Qin et al., "Mooncake", FAST 2025), see shared/data/traces/README.md.
@@ -27,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.plots import slo_chart
+from bench.plots import fairness_chart, slo_chart
 from flagstop.replay import (
     Replay,
     TraceRequest,
@@ -36,6 +37,7 @@ from flagstop.replay import (
     report,
     scaled,
 )
+from flagstop.scheduler_svc.core.config import FAIR_RESERVE
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
 WORKLOADS = {  # name: (file, TTFT ms, TPOT ms)
@@ -90,26 +92,45 @@ def slo_row(trace: str, load: str, policy: str, r: dict, vs_fcfs: float) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def fairness_rows(limit: int) -> list[str]:
-    """Heavy tenant: 10 of every 11 requests; light: the rest."""
-    file, ttft_ms, tpot_ms = WORKLOADS["Azure conversation"]
-    trace = load_trace(TRACES / file)[:limit]
-    capacity = capacity_rps(trace)
-    trace = scaled(trace, 1.2 * capacity / rate_rps(trace))
-    tenants = [TraceRequest(r.arrival_s, r.prompt_tokens, r.output_tokens, r.block_hashes,
-                            "light" if i % 11 == 0 else "heavy")
-               for i, r in enumerate(trace)]  # fmt: skip
-    light_alone = [r for r in tenants if r.tenant == "light"]
-    solo = run(light_alone, "fcfs", ttft_ms, tpot_ms)["ttft_mean_ms_by_tenant"]["light"]
+FAIR_LOAD = 1.5
+FAIR_POLICIES = {  # label: (policy, config overrides)
+    "fcfs": ("fcfs", {}),
+    "vtc (--fair-reserve 0)": ("fair", {"fair_reserve": 0.0}),
+    "fair (VTC + reserve)": ("fair", {}),
+}
+
+
+def fairness_rows(limit: int, results_out: dict) -> list[str]:
+    """Each trace at FAIR_LOAD x capacity split in two tenants, the heavy one sending 10
+    of every 11 requests; the light tenant's TTFT against its own replay alone."""
     rows = []
-    for policy in ("fcfs", "fair"):
-        r = run(tenants, policy, ttft_ms, tpot_ms)
-        light = r["ttft_mean_ms_by_tenant"]["light"]
-        heavy = r["ttft_mean_ms_by_tenant"]["heavy"]
-        rows.append(f"| {policy} | {solo:.0f} | {light:.0f} ({light / solo:.2f}x) | {heavy:.0f} | "
-                    f"{r['max_fairness_gap']:.0f} |")  # fmt: skip
-        print(rows[-1], flush=True)
+    for name, (file, ttft_ms, tpot_ms) in WORKLOADS.items():
+        trace = load_trace(TRACES / file)[:limit]
+        trace = scaled(trace, FAIR_LOAD * capacity_rps(trace) / rate_rps(trace))
+        tenants = [TraceRequest(r.arrival_s, r.prompt_tokens, r.output_tokens, r.block_hashes,
+                                "light" if i % 11 == 0 else "heavy")
+                   for i, r in enumerate(trace)]  # fmt: skip
+        solo = run([r for r in tenants if r.tenant == "light"], "fcfs", ttft_ms, tpot_ms)
+        by_policy = results_out.setdefault(name, {"light alone": solo})
+        for label, (policy, overrides) in FAIR_POLICIES.items():
+            replay = Replay(tenants, replay_config(policy, **overrides), NUM_BLOCKS,
+                            ttft_ms=ttft_ms, tpot_ms=tpot_ms)  # fmt: skip
+            by_policy[label] = report(replay.run())
+            rows.append(fairness_row(name, label, solo, by_policy[label], by_policy["fcfs"]))
+            print(rows[-1], flush=True)
     return rows
+
+
+def fairness_row(trace: str, label: str, solo: dict, r: dict, fcfs: dict) -> str:
+    alone = [solo["ttft_mean_ms_by_tenant"]["light"], solo["ttft_p99_ms_by_tenant"]["light"]]
+    beside = [r["ttft_mean_ms_by_tenant"]["light"], r["ttft_p99_ms_by_tenant"]["light"]]
+    cells = [trace, label, f"{alone[0]:.0f} / {alone[1]:.0f}",
+             *(f"{b:.0f} ({b / a:.2f}x)" for a, b in zip(alone, beside, strict=True)),
+             f"{r['ttft_mean_ms_by_tenant']['heavy']:.0f}",
+             f"{r['goodput_rps']:.2f} ({r['goodput_rps'] / fcfs['goodput_rps']:.2f}x)",
+             f"{r['output_tps']:.0f} ({r['output_tps'] / fcfs['output_tps']:.3f}x)",
+             str(r["preemptions"]), f"{r['max_fairness_gap']:.0f}"]  # fmt: skip
+    return "| " + " | ".join(cells) + " |"
 
 
 def replay_speed() -> str:
@@ -133,15 +154,20 @@ def main() -> None:
               "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")  # fmt: skip
     print(header)
     results: dict = {}
+    out_dir = Path(args.out).parent
     slo = "\n".join([header, *slo_rows(args.limit, results)])
-    fair_header = ("| policy | light tenant alone: TTFT mean ms | light tenant beside the heavy "
-                   "one | heavy tenant | largest counter gap |\n"
-                   "|---|---:|---:|---:|---:|")  # fmt: skip
-    fair = "\n".join([fair_header, *fairness_rows(args.limit)])
+    fair_header = ("| trace | policy | light tenant alone: TTFT mean / p99 ms | beside the "
+                   "heavy one: mean | p99 | heavy tenant's TTFT mean ms | goodput req/s (vs "
+                   "fcfs) | output tok/s (vs fcfs) | preempted | largest counter gap |\n"
+                   "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")  # fmt: skip
+    fairness: dict = {}
+    fair = "\n".join([fair_header, *fairness_rows(args.limit, fairness)])
+    fairness_chart(fairness, out_dir / "fairness.png")
     speed = replay_speed()
     print(speed)
     out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    out.with_suffix(".json").write_text(json.dumps({"slo": results, "fairness": fairness},
+                                                   indent=1))  # fmt: skip
     slo_chart(results, out.with_suffix(".png"))
     Path(args.out).write_text(
         f"# Scheduling for SLOs and tenants (replay)\n\n`python bench/slo_bench.py --limit "
@@ -151,9 +177,11 @@ def main() -> None:
         "65,536 blocks of 16; 8,192 tokens a step). Targets: Azure TTFT 1000 ms / TPOT "
         "50 ms, Mooncake TTFT 3000 ms / TPOT 100 ms. Traces: Azure LLM inference 2023 "
         "(CC-BY 4.0; Patel et al., Splitwise, ISCA 2024), Mooncake (Apache-2.0; Qin et al., "
-        f"FAST 2025).\n\n{slo}\n\n## Tenant fairness\n\nAzure conversation at 1.2x capacity, "
-        "one tenant sending 10x the other's rate (`fair`: VTC, prefill weight 1, output "
-        f"weight 2):\n\n{fair}\n\n## Replay speed\n\n{speed}\n"
+        f"FAST 2025).\n\n{slo}\n\n## Tenant fairness\n\nEach trace at {FAIR_LOAD}x capacity, "
+        "one tenant sending 10x the other's rate; the light tenant's TTFT beside the heavy "
+        "one against its replay alone (`fair`: VTC, prefill weight 1, output weight 2, "
+        f"reserve {FAIR_RESERVE:.3g} of seats and KV blocks; docs/policy.md):\n\n{fair}\n\n"
+        f"## Replay speed\n\n{speed}\n"
     )
 
 

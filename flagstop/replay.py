@@ -209,7 +209,7 @@ class Replay:
             self.served[request.request_id].shed = True
 
     def _fairness(self, scheduler: Scheduler) -> None:
-        counters = getattr(scheduler.policy_step.policy, "counters", None)
+        counters = scheduler.policy_step.policy.service_by_tenant()
         if not counters or self.num_steps % 50:
             return
         backlogged = {tenant_of(r) for r in scheduler.waiting}
@@ -238,6 +238,7 @@ def report(replay: Replay) -> dict:
     return {
         "requests": len(served), "served": len(done), "shed": replay.num_shed,
         "goodput_rps": sum(s.good for s in served) / duration if duration > 0 else 0.0,
+        "output_tps": sum(s.num_output for s in done) / duration if duration > 0 else 0.0,
         "attainment": sum(s.good for s in served) / max(1, len(served)),
         "ttft_p50_ms": percentile(ttfts, 50), "ttft_p99_ms": percentile(ttfts, 99),
         "short_ttft_p99_ms": percentile(short, 99),

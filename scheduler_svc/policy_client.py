@@ -86,7 +86,7 @@ class RemotePolicyClient:
             query_id=self.query_id, num_free_blocks=scheduler.num_free_blocks,
             num_total_blocks=scheduler.num_total_blocks, now=scheduler.clock(),
             token_budget=scheduler.config.max_num_batched_tokens,
-            block_size=scheduler.block_size,
+            block_size=scheduler.block_size, max_num_seqs=scheduler.config.max_num_seqs,
         )  # fmt: skip
         describe_cost(scheduler.policy_step.cost, query.step_cost)
         for request in scheduler.waiting:

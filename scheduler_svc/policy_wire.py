@@ -78,7 +78,7 @@ def view_from_proto(query: policy_pb2.PolicyQuery) -> PolicyView:
         query.now, [request_from_proto(r) for r in query.waiting],
         [request_from_proto(r) for r in query.running], query.num_free_blocks,
         query.num_total_blocks, query.block_size, query.token_budget, cost,
-        lambda r: hits.get(r.request_id, 0),
+        lambda r: hits.get(r.request_id, 0), query.max_num_seqs,
     )  # fmt: skip
 
 

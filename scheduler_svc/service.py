@@ -28,7 +28,6 @@ from flagstop.scheduler_svc.core.kv_groups import describe_groups, kv_cache_grou
 from flagstop.scheduler_svc.core.policy import (
     RankedPolicy,
     SchedulingPolicy,
-    make_policy,
     policy_for,
 )
 from flagstop.scheduler_svc.core.scheduler import Scheduler
@@ -104,7 +103,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.core.scheduler = scheduler
         self._remote_client(policy, s.policy_addr)
         if s.shadow_policy:
-            scheduler.policy_step.set_shadow(make_policy(s.shadow_policy))
+            scheduler.policy_step.set_shadow(self._new_shadow(s.shadow_policy))
         extras = ""
         if info.num_speculative_tokens:
             extras = f", speculative decoding ({info.speculative_method}, k <= "
@@ -213,11 +212,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         config = dataclasses.replace(self.scheduler.config, policy=request.policy)
         return policy_for(config)
 
-    @staticmethod
-    def _new_shadow(name: str) -> SchedulingPolicy | None:
+    def _new_shadow(self, name: str) -> SchedulingPolicy | None:
         if name == "remote":
             raise ValueError("a shadow policy is a built-in one (fcfs, priority, hrrn, slo, fair)")
-        return make_policy(name) if name else None
+        return policy_for(dataclasses.replace(self.scheduler.config, policy=name)) if name else None
 
     async def _check_admin(self, context) -> None:
         key = self.settings.admin_key

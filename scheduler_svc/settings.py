@@ -54,6 +54,12 @@ class SchedulerSettings(ServiceSettings):
     fair (tenant shares, VTC), remote (a SchedulerPolicy service at --policy-addr)"""
     no_shed: bool = CORE.no_shed
     """slo: never shed a request predicted to miss its TTFT target (order it only)"""
+    tenant_weights: dict[str, PositiveFloat] = Field(default_factory=dict)
+    """fair: each tenant's weight, as JSON: '{"acme": 3, "free": 1}' (a tenant not
+    named weighs 1); its share is its weight over the active tenants' (docs/policy.md)"""
+    fair_reserve: float = Field(CORE.fair_reserve, ge=0, lt=1)
+    """fair: the fraction of seats and KV blocks a tenant above its share may not take
+    while another tenant is active; 0: none (VTC's order alone)"""
     default_ttft_ms: NonNegativeFloat = 0.0
     """the TTFT target of a request that reaches the scheduler with none (a gRPC client
     that bypasses the router; the router's --slo-defaults resolve the rest); 0: none"""

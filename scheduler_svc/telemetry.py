@@ -73,6 +73,12 @@ LORA_INFO = Gauge(
 # The KV cache as the executor's layers make it (docs/kv_groups.md): one series per
 # model, its labels the groups and the KV bytes a token takes over all layers on one
 # rank (vLLM exports its cache config the same way, as an info gauge).
+# The fair policy's virtual token counters (docs/policy.md): the service each tenant
+# got, weighted and lifted as the policy counts it; their gap is its fairness.
+TENANT_SERVICE = Gauge(
+    "flagstop:tenant_service", "Service each tenant got, as the policy counts it (fair: its "
+    "virtual token counter)", ["policy", "tenant"],
+)  # fmt: skip
 # The scheduling policy's own decisions (docs/policy.md), and a shadow policy's
 # comparisons with them.
 POLICY_COUNTS = {
@@ -269,6 +275,7 @@ class SchedulerTelemetry:
         if scheduler.drafts.stats.num_drafts != self.last_spec[0]:
             self._export_spec(scheduler)
         self._export_policy(stats)
+        self._export_service(scheduler.policy_step.policy)
         if self.kv_connector is not None:
             self._export_connector(self.kv_connector, stats)
 
@@ -280,6 +287,10 @@ class SchedulerTelemetry:
                 policy = stats.shadow_policy if name.startswith("shadow") else stats.policy
                 counter.labels(policy).inc(max(0, value - last[name]))
                 last[name] = value
+
+    def _export_service(self, policy) -> None:
+        for tenant, service in policy.service_by_tenant().items():
+            TENANT_SERVICE.labels(policy.name, tenant).set(service)
 
     def _export_connector(self, connector: KVConnector, stats) -> None:
         name = self._model_name

@@ -250,6 +250,54 @@ def test_fair_serves_a_light_tenant_before_the_heavy_backlog():
     assert [r.req_id for r in second.scheduled_new_reqs] == ["light0"]
 
 
+def test_fair_gives_backlogged_tenants_service_by_their_weights():
+    policy = make_policy("fair", weights={"gold": 3.0})
+    scheduler, clock = engine(policy, budget=64, max_num_seqs=2)
+    for i in range(30):
+        for tenant in ("gold", "free"):
+            scheduler.add_request(request(f"{tenant}{i}", 32, 4, tenant=tenant))
+    served = {"gold": 0, "free": 0}
+    for _ in range(60):
+        plan = scheduler.schedule()
+        for request_id, num in plan.num_scheduled_tokens.items():
+            served[request_id.rstrip("0123456789")] += num
+        advance(scheduler, clock, plan)
+    # Both stayed backlogged: gold got three times free's service, within a request's.
+    assert abs(served["gold"] - 3 * served["free"]) <= 3 * (32 + 2 * 4), served
+    assert abs(policy.counters["gold"] - policy.counters["free"]) <= 2 * (32 + 2 * 4)
+
+
+def test_fair_holds_a_seat_back_from_the_tenant_above_its_share():
+    def fill(reserve: float) -> tuple[Scheduler, Clock]:
+        scheduler, clock = engine(make_policy("fair", reserve=reserve), max_num_seqs=8)
+        scheduler.add_request(request("light0", 16, 50, tenant="light"))
+        for i in range(20):
+            scheduler.add_request(request(f"heavy{i}", 16, 50, tenant="heavy"))
+        for _ in range(3):
+            advance(scheduler, clock, scheduler.schedule())
+        return scheduler, clock
+
+    # Without the reserve the heavy tenant takes every seat the light one left.
+    scheduler, clock = fill(0.0)
+    assert len(scheduler.running) == 8
+    # With it, the last seat stays free while the light tenant is active: its next
+    # request is admitted at once, and the heavy backlog never takes that seat.
+    scheduler, clock = fill(1 / 8)
+    assert len(scheduler.running) == 7 and {r.objectives.tenant for r in scheduler.running} == {
+        "light", "heavy"}  # fmt: skip
+    scheduler.add_request(request("light1", 16, 50, now=clock.now, tenant="light"))
+    plan = scheduler.schedule()
+    assert [r.req_id for r in plan.scheduled_new_reqs] == ["light1"]
+    check_invariants(scheduler)
+
+
+def test_fair_settings_reach_the_policy():
+    from flagstop.scheduler_svc.core.policy import policy_for
+
+    policy = policy_for(SchedulerConfig(policy="fair", tenant_weights={"a": 2.0}, fair_reserve=0.1))
+    assert (policy.weights, policy.reserve) == ({"a": 2.0}, 0.1)
+
+
 def test_hrrn_puts_short_prompts_first_and_lets_a_long_one_age_past_them():
     scheduler, _ = engine(make_policy("hrrn"), budget=600, max_num_seqs=1)
     scheduler.add_request(request("long", 500, 1, 0.0))

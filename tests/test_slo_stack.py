@@ -82,6 +82,12 @@ def test_tenants_classes_and_attainment_show_in_the_metrics(stack):
         ) in text
     # acme's target comes from --slo-defaults for its class; all three met theirs.
     assert len(re.findall(r'slo_requests_total{[^}]*result="met"[^}]*} 1.0', text)) == 3, text
+    # Under fair, the service each tenant got (its virtual token counter) is exported.
+    set_policy(stack, policy="fair")
+    stream(stack, results, 3, tenant="acme")
+    service = re.search(r'flagstop:tenant_service{policy="fair",tenant="acme"} (\S+)',
+                        metrics(stack, "scheduler"))  # fmt: skip
+    assert service and float(service[1]) > 0
     bad = httpx.post(
         f"{stack.base_url}/completions",
         json={"model": "flagstop-tiny", "prompt": [0, 5], "max_tokens": 2},

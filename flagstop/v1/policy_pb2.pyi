@@ -56,7 +56,7 @@ class StepCost(_message.Message):
     def __init__(self, base_s: _Optional[float] = ..., s_per_token: _Optional[float] = ..., s_per_context_token: _Optional[float] = ...) -> None: ...
 
 class PolicyQuery(_message.Message):
-    __slots__ = ("query_id", "waiting", "running", "num_free_blocks", "num_total_blocks", "now", "token_budget", "block_size", "step_cost")
+    __slots__ = ("query_id", "waiting", "running", "num_free_blocks", "num_total_blocks", "now", "token_budget", "block_size", "step_cost", "max_num_seqs")
     QUERY_ID_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class PolicyQuery(_message.Message):
     TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     STEP_COST_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     query_id: int
     waiting: _containers.RepeatedCompositeFieldContainer[PolicyRequest]
     running: _containers.RepeatedCompositeFieldContainer[PolicyRequest]
@@ -75,7 +76,8 @@ class PolicyQuery(_message.Message):
     token_budget: int
     block_size: int
     step_cost: StepCost
-    def __init__(self, query_id: _Optional[int] = ..., waiting: _Optional[_Iterable[_Union[PolicyRequest, _Mapping]]] = ..., running: _Optional[_Iterable[_Union[PolicyRequest, _Mapping]]] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., now: _Optional[float] = ..., token_budget: _Optional[int] = ..., block_size: _Optional[int] = ..., step_cost: _Optional[_Union[StepCost, _Mapping]] = ...) -> None: ...
+    max_num_seqs: int
+    def __init__(self, query_id: _Optional[int] = ..., waiting: _Optional[_Iterable[_Union[PolicyRequest, _Mapping]]] = ..., running: _Optional[_Iterable[_Union[PolicyRequest, _Mapping]]] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., now: _Optional[float] = ..., token_budget: _Optional[int] = ..., block_size: _Optional[int] = ..., step_cost: _Optional[_Union[StepCost, _Mapping]] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...
 
 class PolicyDecision(_message.Message):
     __slots__ = ("admission_order", "preemption_order", "shed", "defer", "prefill_budget", "chunk_caps")

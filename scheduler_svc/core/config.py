@@ -1,4 +1,10 @@
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+# fair: the seats and KV blocks held back from tenants above their share (a fraction
+# of each): 1/32 kept the light tenant's wait for a seat at the step's own lag on the
+# Azure replay (bench/slo_bench.py), for about 1 % of the heavy tenant's throughput.
+FAIR_RESERVE = 1 / 32
 
 
 @dataclass(slots=True, frozen=True)
@@ -16,6 +22,9 @@ class SchedulerConfig:
     policy: str = "fcfs"
     # The slo policy's: shed requests it predicts will miss their TTFT.
     no_shed: bool = False
+    # The fair policy's: tenant -> weight (1 unless named), and its reserve.
+    tenant_weights: Mapping[str, float] = field(default_factory=dict)
+    fair_reserve: float = FAIR_RESERVE
     # Admit a waiting request only when the pool could hold its whole known sequence
     # (vLLM's scheduler_reserve_full_isl). False: as soon as its first chunk fits,
     # which under memory pressure admits a long prompt, preempts it the next step and
@@ -41,6 +50,8 @@ class SchedulerConfig:
             raise ValueError("num_speculative_tokens >= 0, speculative_disable_batch_size >= 1")
         if self.max_loras < 0:
             raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
+        if not 0 <= self.fair_reserve < 1:
+            raise ValueError(f"fair_reserve must be in [0, 1), got {self.fair_reserve}")
         if not 0 < self.speculative_min_gain <= 1:
             raise ValueError("speculative_min_gain must be in (0, 1]")
         if self.no_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

@@ -49,3 +49,5 @@ class PolicyView:
     # Tokens of a request's prompt the prefix cache holds now (a lookup of each of its
     # blocks: a policy that asks per waiting request should remember the answer).
     prefix_hit_tokens: Callable[[Request], int]
+    # Seats of the running batch (the scheduler's --max-num-seqs).
+    max_num_seqs: int

@@ -1,19 +1,39 @@
-"""`fair`: the Virtual Token Counter (Sheng et al., "Fairness in Serving Large
-Language Models", OSDI'24). Each tenant has a counter of the service it got, prefill
-tokens weighted prefill_weight and output tokens decode_weight; the waiting queue is
-ordered by always taking the next request of the tenant with the lowest counter.
-A tenant that comes back from idle is lifted to the lowest counter of the tenants
-still backlogged, so that idling banks no credit. The order only: the loop admits
-whatever fits, so it never idles while work waits (work-conserving), and between
-two backlogged tenants the gap of counters stays within the paper's bound,
+"""`fair`: tenant shares by the Virtual Token Counter (Sheng et al., "Fairness in
+Serving Large Language Models", OSDI'24), weighted, with a reserve for the tenants
+below their share.
+
+Counters. Each tenant has a counter of the service it got, prefill tokens weighted
+prefill_weight and output tokens decode_weight, divided by the tenant's weight
+(`--tenant-weights`: weighted VTC, the paper's §4.3). The waiting queue is ordered by
+always taking the next request of the tenant with the lowest counter; of equal
+counters, the tenant holding fewer seats. A tenant that comes back from idle is lifted
+to the lowest counter of the tenants still backlogged, so that idling banks no credit.
+Between two backlogged tenants the gap of counters stays within the paper's bound,
 2 x (prefill_weight x longest prompt + decode_weight x longest output), plus what
 one step's chunking can add (tests/test_slo_policies.py holds it every step).
+
+The reserve. Counters order who is admitted next, but under overload the heavy tenant
+holds every seat (or every KV block) by the time a light request arrives, and the
+light one waits for a heavy one to finish whatever its counter: VTC alone kept the
+light tenant's TTFT at 3.7x its solo run on the Azure replay at 1.5x capacity
+(bench/slo_bench.py), most of it spent waiting for a seat. So while more than one
+tenant is active (running or waiting), a tenant at or above its weighted share of
+the engine's dominant resource (seats or KV blocks, whichever it holds more of: the
+dominant share of DRF, Ghodsi et al., NSDI'11) is not admitted into the last
+`reserve` of either: a request of a tenant below its share finds a seat and blocks
+at once. It costs the heavy tenant at most that fraction of the engine, and only
+while someone else is there; alone, a tenant has the whole engine.
+
+The order and the admissions only: the loop admits whatever fits of the rest, so
+the policy never idles the engine while work it may admit waits.
 
 The tenant: the request's objectives' tenant, else its `tenant` label."""
 
 import heapq
+from collections import Counter
 from collections.abc import Mapping
 
+from flagstop.scheduler_svc.core.config import FAIR_RESERVE
 from flagstop.scheduler_svc.core.decision import PolicyView, StepDecision
 from flagstop.scheduler_svc.core.output import SchedulerOutput
 from flagstop.scheduler_svc.core.queues import FCFSQueue, RequestQueue
@@ -27,33 +47,78 @@ def tenant_of(request: Request) -> str:
 class FairPolicy:
     name = "fair"
 
-    def __init__(self, prefill_weight: float = 1.0, decode_weight: float = 2.0) -> None:
+    def __init__(
+        self, prefill_weight: float = 1.0, decode_weight: float = 2.0,
+        weights: Mapping[str, float] | None = None, reserve: float = FAIR_RESERVE,
+    ) -> None:  # fmt: skip
         self.prefill_weight, self.decode_weight = prefill_weight, decode_weight
+        # Tenant -> its weight (its share is its weight over the active tenants'); 1 if
+        # unnamed.
+        self.weights = dict(weights or {})
+        self.reserve = reserve
         self.counters: dict[str, float] = {}
         self.backlogged: set[str] = set()
 
     def new_waiting_queue(self) -> RequestQueue:
         return FCFSQueue()
 
+    def weight(self, tenant: str) -> float:
+        return self.weights.get(tenant, 1.0)
+
     def decide(self, view: PolicyView) -> StepDecision:
         by_tenant: dict[str, list[Request]] = {}
         for request in sorted(view.waiting, key=lambda r: r.arrival_time):
             by_tenant.setdefault(tenant_of(request), []).append(request)
         self._lift(set(by_tenant))
+        seats = Counter(tenant_of(r) for r in view.running)
+        order = self._order(by_tenant, seats)
+        active = seats.keys() | by_tenant.keys()
+        held = self.reserve and len(active) > 1
+        defer = self._held_back(view, order, seats) if held else frozenset()
+        return StepDecision([r.request_id for r in order], defer=defer)
+
+    def _order(self, by_tenant: dict[str, list[Request]], seats: Counter) -> list[Request]:
         counters = self.counters
-        heap = [(counters[t], t) for t in by_tenant]
+        heap = [(counters[t], seats[t], t) for t in by_tenant]
         heapq.heapify(heap)
         order, next_index = [], dict.fromkeys(by_tenant, 0)
         while heap:
-            counter, tenant = heapq.heappop(heap)
+            counter, held, tenant = heapq.heappop(heap)
             i = next_index[tenant]
             request = by_tenant[tenant][i]
-            order.append(request.request_id)
+            order.append(request)
             if i + 1 < len(by_tenant[tenant]):
                 next_index[tenant] = i + 1
-                cost = self.prefill_weight * (request.num_tokens - request.num_computed_tokens)
-                heapq.heappush(heap, (counter + cost, tenant))
-        return StepDecision(admission_order=order)
+                num_new = request.num_tokens - request.num_computed_tokens
+                cost = self.prefill_weight * num_new / self.weight(tenant)
+                heapq.heappush(heap, (counter + cost, held, tenant))
+        return order
+
+    def _held_back(self, view: PolicyView, order: list[Request], seats: Counter) -> frozenset:
+        """The requests that would take a tenant above its weighted dominant share (of
+        seats or KV blocks, whichever it holds more of) and into the reserve, as the
+        loop would admit them in this order (what the requests ahead take counts)."""
+        blocks: Counter = Counter()
+        for request in view.running:
+            blocks[tenant_of(request)] += -(-request.num_tokens // view.block_size)
+        weights = {t: self.weight(t) for t in seats.keys() | {tenant_of(r) for r in order}}
+        total_weight = sum(weights.values())
+        seats_left = view.max_num_seqs - len(view.running) - int(self.reserve * view.max_num_seqs)
+        blocks_left = view.num_free_blocks - int(self.reserve * view.num_total_blocks)
+        held = []
+        for request in order:
+            tenant, num_blocks = tenant_of(request), -(-request.num_tokens // view.block_size)
+            share = max((seats[tenant] + 1) / view.max_num_seqs,
+                        (blocks[tenant] + num_blocks) / max(1, view.num_total_blocks))  # fmt: skip
+            if share > weights[tenant] / total_weight and (
+                seats_left < 1 or blocks_left < num_blocks
+            ):
+                held.append(request.request_id)
+                continue
+            seats_left, blocks_left = seats_left - 1, blocks_left - num_blocks
+            seats[tenant] += 1
+            blocks[tenant] += num_blocks
+        return frozenset(held)
 
     def _lift(self, backlogged: set[str]) -> None:
         """Tenants backlogged again (requests waiting, as in the paper) start from the
@@ -71,12 +136,17 @@ class FairPolicy:
 
     def charge(self, request: Request, start: int, end: int) -> None:
         """The service of computing the request's positions start..end: prompt
-        positions at the prefill weight, the rest at the output weight."""
+        positions at the prefill weight, the rest at the output weight, over the
+        tenant's weight."""
         num_prefill = max(0, min(end, request.num_prompt_tokens) - start)
         tenant = tenant_of(request)
-        self.counters[tenant] = self.counters.get(tenant, 0.0) + (
-            self.prefill_weight * num_prefill + self.decode_weight * (end - start - num_prefill)
+        service = self.prefill_weight * num_prefill + self.decode_weight * (
+            end - start - num_prefill
         )
+        self.counters[tenant] = self.counters.get(tenant, 0.0) + service / self.weight(tenant)
+
+    def service_by_tenant(self) -> Mapping[str, float]:
+        return self.counters
 
     def select_victim(self, running: list[Request]) -> int:
         # The most served tenant's newest request.

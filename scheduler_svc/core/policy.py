@@ -37,6 +37,11 @@ class SchedulingPolicy(Protocol):
         """Index in `running` (oldest first) of the request to preempt."""
         ...
 
+    def service_by_tenant(self) -> Mapping[str, float]:
+        """Tenant -> the service it got, as the policy counts it (fair: its virtual
+        token counter); empty for a policy that counts none."""
+        ...
+
 
 class NoDecisions:
     """The null part of a policy that only orders: no step decision, nothing observed."""
@@ -46,6 +51,9 @@ class NoDecisions:
 
     def observe(self, plan: SchedulerOutput, requests: Mapping[str, Request]) -> None:
         pass
+
+    def service_by_tenant(self) -> Mapping[str, float]:
+        return {}
 
 
 class FCFSPolicy(NoDecisions):
@@ -140,9 +148,11 @@ POLICIES: dict[str, type] = {
 
 def policy_for(config: SchedulerConfig) -> SchedulingPolicy:
     """The policy the config names, with its options."""
-    if config.policy != "slo":
-        return make_policy(config.policy)
-    return make_policy("slo", shed=not config.no_shed)
+    if config.policy == "slo":
+        return make_policy("slo", shed=not config.no_shed)
+    if config.policy == "fair":
+        return make_policy("fair", weights=config.tenant_weights, reserve=config.fair_reserve)
+    return make_policy(config.policy)
 
 
 def make_policy(name: str, **options) -> SchedulingPolicy:

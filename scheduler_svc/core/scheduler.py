@@ -166,7 +166,7 @@ class Scheduler:
         return PolicyView(self.clock(), self.waiting, self.running, pool.num_free_blocks,
                           pool.num_usable_blocks, self.block_size,
                           self.config.max_num_batched_tokens, self.policy_step.cost,
-                          self._prefix_hit_tokens)  # fmt: skip
+                          self._prefix_hit_tokens, self.config.max_num_seqs)  # fmt: skip
 
     def _prefix_hit_tokens(self, request: Request) -> int:
         if request.skip_prefix_cache:

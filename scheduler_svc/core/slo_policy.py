@@ -101,6 +101,9 @@ class SLOPolicy:
     def observe(self, plan: SchedulerOutput, requests: Mapping[str, Request]) -> None:
         pass
 
+    def service_by_tenant(self) -> Mapping[str, float]:
+        return {}
+
     def select_victim(self, running: list[Request]) -> int:
         # Least recompute; of equals, the newest (the FCFS victim).
         return min(range(len(running)), key=lambda i: (running[i].num_computed_tokens, -i))
