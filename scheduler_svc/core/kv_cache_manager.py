@@ -122,29 +122,35 @@ class KVCacheManager:
         if not self.enable_caching:
             return ComputedBlocks([[] for _ in self.groups])
         hashes = request.block_hashes[: (request.num_tokens - 1) // self.block_size]
-        num_hit = len(hashes)
+        num_hit, full_hits = len(hashes), {}
         for g in self.full_groups:
-            num_hit = self._full_hit(hashes, g, num_hit)
+            full_hits[g] = self._full_hit(hashes, g, num_hit)
+            num_hit = len(full_hits[g])
         changed = bool(self.window_groups)
         while changed:
             changed = False
             for g, window in self.window_groups:
                 n = self._window_hit(hashes, g, num_hit, window)
                 changed, num_hit = changed or n != num_hit, min(n, num_hit)
-        return ComputedBlocks([self._hit_blocks(hashes, g, num_hit)
+        # A full group's hits are the blocks its scan found (no second lookup).
+        return ComputedBlocks([full_hits[g][:num_hit] if g in full_hits
+                               else self._hit_blocks(hashes, g, num_hit)
                                for g in range(self.num_groups)])  # fmt: skip
 
     def _cached(self, block_hash: bytes, g: int) -> KVCacheBlock | None:
         return self.pool.get_cached_block(block_hash + self.group_keys[g])
 
-    def _full_hit(self, hashes: list[bytes], g: int, num_hit: int) -> int:
+    def _full_hit(self, hashes: list[bytes], g: int, num_hit: int) -> list[KVCacheBlock]:
+        """The cached blocks of the group's longest prefix of the first num_hit hashes."""
         # Group 0's keys are the hashes themselves: no concatenation per block there
         # (every admission scans its prompt).
-        get, key = self.pool.cached_blocks.get, self.group_keys[g]
+        get, key, hits = self.pool.cached_blocks.get, self.group_keys[g], []
         for i in range(num_hit):
-            if get(hashes[i] + key if key else hashes[i]) is None:
-                return i
-        return num_hit
+            block = get(hashes[i] + key if key else hashes[i])
+            if block is None:
+                break
+            hits.append(block)
+        return hits
 
     def _window_hit(self, hashes: list[bytes], g: int, num_hit: int, window: int) -> int:
         """The longest n <= num_hit whose window before it is cached: the blocks of the
@@ -194,6 +200,7 @@ class KVCacheManager:
                     > state.num_cached_blocks
                 ):
                     self._cache_full_blocks(request, state, num_total)
+                self._ready(request, state)
                 return NO_NEW_BLOCKS
         hits = new_computed_blocks.groups if new_computed_blocks else None
         num_hits = len(hits[0]) if hits else 0
@@ -207,6 +214,9 @@ class KVCacheManager:
             return None
         if state is None:
             state = self.req_blocks[request.request_id] = self._new_state()
+            # Its hits are cached blocks already: caching starts past them (a prefix-
+            # heavy admission no longer walks its shared blocks once more).
+            state.num_cached_blocks = num_hits
         if hits:
             # Every group's hits taken before any new block: a hit of one group may sit
             # in the free queue, where another group's new block would evict it.
@@ -222,9 +232,23 @@ class KVCacheManager:
             self._count_null_hits(state)
         if not delay_cache_blocks:
             self._cache_full_blocks(request, state, num_total)
+        self._ready(request, state)
         if self.num_groups == 1:
             return [b.block_id for b in new_blocks[0]]
         return [b.block_id for position in zip(*new_blocks, strict=True) for b in position]
+
+    def _ready(self, request: Request, state: _RequestBlocks) -> None:
+        """The positions the request may compute up to with no call here: within its
+        slots and up to the end of its first uncached block (that block, once full, is
+        cached at the call past it: one call a block for a decode, not two; a window
+        group frees blocks every step: always a call)."""
+        if self.window_groups:
+            return
+        if self.enable_caching:
+            boundary = (state.num_cached_blocks + 1) * self.block_size
+            request.num_ready_kv_slots = min(state.num_slots, boundary)
+        else:
+            request.num_ready_kv_slots = state.num_slots
 
     def can_hold(
         self, request: Request, hits: ComputedBlocks | None, max_chunk_tokens: int
@@ -312,6 +336,7 @@ class KVCacheManager:
             self.pool.free_blocks(reversed(blocks[num_kept:]))
             del blocks[num_kept:]
         state.num_slots = num_kept * self.block_size
+        request.num_ready_kv_slots = min(request.num_ready_kv_slots, state.num_slots)
         return num_kept
 
     def hold(self, request_id: str, key: str) -> None:

@@ -144,6 +144,11 @@ class Request:
     # Chained hashes of the full blocks of known tokens, kept up to date by the
     # KVCacheManager (which owns the block size).
     block_hashes: list[bytes] = field(default_factory=list)
+    # The KVCacheManager's too: positions the request may compute up to with no call
+    # to it (slots allocated, no block to cache before them), so that the loop's
+    # decodes skip the call: 15 of 16 steps of a decode (bench/scheduler_bench.py);
+    # 0: call it.
+    num_ready_kv_slots: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
