@@ -4,7 +4,7 @@ below their share.
 
 Counters. Each tenant has a counter of the service it got, prefill tokens weighted
 prefill_weight and output tokens decode_weight, divided by the tenant's weight
-(`--tenant-weights`: weighted VTC, the paper's §4.3). The waiting queue is ordered by
+(`--tenant-weights`: the paper's weighted VTC). The waiting queue is ordered by
 always taking the next request of the tenant with the lowest counter; of equal
 counters, the tenant holding fewer seats. A tenant that comes back from idle is lifted
 to the lowest counter of the tenants still backlogged, so that idling banks no credit.
