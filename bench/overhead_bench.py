@@ -5,11 +5,15 @@ model), which answers each step after a fixed simulated step time.
     python bench/overhead_bench.py [--streams 64 256 1024] [--step-ms 8 30]
         [--routers 1] [--duration 8] [--out bench/results/overhead.md]
         [--variant 'LABEL|CHECKOUT|ROUTER FLAGS|EXECUTOR FLAGS|SCHEDULER FLAGS' ...]
-        [--front grpc openai] [--floor grpcio native] [--profile DIR]
+        [--front grpc openai] [--floor grpcio native] [--profile DIR] [--rounds 1]
 
 --front openai drives the same load through the OpenAI API (SSE; each event with the
 usage so far, which costs the router a little per event); --floor adds rows of
-bench/grpc_floor.py (the transport alone, same client); --profile splits the router's
+bench/grpc_floor.py (the transport alone, same client) and, per row, the router's CPU
+per token over the floor's of the same gRPC server and round; --rounds N starts every stack at
+once and measures all rows in turn N times, the table showing medians (the ratio's
+range beside it: run minutes apart, the floor and the router differ by the machine's drift as
+much as by the router's work); --profile (first round) splits the router's
 and the scheduler's CPU by part (py-spy, bench/profile_split.py).
 
 Each --variant is a stack of its own, measured in the same run for a side-by-side
@@ -156,19 +160,20 @@ async def drive(router: str, streams: int, args):
     else:
         tasks = [asyncio.create_task(stream_loop(stubs[i % len(stubs)], window, stop, i))
                  for i in range(streams)]  # fmt: skip
-    warmup, duration = args.warmup, args.duration
-    await asyncio.sleep(warmup)
-    window.start = time.monotonic()
-    window.end = window.start + duration
-    yield window  # the caller reads the processes' counters at the window's edges
-    await asyncio.sleep(max(0.0, window.end - time.monotonic()))
-    yield window
-    stop.set()
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    for c in channels:
-        await c.close()
+    try:
+        await asyncio.sleep(args.warmup)
+        window.start = time.monotonic()
+        window.end = window.start + args.duration
+        yield window  # the caller reads the processes' counters at the window's edges
+        await asyncio.sleep(max(0.0, window.end - time.monotonic()))
+        yield window
+    finally:  # the caller's aclose(): the streams end before the next row's start
+        stop.set()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for c in channels:
+            await c.close()
 
 
 def tree_cpu_seconds(pid: int) -> float:
@@ -268,7 +273,7 @@ def profile_files(variant: str, streams: int, args) -> dict[str, Path]:
 
 def profile(stack, variant: str, streams: int, args) -> dict:
     """--profile: py-spy on the router and the scheduler for the window."""
-    if not args.profile:
+    if not args.profile_now:
         return {}
     Path(args.profile).mkdir(parents=True, exist_ok=True)
     files = profile_files(variant, streams, args)
@@ -306,19 +311,30 @@ def start(
 
 def table(rows: list[dict]) -> str:
     head = ("| variant | step (ms) | streams | tok/s | ideal tok/s | tokens / step | "
-            "tokens / message | router CPU µs / token | scheduler CPU µs / token | "
-            "TTFT p50 / p99 (ms) | client CPU µs / token | errors |")  # fmt: skip
-    lines = [head, "|---|" + "---:|" * 11]
+            "tokens / message | router CPU µs / token | router / its server's floor | "
+            "scheduler CPU µs / token | TTFT p50 / p99 (ms) | client CPU µs / token | "
+            "errors |")  # fmt: skip
+    lines = [head, "|---|" + "---:|" * 12]
     for r in rows:
         lines.append(
             f"| {r['variant']} | {r['step_ms']:g} | {r['streams']} | {r['tok_s']:.0f} | "
             f"{r['ideal_tok_s']:.0f} | {r['tokens_per_step']:.1f} | "
             f"{r.get('tokens_per_message', math.nan):.2f} | "
-            f"{r['router_us_per_token']:.1f} | {r['scheduler_us_per_token']:.1f} | "
+            f"{r['router_us_per_token']:.1f} | {vs_floor(r)} | "
+            f"{r['scheduler_us_per_token']:.1f} | "
             f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
             f"{r['client_us_per_token']:.1f} | {r['errors']} |"
         )
     return "\n".join(lines)
+
+
+def vs_floor(row: dict) -> str:
+    """The router's CPU per token over its gRPC server's floor's of the same round
+    (median, range)."""
+    if math.isnan(ratio := row.get("vs_floor", math.nan)):
+        return ""
+    spread = row.get("vs_floor_range")
+    return f"{ratio:.2f}x" + (f" ({spread[0]:.2f}-{spread[1]:.2f})" if spread else "")
 
 
 def variants(args) -> list[tuple[str, Path, list[str], list[str], list[str]]]:
@@ -343,6 +359,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=3.0)
     parser.add_argument("--duration", type=float, default=8.0)
     parser.add_argument("--label", default="", help="a name for this run in the output")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure every row this many times, interleaved; medians",
+    )
     parser.add_argument(
         "--front",
         nargs="+",
@@ -369,44 +391,96 @@ def main() -> None:
     model_dir = ROOT / "models" / "flagstop-tiny"
     if not (model_dir / "config.json").exists():
         write_model(model_dir, "tiny")
-    rows = []
-    for step_ms in args.step_ms:
-        args.step_ms_now = step_ms
-        args.front_now = "grpc"
-        for kind in args.floor:
-            rows += run_floor(kind, args)
-        for label, checkout, flags, executor, scheduler in variants(args):
-            rows += run_variant(model_dir, label, checkout, flags, args, executor, scheduler)
-    text = table(rows)
-    if split := profile_rows(rows):
+    rows = asyncio.run(run_all(model_dir, args))
+    text = table(summary(rows))
+    if split := profile_rows([r for r in rows if r["round"] == 0]):
         text += "\n\nWhere the CPU per token goes (py-spy, bench/profile_split.py):\n\n"
         text += profile_split.table(split)
     print(text)
+    rounds = f", the median of {args.rounds} interleaved rounds" if args.rounds > 1 else ""
     write_result(
         args.out, f"Router and scheduler overhead{f': {args.label}' if args.label else ''}",
         f"the executor simulator (fixed step time), closed-loop gRPC streams of "
         f"{PROMPT_TOKENS}-token prompts and {MAX_TOKENS} tokens over {args.connections} "
-        f"connections, {args.warmup:g} s warm-up, {args.duration:g} s window.",
+        f"connections, {args.warmup:g} s warm-up, {args.duration:g} s window{rounds}.",
         text, {"args": vars(args), "rows": rows},
     )  # fmt: skip
 
 
-def run_floor(kind: str, args) -> list:
-    stack, rows = FloorStack(kind, args.step_ms_now, ROOT), []
-    try:
-        for streams in args.streams:
-            rows.append(asyncio.run(measure(stack, f"grpc floor ({kind})", streams, args)))
-            print(table(rows[-1:]).splitlines()[-1], flush=True)
-            stack.wait_idle(timeout=60)
-    finally:
-        stack.stop()
+async def run_all(model_dir: Path, args) -> list[dict]:
+    """Every step time's rows in one event loop: grpc.aio's client binds its poller to
+    the first loop it meets, and a later asyncio.run's would find it closed."""
+    rows = []
+    for step_ms in args.step_ms:
+        args.step_ms_now = step_ms
+        rows += await run_rounds(model_dir, args)
     return rows
 
 
-def run_variant(
-    model_dir: Path, label: str, checkout: Path, flags: list[str], args,
+async def run_rounds(model_dir: Path, args) -> list[dict]:
+    """Every floor and variant of one step time, all started at once and measured in
+    turn, --rounds times: a round puts each row beside the floor minutes apart at
+    most, where these machines swing between runs by more than the gap measured."""
+    stacks = []
+    try:
+        for kind in args.floor:
+            stacks.append((f"grpc floor ({kind})", FloorStack(kind, args.step_ms_now, ROOT),
+                           ["grpc"], kind))  # fmt: skip
+        for label, checkout, flags, executor, scheduler in variants(args):
+            server = "native" if "native" in flags else "grpcio"  # --grpc-server's
+            stacks.append((label, start_variant(model_dir, checkout, flags, args, executor,
+                                                scheduler), args.front, server))  # fmt: skip
+        return [row for i in range(args.rounds) for row in await one_round(stacks, i, args)]
+    finally:
+        for _, stack, *_ in stacks:
+            stack.stop()
+
+
+async def one_round(stacks: list, index: int, args) -> list[dict]:
+    rows = []
+    for front in args.front:
+        args.front_now = front
+        for streams in args.streams:
+            for label, stack, fronts, server in stacks:
+                if front not in fronts:
+                    continue
+                name = label if front == "grpc" else f"{label} (OpenAI SSE)"
+                args.profile_now = args.profile if index == 0 else ""
+                rows.append({**await measure(stack, name, streams, args),
+                             "round": index, "server": server})  # fmt: skip
+                print(table(rows[-1:]).splitlines()[-1], flush=True)
+                stack.wait_idle(timeout=60)
+    return rows
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    """Per variant, front, step time and streams: the median over rounds of each
+    figure, and of the round's router CPU per token over the floor's of its gRPC
+    server (the gRPC front's rows)."""
+    floor = {(r["round"], r["step_ms"], r["streams"], r["server"]): r["router_us_per_token"]
+             for r in rows if r["variant"].startswith("grpc floor")}  # fmt: skip
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["variant"], r["front"], r["step_ms"], r["streams"]), []).append(r)
+    out = []
+    for group in groups.values():
+        first = group[0]
+        row = {k: statistics.median(r[k] for r in group) if isinstance(v, float) else v
+               for k, v in first.items() if k not in ("profile", "round", "server")}  # fmt: skip
+        keys = [(r["round"], r["step_ms"], r["streams"], r["server"]) for r in group]
+        ratios = [r["router_us_per_token"] / floor[key] for r, key in zip(group, keys, strict=True)
+                  if r["front"] == "grpc" and key in floor]  # fmt: skip
+        row["errors"] = sum(r["errors"] for r in group)
+        row["vs_floor"] = statistics.median(ratios) if ratios else math.nan
+        row["vs_floor_range"] = (min(ratios), max(ratios)) if len(ratios) > 1 else None
+        out.append(row)
+    return out
+
+
+def start_variant(
+    model_dir: Path, checkout: Path, flags: list[str], args,
     executor_extra: list[str] = (), scheduler_extra: list[str] = (),
-) -> list:  # fmt: skip
+):  # fmt: skip
     processes = args.routers
     if "--processes" in flags:
         processes = int(flags[flags.index("--processes") + 1])
@@ -414,20 +488,9 @@ def run_variant(
         flags = [*flags, "--processes", str(processes)]
     stack = start(model_dir, args.step_ms_now, max(args.streams), checkout, flags, processes,
                   executor_extra, scheduler_extra)  # fmt: skip
-    rows = []
-    try:
-        info = stack.generation().GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=10)
-        args.model_name = info.model.model_name
-        for front in args.front:
-            args.front_now = front
-            for streams in args.streams:
-                name = label if front == "grpc" else f"{label} (OpenAI SSE)"
-                rows.append(asyncio.run(measure(stack, name, streams, args)))
-                print(table(rows[-1:]).splitlines()[-1], flush=True)
-                stack.wait_idle(timeout=60)
-    finally:
-        stack.stop()
-    return rows
+    info = stack.generation().GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=10)
+    args.model_name = info.model.model_name
+    return stack
 
 
 if __name__ == "__main__":

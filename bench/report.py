@@ -15,7 +15,8 @@ import transformers
 
 HERE = Path(__file__).parent
 ORDER = [
-    "peers", "serve", "serve_backends", "overhead", "overhead_router", "overhead_levers",
+    "peers", "serve", "serve_backends", "overhead", "overhead_router", "overhead_floor",
+    "overhead_levers",
     "replicas", "scheduler", "slo", "fairness_live", "replay_check",
     "detokenizer", "tracing", "executor", "executor_moe", "executor_quant", "moe", "tp",
     "structured", "spec", "overhead_spec", "lora", "kv_tier", "kv_disagg", "kv_groups", "mla",

@@ -12,7 +12,14 @@ from flagstop.executor.kv_transfers.decode import LeaseClient
 from flagstop.executor.service import SERVICE_NAME, ExecutorService
 from flagstop.executor.settings import ExecutorSettings
 from flagstop.health import Health
-from flagstop.server import StartupError, TLSConfig, new_server, run_service, run_until_signalled
+from flagstop.server import (
+    StartupError,
+    TLSConfig,
+    freeze_startup_heap,
+    new_server,
+    run_service,
+    run_until_signalled,
+)
 from flagstop.settings import config_from
 from flagstop.telemetry import Telemetry, start_metrics_server
 from flagstop.v1 import executor_pb2_grpc
@@ -118,6 +125,7 @@ async def serve(settings: ExecutorSettings) -> None:
     service = ExecutorService(runner, Path(settings.model).name, telemetry, group, kv_endpoint)
     executor_pb2_grpc.add_ExecutorServicer_to_server(service, server)
     start_metrics_server(settings.metrics_port, settings.host)
+    freeze_startup_heap()
     await server.start()
     health.set_ready(True)
     what = "SIMULATED (a load-test tool, not a model)" if settings.simulate else settings.model

@@ -5,6 +5,7 @@ process: settings, logging, serve until SIGTERM/SIGINT, drain, exit 0."""
 import asyncio
 import contextlib
 import ctypes
+import gc
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
@@ -191,6 +192,17 @@ def run_service(
     except StartupError as e:
         print(f"{settings_cls.prog()}: {e}", file=sys.stderr)
         sys.exit(1)
+
+
+def freeze_startup_heap() -> None:
+    """Once a service has started: what start-up made (modules, the tokenizer,
+    protobuf descriptors, settings) lives as long as the process, so it leaves the
+    garbage collector's generations (gc.freeze). A full collection would otherwise
+    walk all of it again, a pause of the whole event loop: 60 ms over the router's
+    115k objects, 22 ms over the scheduler's 49k, 109 ms over the executor's imports
+    alone (2-core machine, 2026-12-07); frozen, ~0."""
+    gc.collect()
+    gc.freeze()
 
 
 def die_with_parent() -> None:

@@ -19,6 +19,7 @@ from flagstop.router.tokenizer import load_tokenizer
 from flagstop.server import (
     StartupError,
     TLSConfig,
+    freeze_startup_heap,
     load_or_exit,
     new_server,
     run_service,
@@ -53,6 +54,7 @@ async def serve(settings: RouterSettings) -> None:
         else None
     )
     start_metrics_server(settings.metrics_port, settings.host)
+    freeze_startup_heap()
     await server.start()  # live, not ready until the scheduler has described itself
 
     async def drain() -> None:

@@ -6,7 +6,13 @@ from flagstop.scheduler_svc.policy_client import POLICY_SERVICE
 from flagstop.scheduler_svc.service import SERVICE_NAME, SchedulerService
 from flagstop.scheduler_svc.settings import SchedulerSettings
 from flagstop.scheduler_svc.telemetry import SchedulerTelemetry
-from flagstop.server import TLSConfig, new_server, run_service, run_until_signalled
+from flagstop.server import (
+    TLSConfig,
+    freeze_startup_heap,
+    new_server,
+    run_service,
+    run_until_signalled,
+)
 from flagstop.telemetry import Telemetry, start_metrics_server
 from flagstop.v1 import scheduler_pb2_grpc
 
@@ -20,6 +26,7 @@ async def serve(settings: SchedulerSettings) -> None:
     service = SchedulerService(settings, health, telemetry)
     start_metrics_server(settings.metrics_port, settings.host)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server)
+    freeze_startup_heap()
     await server.start()  # live, not ready until the executor has described itself
     await run_until_signalled(server, service.drain, service.run())
 

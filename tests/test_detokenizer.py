@@ -1,9 +1,10 @@
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from flagstop.router.detokenizer import (
+    ByteLevelDetokenizer,
     IncrementalDetokenizer,
     StopStringMatcher,
     StreamDetokenizer,
@@ -11,9 +12,11 @@ from flagstop.router.detokenizer import (
 )
 from tools.make_model import write_model
 
-# The DecodeStream one for fast tokenizers, the windowed one for slow tokenizers: the
-# same guarantees hold for both.
-DETOKENIZERS = [StreamDetokenizer, IncrementalDetokenizer]
+# The byte-level one (new_detokenizer's pick for the embedded model), DecodeStream's
+# for other fast tokenizers, the windowed one for slow tokenizers: the same guarantees
+# hold for all three.
+DETOKENIZERS = [new_detokenizer, StreamDetokenizer, IncrementalDetokenizer]
+IDS = ["byte_level", "decode_stream", "windowed"]
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +24,7 @@ def tokenizer(tmp_path_factory):
     return AutoTokenizer.from_pretrained(write_model(tmp_path_factory.mktemp("tok"), "tiny"))
 
 
-@pytest.mark.parametrize("Detokenizer", DETOKENIZERS)
+@pytest.mark.parametrize("Detokenizer", DETOKENIZERS, ids=IDS)
 def test_deltas_never_split_a_multibyte_character(tokenizer, Detokenizer):
     text = " héllo wörld ✓ 日本語 and 🙂 done"
     ids = tokenizer(text, add_special_tokens=False).input_ids
@@ -33,7 +36,7 @@ def test_deltas_never_split_a_multibyte_character(tokenizer, Detokenizer):
     assert "".join(deltas) == text
 
 
-@pytest.mark.parametrize("Detokenizer", DETOKENIZERS)
+@pytest.mark.parametrize("Detokenizer", DETOKENIZERS, ids=IDS)
 def test_invalid_bytes_are_flushed_at_the_end(tokenizer, Detokenizer):
     ids = tokenizer("日", add_special_tokens=False).input_ids
     detokenizer = Detokenizer(tokenizer, [0])
@@ -41,9 +44,9 @@ def test_invalid_bytes_are_flushed_at_the_end(tokenizer, Detokenizer):
     assert detokenizer.add([], final=True) == "\ufffd"
 
 
-def test_a_fast_tokenizer_streams_through_decode_stream(tokenizer):
+def test_a_byte_level_tokenizer_streams_through_its_bytes(tokenizer):
     assert tokenizer.is_fast
-    assert isinstance(new_detokenizer(tokenizer, [0]), StreamDetokenizer)
+    assert isinstance(new_detokenizer(tokenizer, [0]), ByteLevelDetokenizer)
 
 
 @settings(max_examples=150, deadline=None)
@@ -63,7 +66,7 @@ def test_both_stream_what_a_full_decode_gives(tokenizer, prompt, generated, chun
         for start in range(0, len(generated), chunk):
             final = start + chunk >= len(generated)
             deltas.append(detokenizer.add(generated[start : start + chunk], final=final))
-        assert head + "".join(deltas) == full, Detokenizer.__name__
+        assert head + "".join(deltas) == full, Detokenizer
 
 
 @settings(max_examples=300, deadline=None)
@@ -73,22 +76,35 @@ def test_both_stream_what_a_full_decode_gives(tokenizer, prompt, generated, chun
     drawn=st.lists(st.tuples(st.booleans(), st.integers(0, 511)), min_size=1, max_size=60),
     chunks=st.lists(st.integers(1, 4), min_size=1, max_size=8),
 )
-def test_own_texts_give_each_delta_decode_stream_gives(tokenizer, prompt, drawn, chunks):
-    """A byte-level tokenizer's tokens with texts of their own, between any others
-    (partial characters, stray bytes, special tokens), in calls of any size: every
-    call returns what DecodeStream alone returns, the last (final) included."""
+def test_byte_level_gives_each_delta_decode_stream_gives(tokenizer, prompt, drawn, chunks):
+    """Tokens of whole characters between any others (partial characters, stray
+    bytes, special tokens), in calls of any size: every call returns what
+    DecodeStream returns, the last (final) included. (A prompt whose last tokens
+    decode to U+FFFD is the next test's: DecodeStream repeats them.)"""
+    assume(not tokenizer.decode(prompt[-5:], skip_special_tokens=True).endswith("\ufffd"))
     english = tokenizer(" the quick brown fox jumps over the lazy dog").input_ids
     generated = [english[i % len(english)] if whole else i for whole, i in drawn]
-    table = new_detokenizer(tokenizer, prompt)
-    assert table.own is not None
-    alone = StreamDetokenizer(tokenizer, prompt)
+    ours, stream = new_detokenizer(tokenizer, prompt), StreamDetokenizer(tokenizer, prompt)
     start, sizes = 0, (chunks * len(generated))[: len(generated)]
     for size in sizes:
         ids, start = generated[start : start + size], start + size
         final = start >= len(generated)
-        assert table.add(ids, final=final) == alone.add(ids, final=final), ids
+        assert ours.add(ids, final=final) == stream.add(ids, final=final), ids
         if final:
             break
+
+
+def test_a_prompt_that_ends_inside_a_character_is_completed_not_repeated(tokenizer):
+    """The generated tokens that complete the prompt's last character give that
+    character; DecodeStream, primed with text ending in U+FFFD, gives the prompt's
+    last tokens' text again before it."""
+    prompt = tokenizer("ab", add_special_tokens=False).input_ids
+    char = tokenizer("日", add_special_tokens=False).input_ids
+    assert len(char) == 3
+    ours = new_detokenizer(tokenizer, prompt + char[:1])
+    assert [ours.add([t]) for t in char[1:]] == ["", "日"]
+    stream = StreamDetokenizer(tokenizer, prompt + char[:1])
+    assert [stream.add([t]) for t in char[1:]] == ["", "ab日"]
 
 
 @pytest.mark.parametrize(
