@@ -16,18 +16,14 @@ import asyncio
 import json
 import sys
 import tempfile
-import time
 from datetime import date
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import grpc
-
-from bench.replay_check import MAX_MODEL_LEN, NUM_BLOCKS, stack_config
+from bench.replay_check import MAX_MODEL_LEN, NUM_BLOCKS, drive, stack_config
 from bench.slo_bench import TRACES, capacity_rps, rate_rps
-from flagstop.replay import TraceRequest, load_trace, percentile, prompt_of, scaled
-from flagstop.v1 import generation_pb2, generation_pb2_grpc
+from flagstop.replay import TraceRequest, load_trace, percentile, scaled
 from tools.make_model import write_model
 from tools.stack import start_stack
 
@@ -37,27 +33,6 @@ RUNS = {  # label: (the requests replayed, scheduler flags)
     "vtc (--fair-reserve 0)": ("both", ["--policy", "fair", "--fair-reserve", "0"]),
     "fair (VTC + reserve)": ("both", ["--policy", "fair"]),
 }
-
-
-async def drive(address: str, trace: list[TraceRequest], vocab: int) -> list[tuple]:
-    """Each request at its arrival: (tenant, TTFT s, output tokens/s of the whole run)."""
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
-        start = time.perf_counter() + 0.5
-
-        async def one(i: int, r: TraceRequest) -> tuple:
-            await asyncio.sleep(max(0.0, start + r.arrival_s - time.perf_counter()))
-            request = generation_pb2.GenerateRequest(
-                prompt_token_ids=[t % vocab for t in prompt_of(r, i)],
-                max_tokens=r.output_tokens, ignore_eos=True, tenant=r.tenant,
-            )  # fmt: skip
-            sent, first, num = time.perf_counter(), 0.0, 0
-            async for chunk in stub.Generate(request, timeout=900):
-                first = first or time.perf_counter()
-                num += len(chunk.token_ids)
-            return r.tenant, first - sent, num, time.perf_counter() - start
-
-        return await asyncio.gather(*(one(i, r) for i, r in enumerate(trace)))
 
 
 def run(trace: list[TraceRequest], scheduler_flags: list[str], tmp: Path, label: str) -> dict:
@@ -77,8 +52,9 @@ def run(trace: list[TraceRequest], scheduler_flags: list[str], tmp: Path, label:
         rows = asyncio.run(drive(stack.router, trace, vocab))
     finally:
         stack.stop()
-    light = [ttft * 1e3 for tenant, ttft, _, _ in rows if tenant == "light"]
-    tokens, end = sum(n for *_, n, _ in rows), max(e for *_, e in rows)
+    light = [(first - sent) * 1e3 for r, (sent, first, _, _) in zip(trace, rows, strict=True)
+             if r.tenant == "light"]  # fmt: skip
+    tokens, end = sum(n for *_, n in rows), max(e for _, _, e, _ in rows)
     result = {"light_mean_ms": sum(light) / len(light), "light_p99_ms": percentile(light, 99),
               "output_tps": tokens / end}  # fmt: skip
     print(label, {k: round(v, 1) for k, v in result.items()}, flush=True)

@@ -56,7 +56,8 @@ def stack_config(model_dir: Path, out: Path) -> Path:
 
 
 async def drive(address: str, trace: list[TraceRequest], vocab: int) -> list[tuple]:
-    """Each request at its arrival: (arrival, first token, end, tokens) in seconds."""
+    """Each request at its arrival, with its tenant: (arrival, first token, end,
+    tokens) in seconds, in the trace's order."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         start = time.perf_counter() + 0.5
@@ -65,7 +66,7 @@ async def drive(address: str, trace: list[TraceRequest], vocab: int) -> list[tup
             await asyncio.sleep(max(0.0, start + r.arrival_s - time.perf_counter()))
             request = generation_pb2.GenerateRequest(
                 prompt_token_ids=[t % vocab for t in prompt_of(r, i)],
-                max_tokens=r.output_tokens, ignore_eos=True,
+                max_tokens=r.output_tokens, ignore_eos=True, tenant=r.tenant,
             )  # fmt: skip
             sent, first, num = time.perf_counter(), 0.0, 0
             async for chunk in stub.Generate(request, timeout=600):
