@@ -12,8 +12,6 @@ one against its own requests replayed alone, under fcfs, VTC's order alone
 """
 
 import argparse
-import asyncio
-import json
 import sys
 import tempfile
 from datetime import date
@@ -21,11 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.replay_check import MAX_MODEL_LEN, NUM_BLOCKS, drive, stack_config
-from bench.slo_bench import TRACES, capacity_rps, rate_rps
-from flagstop.replay import TraceRequest, load_trace, percentile, scaled
+from bench.replay_check import azure_trace, run_on_stack, stack_config
+from flagstop.replay import TraceRequest, percentile
 from tools.make_model import write_model
-from tools.stack import start_stack
 
 RUNS = {  # label: (the requests replayed, scheduler flags)
     "light tenant alone (fcfs)": ("light", ["--policy", "fcfs"]),
@@ -39,19 +35,8 @@ def run(trace: list[TraceRequest], scheduler_flags: list[str], tmp: Path, label:
     model_dir = tmp / "long"
     if not model_dir.exists():
         stack_config(write_model(tmp / "tiny", "tiny"), model_dir)
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    stack = start_stack(
-        model_dir, tmp / f"logs-{len(list(tmp.iterdir()))}",
-        executor_args=["--simulate", "--max-num-batched-tokens", "8192",
-                       "--simulate-num-blocks", str(NUM_BLOCKS)],
-        scheduler_args=[*scheduler_flags, "--max-num-batched-tokens", "8192",
-                        "--max-num-seqs", "256", "--max-waiting-requests", "4096"],
-        router_args=["--max-queued-requests", "8192"],
-    )  # fmt: skip
-    try:
-        rows = asyncio.run(drive(stack.router, trace, vocab))
-    finally:
-        stack.stop()
+    rows = run_on_stack(model_dir, tmp / f"logs-{len(list(tmp.iterdir()))}", trace,
+                        scheduler_flags)  # fmt: skip
     light = [(first - sent) * 1e3 for r, (sent, first, _, _) in zip(trace, rows, strict=True)
              if r.tenant == "light"]  # fmt: skip
     tokens, end = sum(n for *_, n in rows), max(e for _, _, e, _ in rows)
@@ -68,9 +53,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" /
                                              "fairness_live.md"))  # fmt: skip
     args = parser.parse_args()
-    trace = [r for r in load_trace(TRACES / "azure_llm_2023_conv.csv")
-             if r.prompt_tokens + r.output_tokens <= MAX_MODEL_LEN][: args.requests]  # fmt: skip
-    trace = scaled(trace, args.load * capacity_rps(trace) / rate_rps(trace))
+    trace = azure_trace(args.requests, args.load)
     both = [TraceRequest(r.arrival_s, r.prompt_tokens, r.output_tokens, r.block_hashes,
                          "light" if i % 11 == 0 else "heavy")
             for i, r in enumerate(trace)]  # fmt: skip

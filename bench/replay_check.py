@@ -77,6 +77,33 @@ async def drive(address: str, trace: list[TraceRequest], vocab: int) -> list[tup
         return await asyncio.gather(*(one(i, r) for i, r in enumerate(trace)))
 
 
+def azure_trace(num_requests: int, load: float) -> list[TraceRequest]:
+    """The first requests of the Azure conversation trace that fit the context, at
+    load x the simulator's capacity."""
+    trace = [r for r in load_trace(TRACES / "azure_llm_2023_conv.csv")
+             if r.prompt_tokens + r.output_tokens <= MAX_MODEL_LEN][:num_requests]  # fmt: skip
+    return scaled(trace, load * capacity_rps(trace) / rate_rps(trace))
+
+
+def run_on_stack(model_dir: Path, logs: Path, trace: list[TraceRequest],
+                 scheduler_flags: list[str]) -> list[tuple]:  # fmt: skip
+    """The trace driven in real time through router, scheduler and the executor
+    simulator with the replay's limits (drive's rows)."""
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    stack = start_stack(
+        model_dir, logs,
+        executor_args=["--simulate", "--max-num-batched-tokens", "8192",
+                       "--simulate-num-blocks", str(NUM_BLOCKS)],
+        scheduler_args=[*scheduler_flags, "--max-num-batched-tokens", "8192",
+                        "--max-num-seqs", "256", "--max-waiting-requests", "4096"],
+        router_args=["--max-queued-requests", "8192"],
+    )  # fmt: skip
+    try:
+        return asyncio.run(drive(stack.router, trace, vocab))
+    finally:
+        stack.stop()
+
+
 def summary(rows: list[tuple]) -> dict:
     ttft = [(f - a) * 1e3 for a, f, _, _ in rows]
     tpot = [(e - f) * 1e3 / (n - 1) for _, f, e, n in rows if n > 1]
@@ -104,28 +131,14 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" /
                                              "replay_check.md"))  # fmt: skip
     args = parser.parse_args()
-    trace = [r for r in load_trace(TRACES / "azure_llm_2023_conv.csv")
-             if r.prompt_tokens + r.output_tokens <= MAX_MODEL_LEN][: args.requests]  # fmt: skip
-    trace = scaled(trace, args.load * capacity_rps(trace) / rate_rps(trace))
+    trace = azure_trace(args.requests, args.load)
     config = replay_config(args.policy, max_model_len=MAX_MODEL_LEN,
                            max_num_batched_tokens=8192, max_num_seqs=256)  # fmt: skip
     virtual = report(Replay(trace, config, NUM_BLOCKS, ttft_ms=TTFT_MS, tpot_ms=TPOT_MS).run())
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         model_dir = stack_config(write_model(tmp / "tiny", "tiny"), tmp / "long")
-        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-        executor_args = ["--simulate", "--max-num-batched-tokens", "8192",
-                         "--simulate-num-blocks", str(NUM_BLOCKS)]  # fmt: skip
-        stack = start_stack(
-            model_dir, tmp / "logs", executor_args=executor_args,
-            scheduler_args=["--policy", args.policy, "--max-num-batched-tokens", "8192",
-                            "--max-num-seqs", "256", "--max-waiting-requests", "1024"],
-            router_args=["--max-queued-requests", "4096"],
-        )  # fmt: skip
-        try:
-            real = summary(asyncio.run(drive(stack.router, trace, vocab)))
-        finally:
-            stack.stop()
+        real = summary(run_on_stack(model_dir, tmp / "logs", trace, ["--policy", args.policy]))
     rows = []
     for key, label in (("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p99_ms", "TTFT p99 ms"),
                        ("tpot_p50_ms", "TPOT p50 ms"), ("tpot_p99_ms", "TPOT p99 ms"),
