@@ -26,8 +26,12 @@ from tools.make_model import write_model
 RUNS = {  # label: (the requests replayed, scheduler flags)
     "light tenant alone (fcfs)": ("light", ["--policy", "fcfs"]),
     "fcfs": ("both", ["--policy", "fcfs"]),
-    "vtc (--fair-reserve 0)": ("both", ["--policy", "fair", "--fair-reserve", "0"]),
-    "fair (VTC + reserve)": ("both", ["--policy", "fair"]),
+    "vtc (--fair-reserve 0 --fair-hold 0)": (
+        "both",
+        ["--policy", "fair", "--fair-reserve", "0", "--fair-hold", "0"],
+    ),
+    "vtc + reserve (--fair-hold 0)": ("both", ["--policy", "fair", "--fair-hold", "0"]),
+    "fair (VTC + reserve + hold)": ("both", ["--policy", "fair"]),
 }
 
 

@@ -191,16 +191,23 @@ def slo_chart(slo: dict, out: Path) -> None:
 
 def fairness_chart(fairness: dict, out: Path) -> None:
     """The light tenant's TTFT beside the heavy one over its TTFT alone (mean and p99),
-    a group per trace, a bar per policy (bench/slo_bench.py)."""
+    a group per trace, a bar per policy, each with the floor its run set (a black mark;
+    bench/slo_bench.py)."""
     fig, ax = plt.subplots(figsize=(9, 4.2), constrained_layout=True)
     traces = list(fairness)
     policies = [p for p in fairness[traces[0]] if p not in ("light alone", "fcfs")]
     width = 0.8 / (2 * len(policies))
     for j, (policy, stat) in enumerate((p, s) for p in policies for s in ("mean", "p99")):
-        ratios = [fairness[t][policy][f"ttft_{stat}_ms_by_tenant"]["light"]
-                  / fairness[t]["light alone"][f"ttft_{stat}_ms_by_tenant"]["light"]
-                  for t in traces]  # fmt: skip
-        ax.bar(np.arange(len(traces)) + j * width, ratios, width, label=f"{policy}: {stat}")
+        alone = [fairness[t]["light alone"][f"ttft_{stat}_ms_by_tenant"]["light"] for t in traces]
+        runs = [fairness[t][policy] for t in traces]
+        ratios = [
+            r[f"ttft_{stat}_ms_by_tenant"]["light"] / a for r, a in zip(runs, alone, strict=True)
+        ]
+        x = np.arange(len(traces)) + j * width
+        ax.bar(x, ratios, width, label=f"{policy}: {stat}")
+        floors = [r[f"light_floor_{stat}_ms"] / a for r, a in zip(runs, alone, strict=True)]
+        ax.hlines(floors, x - width / 2, x + width / 2, colors="black", lw=2,
+                  label="the floor beside the heavy one" if j == 0 else None)  # fmt: skip
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xticks(np.arange(len(traces)) + width * (2 * len(policies) - 1) / 2, traces)
     ax.set_ylabel("light tenant's TTFT beside the heavy one / alone")

@@ -20,7 +20,10 @@ Traces: Azure (CC-BY 4.0; Patel et al., "Splitwise", ISCA 2024) and Mooncake
 """
 
 import argparse
+import bisect
 import json
+import math
+import statistics
 import sys
 import time
 from datetime import date
@@ -33,6 +36,7 @@ from flagstop.replay import (
     Replay,
     TraceRequest,
     load_trace,
+    percentile,
     replay_config,
     report,
     scaled,
@@ -95,14 +99,39 @@ def slo_row(trace: str, load: str, policy: str, r: dict, vs_fcfs: float) -> str:
 FAIR_LOAD = 1.5
 FAIR_POLICIES = {  # label: (policy, config overrides)
     "fcfs": ("fcfs", {}),
-    "vtc (--fair-reserve 0)": ("fair", {"fair_reserve": 0.0}),
-    "fair (VTC + reserve)": ("fair", {}),
+    "vtc (--fair-reserve 0 --fair-hold 0)": ("fair", {"fair_reserve": 0.0, "fair_hold": 0.0}),
+    "vtc + reserve (--fair-hold 0)": ("fair", {"fair_hold": 0.0}),
+    "fair (VTC + reserve + hold)": ("fair", {}),
 }
+
+
+def lag_ms(spans: list[tuple[float, float]], arrival_s: float) -> float:
+    """How long a request arriving at arrival_s waits before its first step can start:
+    the service plans a step when the one before starts, so one arriving during step k
+    rides step k+2 at the earliest (none when the engine is idle)."""
+    k = bisect.bisect_right(spans, (arrival_s, math.inf)) - 1
+    if k < 0 or spans[k][1] <= arrival_s:
+        return 0.0
+    return (spans[min(k + 1, len(spans) - 1)][1] - arrival_s) * 1e3
+
+
+def light_floor_ms(solo: Replay, beside: Replay) -> list[float]:
+    """Each light request's TTFT floor beside the heavy tenant: the lag its steps force
+    on it, plus what its own steps took alone (its solo TTFT less its solo lag). No order
+    of the waiting queue, reserve or hold beats it without shortening the heavy steps."""
+
+    def light(replay: Replay) -> list:
+        return sorted((s for s in replay.served.values() if s.tenant == "light" and s.first_s),
+                      key=lambda s: s.arrival_s)  # fmt: skip
+
+    return [lag_ms(beside.step_spans, b.arrival_s) + a.ttft - lag_ms(solo.step_spans, a.arrival_s)
+            for a, b in zip(light(solo), light(beside), strict=True)]  # fmt: skip
 
 
 def fairness_rows(limit: int, results_out: dict) -> list[str]:
     """Each trace at FAIR_LOAD x capacity split in two tenants, the heavy one sending 10
-    of every 11 requests; the light tenant's TTFT against its own replay alone."""
+    of every 11 requests; the light tenant's TTFT against its own replay alone, and the
+    floor the heavy tenant's steps set (light_floor_ms)."""
     rows = []
     for name, (file, ttft_ms, tpot_ms) in WORKLOADS.items():
         trace = load_trace(TRACES / file)[:limit]
@@ -110,12 +139,16 @@ def fairness_rows(limit: int, results_out: dict) -> list[str]:
         tenants = [TraceRequest(r.arrival_s, r.prompt_tokens, r.output_tokens, r.block_hashes,
                                 "light" if i % 11 == 0 else "heavy")
                    for i, r in enumerate(trace)]  # fmt: skip
-        solo = run([r for r in tenants if r.tenant == "light"], "fcfs", ttft_ms, tpot_ms)
+        solo_replay = Replay([r for r in tenants if r.tenant == "light"], replay_config("fcfs"),
+                             NUM_BLOCKS, ttft_ms=ttft_ms, tpot_ms=tpot_ms).run()  # fmt: skip
+        solo = report(solo_replay)
         by_policy = results_out.setdefault(name, {"light alone": solo})
         for label, (policy, overrides) in FAIR_POLICIES.items():
             replay = Replay(tenants, replay_config(policy, **overrides), NUM_BLOCKS,
-                            ttft_ms=ttft_ms, tpot_ms=tpot_ms)  # fmt: skip
-            by_policy[label] = report(replay.run())
+                            ttft_ms=ttft_ms, tpot_ms=tpot_ms).run()  # fmt: skip
+            floor = light_floor_ms(solo_replay, replay)
+            by_policy[label] = {**report(replay), "light_floor_mean_ms": statistics.fmean(floor),
+                                "light_floor_p99_ms": percentile(floor, 99)}  # fmt: skip
             rows.append(fairness_row(name, label, solo, by_policy[label], by_policy["fcfs"]))
             print(rows[-1], flush=True)
     return rows
@@ -124,8 +157,10 @@ def fairness_rows(limit: int, results_out: dict) -> list[str]:
 def fairness_row(trace: str, label: str, solo: dict, r: dict, fcfs: dict) -> str:
     alone = [solo["ttft_mean_ms_by_tenant"]["light"], solo["ttft_p99_ms_by_tenant"]["light"]]
     beside = [r["ttft_mean_ms_by_tenant"]["light"], r["ttft_p99_ms_by_tenant"]["light"]]
+    floor = [r["light_floor_mean_ms"], r["light_floor_p99_ms"]]
     cells = [trace, label, f"{alone[0]:.0f} / {alone[1]:.0f}",
              *(f"{b:.0f} ({b / a:.2f}x)" for a, b in zip(alone, beside, strict=True)),
+             " / ".join(f"{f:.0f} ({f / a:.2f}x)" for a, f in zip(alone, floor, strict=True)),
              f"{r['ttft_mean_ms_by_tenant']['heavy']:.0f}",
              f"{r['goodput_rps']:.2f} ({r['goodput_rps'] / fcfs['goodput_rps']:.2f}x)",
              f"{r['output_tps']:.0f} ({r['output_tps'] / fcfs['output_tps']:.3f}x)",
@@ -157,9 +192,10 @@ def main() -> None:
     out_dir = Path(args.out).parent
     slo = "\n".join([header, *slo_rows(args.limit, results)])
     fair_header = ("| trace | policy | light tenant alone: TTFT mean / p99 ms | beside the "
-                   "heavy one: mean | p99 | heavy tenant's TTFT mean ms | goodput req/s (vs "
-                   "fcfs) | output tok/s (vs fcfs) | preempted | largest counter gap |\n"
-                   "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")  # fmt: skip
+                   "heavy one: mean | p99 | its floor beside it: mean / p99 | heavy tenant's "
+                   "TTFT mean ms | goodput req/s (vs fcfs) | output tok/s (vs fcfs) | "
+                   "preempted | largest counter gap |\n"
+                   "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")  # fmt: skip
     fairness: dict = {}
     fair = "\n".join([fair_header, *fairness_rows(args.limit, fairness)])
     fairness_chart(fairness, out_dir / "fairness.png")

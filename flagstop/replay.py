@@ -142,6 +142,8 @@ class Replay:
     num_shed: int = 0
     num_prefix_hit_tokens: int = 0
     gaps: list[float] = field(default_factory=list)
+    # Each step's (start, end) in virtual seconds (what a request arriving waits for).
+    step_spans: list[tuple[float, float]] = field(default_factory=list)
 
     def run(self) -> "Replay":
         scheduler = Scheduler(self.config, self.num_blocks, policy_for(self.config),
@@ -170,6 +172,7 @@ class Replay:
                 self.num_recomputed += max(0, min(end, mark) - (end - num))
                 high_water[request_id] = max(mark, end)
             planned_at = self.now
+            self.step_spans.append((self.now, self.now + step_s))
             self.now += step_s
             scheduler.policy_step.measured(plan, step_s)
             outcome = StepOutcome([1] * len(plan.sampling_requests))

@@ -32,7 +32,8 @@ def describe_cost(cost: StepCostModel, out: policy_pb2.StepCost) -> None:
 def decision_from_proto(decision: policy_pb2.PolicyDecision) -> StepDecision:
     budget = decision.prefill_budget if decision.HasField("prefill_budget") else UNLIMITED
     return StepDecision(list(decision.admission_order), dict(decision.shed),
-                        frozenset(decision.defer), budget, dict(decision.chunk_caps))  # fmt: skip
+                        frozenset(decision.defer), budget, dict(decision.chunk_caps),
+                        frozenset(decision.hold))  # fmt: skip
 
 
 def check(decision: policy_pb2.PolicyDecision, query: policy_pb2.PolicyQuery) -> str:
@@ -45,6 +46,8 @@ def check(decision: policy_pb2.PolicyDecision, query: policy_pb2.PolicyQuery) ->
     if len(set(victims)) != len(victims) or not set(victims) <= running:
         return "nonsense"
     if not (decision.shed.keys() | set(decision.defer)) <= waiting:
+        return "nonsense"
+    if not set(decision.hold) <= running:
         return "nonsense"
     caps = decision.chunk_caps
     if not caps.keys() <= waiting | running or any(v < 0 for v in caps.values()):
@@ -88,7 +91,8 @@ def decision_to_proto(
     out = policy_pb2.PolicyDecision(admission_order=decision.admission_order or (),
                                     preemption_order=preemption_order, shed=decision.shed,
                                     defer=sorted(decision.defer),
-                                    chunk_caps=decision.chunk_caps)  # fmt: skip
+                                    chunk_caps=decision.chunk_caps,
+                                    hold=sorted(decision.hold))  # fmt: skip
     if decision.prefill_budget != UNLIMITED:
         out.prefill_budget = decision.prefill_budget
     return out

@@ -60,6 +60,10 @@ class SchedulerSettings(ServiceSettings):
     fair_reserve: float = Field(CORE.fair_reserve, ge=0, lt=1)
     """fair: the fraction of seats and KV blocks a tenant above its share may not take
     while another tenant is active; 0: none (VTC's order alone)"""
+    fair_hold: float = Field(CORE.fair_hold, ge=0, le=1)
+    """fair: the most steps (a fraction) whose tenants above their share sit out, so
+    that a new request of a tenant below its share has its first chunk in a step of its
+    own; 0: never"""
     default_ttft_ms: NonNegativeFloat = 0.0
     """the TTFT target of a request that reaches the scheduler with none (a gRPC client
     that bypasses the router; the router's --slo-defaults resolve the rest); 0: none"""

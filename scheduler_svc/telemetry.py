@@ -84,6 +84,9 @@ TENANT_SERVICE = Gauge(
 POLICY_COUNTS = {
     "num_shed": Counter("flagstop:policy_shed_requests", "Requests the policy shed (429)",
                         ["policy"]),
+    "num_held_steps": Counter("flagstop:policy_held_steps",
+                              "Steps whose running requests the policy partly held out",
+                              ["policy"]),
     "num_ignored_decisions": Counter("flagstop:policy_ignored_decisions",
                                      "Parts of policy decisions ignored as nonsense",
                                      ["policy"]),

@@ -294,8 +294,85 @@ def test_fair_holds_a_seat_back_from_the_tenant_above_its_share():
 def test_fair_settings_reach_the_policy():
     from flagstop.scheduler_svc.core.policy import policy_for
 
-    policy = policy_for(SchedulerConfig(policy="fair", tenant_weights={"a": 2.0}, fair_reserve=0.1))
-    assert (policy.weights, policy.reserve) == ({"a": 2.0}, 0.1)
+    policy = policy_for(SchedulerConfig(policy="fair", tenant_weights={"a": 2.0}, fair_reserve=0.1,
+                                        fair_hold=0.2))  # fmt: skip
+    assert (policy.weights, policy.reserve, policy.hold_rate) == ({"a": 2.0}, 0.1, 0.2)
+
+
+def test_a_held_request_sits_the_step_out_and_keeps_its_blocks_and_place():
+    held = {2: frozenset({"b", "ghost"})}  # step -> the running ids held out of it
+    scheduler, clock = engine(
+        Scripted(lambda v: StepDecision(hold=held.get(scheduler.step_id, frozenset())))
+    )
+    for rid in "abc":
+        scheduler.add_request(request(rid, 20, 6))
+    for _ in range(2):
+        advance(scheduler, clock, scheduler.schedule())
+    blocks = scheduler.kv.block_ids("b")
+    plan = scheduler.schedule()
+    assert plan.num_scheduled_tokens.keys() == {"a", "c"}
+    assert [r.request_id for r in scheduler.running] == ["a", "b", "c"]
+    assert scheduler.kv.block_ids("b") == blocks and not plan.preempted_req_ids
+    assert scheduler.policy_step.num_held_steps == scheduler.stats().num_held_steps == 1
+    advance(scheduler, clock, plan)
+    assert scheduler.schedule().num_scheduled_tokens.keys() == {"a", "b", "c"}
+    check_invariants(scheduler)
+
+
+def heavy_batch_and_a_light_arrival(hold: float) -> tuple[Scheduler, Clock]:
+    """A heavy tenant decoding in most seats, then a new light request."""
+    scheduler, clock = engine(make_policy("fair", hold=hold), max_num_seqs=8)
+    for i in range(6):
+        scheduler.add_request(request(f"heavy{i}", 16, 50, tenant="heavy"))
+    for _ in range(3):
+        advance(scheduler, clock, scheduler.schedule())
+    scheduler.add_request(request("light0", 100, 5, now=clock.now, tenant="light"))
+    scheduler.add_request(request("heavy9", 16, 50, now=clock.now, tenant="heavy"))
+    return scheduler, clock
+
+
+def test_fair_runs_a_light_tenants_first_chunk_in_a_step_of_its_own():
+    # Held: its prefill rides alone; the heavy decodes (blocks kept) and the heavy
+    # newcomer wait one step, then all run again.
+    scheduler, clock = heavy_batch_and_a_light_arrival(hold=1.0)
+    plan = scheduler.schedule()
+    assert plan.num_scheduled_tokens == {"light0": 100}
+    advance(scheduler, clock, plan)
+    after = scheduler.schedule().num_scheduled_tokens
+    assert {f"heavy{i}" for i in range(6)} <= after.keys() and "light0" in after
+    # Not held (--fair-hold 0): beside the heavy decodes, as before.
+    scheduler, _ = heavy_batch_and_a_light_arrival(hold=0.0)
+    plan = scheduler.schedule()
+    assert plan.num_scheduled_tokens.keys() == {f"heavy{i}" for i in range(6)} | {
+        "light0",
+        "heavy9",
+    }
+    assert scheduler.policy_step.num_held_steps == 0
+
+
+def test_fair_holds_at_most_its_fraction_of_the_steps():
+    policy = make_policy("fair", hold=0.25)
+    scheduler, clock = engine(policy, budget=128, max_num_seqs=8)
+    for i in range(8):
+        scheduler.add_request(request(f"heavy{i}", 16, 200, tenant="heavy"))
+    num_steps = 0
+    for i in range(40):  # a light request every step: more than the bucket allows
+        scheduler.add_request(request(f"light{i}", 4, 1, now=clock.now, tenant="light"))
+        advance(scheduler, clock, scheduler.schedule())
+        num_steps += 1
+    assert 0 < scheduler.policy_step.num_held_steps <= 0.25 * num_steps + 2  # the burst
+
+
+def test_a_hold_crosses_the_policy_wire_and_nonsense_is_refused():
+    from flagstop.scheduler_svc.policy_wire import check, decision_from_proto, decision_to_proto
+    from flagstop.v1 import policy_pb2
+
+    query = policy_pb2.PolicyQuery(running=[policy_pb2.PolicyRequest(request_id="a")],
+                                   waiting=[policy_pb2.PolicyRequest(request_id="b")])  # fmt: skip
+    wire = decision_to_proto(StepDecision(["b"], hold=frozenset({"a"})), [])
+    assert check(wire, query) == "" and decision_from_proto(wire).hold == {"a"}
+    wire = decision_to_proto(StepDecision(["b"], hold=frozenset({"b"})), [])
+    assert check(wire, query) == "nonsense"  # only a running request can sit a step out
 
 
 def test_hrrn_puts_short_prompts_first_and_lets_a_long_one_age_past_them():

@@ -80,7 +80,7 @@ class PolicyQuery(_message.Message):
     def __init__(self, query_id: _Optional[int] = ..., waiting: _Optional[_Iterable[_Union[PolicyRequest, _Mapping]]] = ..., running: _Optional[_Iterable[_Union[PolicyRequest, _Mapping]]] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., now: _Optional[float] = ..., token_budget: _Optional[int] = ..., block_size: _Optional[int] = ..., step_cost: _Optional[_Union[StepCost, _Mapping]] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...
 
 class PolicyDecision(_message.Message):
-    __slots__ = ("admission_order", "preemption_order", "shed", "defer", "prefill_budget", "chunk_caps")
+    __slots__ = ("admission_order", "preemption_order", "shed", "defer", "prefill_budget", "chunk_caps", "hold")
     class ShedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -101,10 +101,12 @@ class PolicyDecision(_message.Message):
     DEFER_FIELD_NUMBER: _ClassVar[int]
     PREFILL_BUDGET_FIELD_NUMBER: _ClassVar[int]
     CHUNK_CAPS_FIELD_NUMBER: _ClassVar[int]
+    HOLD_FIELD_NUMBER: _ClassVar[int]
     admission_order: _containers.RepeatedScalarFieldContainer[str]
     preemption_order: _containers.RepeatedScalarFieldContainer[str]
     shed: _containers.ScalarMap[str, str]
     defer: _containers.RepeatedScalarFieldContainer[str]
     prefill_budget: int
     chunk_caps: _containers.ScalarMap[str, int]
-    def __init__(self, admission_order: _Optional[_Iterable[str]] = ..., preemption_order: _Optional[_Iterable[str]] = ..., shed: _Optional[_Mapping[str, str]] = ..., defer: _Optional[_Iterable[str]] = ..., prefill_budget: _Optional[int] = ..., chunk_caps: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    hold: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, admission_order: _Optional[_Iterable[str]] = ..., preemption_order: _Optional[_Iterable[str]] = ..., shed: _Optional[_Mapping[str, str]] = ..., defer: _Optional[_Iterable[str]] = ..., prefill_budget: _Optional[int] = ..., chunk_caps: _Optional[_Mapping[str, int]] = ..., hold: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -5,6 +5,13 @@ from dataclasses import dataclass, field
 # of each): 1/32 kept the light tenant's wait for a seat at the step's own lag on the
 # Azure replay (bench/slo_bench.py), for about 1 % of the heavy tenant's throughput.
 FAIR_RESERVE = 1 / 32
+# fair: the most steps (a fraction, as a token bucket) whose over-share tenants sit out
+# so that a request of a tenant below its share has its first chunk in a step of its
+# own: 1/20 took the light tenant's TTFT over its solo run from 2.71x / 2.58x (mean /
+# p99) to 2.51x / 2.27x on the Azure replay and from 3.35x / 3.51x to 2.72x / 3.00x on
+# Mooncake's, for 0.6 % of Azure's output throughput (bench/slo_bench.py). More gains
+# little (first 2,000 Azure requests: 1/20 2.44x, 1/10 2.35x, 3/10 2.27x).
+FAIR_HOLD = 1 / 20
 
 
 @dataclass(slots=True, frozen=True)
@@ -22,9 +29,10 @@ class SchedulerConfig:
     policy: str = "fcfs"
     # The slo policy's: shed requests it predicts will miss their TTFT.
     no_shed: bool = False
-    # The fair policy's: tenant -> weight (1 unless named), and its reserve.
+    # The fair policy's: tenant -> weight (1 unless named), its reserve and its holds.
     tenant_weights: Mapping[str, float] = field(default_factory=dict)
     fair_reserve: float = FAIR_RESERVE
+    fair_hold: float = FAIR_HOLD
     # Admit a waiting request only when the pool could hold its whole known sequence
     # (vLLM's scheduler_reserve_full_isl). False: as soon as its first chunk fits,
     # which under memory pressure admits a long prompt, preempts it the next step and
@@ -52,6 +60,8 @@ class SchedulerConfig:
             raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
         if not 0 <= self.fair_reserve < 1:
             raise ValueError(f"fair_reserve must be in [0, 1), got {self.fair_reserve}")
+        if not 0 <= self.fair_hold <= 1:
+            raise ValueError(f"fair_hold must be in [0, 1], got {self.fair_hold}")
         if not 0 < self.speculative_min_gain <= 1:
             raise ValueError("speculative_min_gain must be in (0, 1]")
         if self.no_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

@@ -28,6 +28,8 @@ class StepDecision:
     prefill_budget: int = UNLIMITED
     # Request id -> its chunk this step at most.
     chunk_caps: dict[str, int] = field(default_factory=dict)
+    # Running request ids that sit this step out (they keep their KV blocks).
+    hold: frozenset[str] = frozenset()
 
 
 NO_DECISION = StepDecision()

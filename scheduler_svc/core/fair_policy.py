@@ -24,6 +24,16 @@ dominant share of DRF, Ghodsi et al., NSDI'11) is not admitted into the last
 at once. It costs the heavy tenant at most that fraction of the engine, and only
 while someone else is there; alone, a tenant has the whole engine.
 
+The hold. A seat found at once still leaves the light request's first chunk in a
+step as long as the heavy batch makes it (on the Azure replay a light prefill alone
+takes 15 ms on average; beside the heavy batch, that plus its decodes and chunks).
+So when the request first in line is new and its tenant below its share, the running
+requests of the tenants at or above theirs sit that one step out (they keep their KV
+blocks; nothing is recomputed) and their waiting ones are deferred: its first chunk
+runs with the other under-share tenants' work alone. At most `hold` of the steps (a
+token bucket, bursts of HOLD_BURST): 1/20 cost 0.6 % of output throughput on the
+Azure replay (bench/slo_bench.py; the floor a heavy batch sets: docs/policy.md).
+
 The order and the admissions only: the loop admits whatever fits of the rest, so
 the policy never idles the engine while work it may admit waits.
 
@@ -33,11 +43,13 @@ import heapq
 from collections import Counter
 from collections.abc import Mapping
 
-from flagstop.scheduler_svc.core.config import FAIR_RESERVE
+from flagstop.scheduler_svc.core.config import FAIR_HOLD, FAIR_RESERVE
 from flagstop.scheduler_svc.core.decision import PolicyView, StepDecision
 from flagstop.scheduler_svc.core.output import SchedulerOutput
 from flagstop.scheduler_svc.core.queues import FCFSQueue, RequestQueue
 from flagstop.scheduler_svc.core.request import Request
+
+HOLD_BURST = 2.0  # held steps the bucket saves up (two light requests in a row)
 
 
 def tenant_of(request: Request) -> str:
@@ -50,14 +62,17 @@ class FairPolicy:
     def __init__(
         self, prefill_weight: float = 1.0, decode_weight: float = 2.0,
         weights: Mapping[str, float] | None = None, reserve: float = FAIR_RESERVE,
+        hold: float = FAIR_HOLD,
     ) -> None:  # fmt: skip
         self.prefill_weight, self.decode_weight = prefill_weight, decode_weight
         # Tenant -> its weight (its share is its weight over the active tenants'); 1 if
         # unnamed.
         self.weights = dict(weights or {})
-        self.reserve = reserve
+        self.reserve, self.hold_rate = reserve, hold
         self.counters: dict[str, float] = {}
         self.backlogged: set[str] = set()
+        # Held steps the bucket allows now.
+        self.hold_credit = 0.0
 
     def new_waiting_queue(self) -> RequestQueue:
         return FCFSQueue()
@@ -72,10 +87,18 @@ class FairPolicy:
         self._lift(set(by_tenant))
         seats = Counter(tenant_of(r) for r in view.running)
         order = self._order(by_tenant, seats)
-        active = seats.keys() | by_tenant.keys()
-        held = self.reserve and len(active) > 1
-        defer = self._held_back(view, order, seats) if held else frozenset()
-        return StepDecision([r.request_id for r in order], defer=defer)
+        admission_order = [r.request_id for r in order]
+        tenants = seats.keys() | by_tenant.keys()
+        if len(tenants) < 2:
+            return StepDecision(admission_order)
+        blocks = self._blocks_by_tenant(view)
+        under = self._under_share(view, tenants, seats, blocks)
+        defer = self._held_back(view, order, seats, blocks) if self.reserve else frozenset()
+        if not self._takes_a_hold(order, under):
+            return StepDecision(admission_order, defer=defer)
+        hold = frozenset(r.request_id for r in view.running if tenant_of(r) not in under)
+        defer |= {r.request_id for r in order if tenant_of(r) not in under}
+        return StepDecision(admission_order, defer=defer, hold=hold)
 
     def _order(self, by_tenant: dict[str, list[Request]], seats: Counter) -> list[Request]:
         counters = self.counters
@@ -94,13 +117,42 @@ class FairPolicy:
                 heapq.heappush(heap, (counter + cost, held, tenant))
         return order
 
-    def _held_back(self, view: PolicyView, order: list[Request], seats: Counter) -> frozenset:
-        """The requests that would take a tenant above its weighted dominant share (of
-        seats or KV blocks, whichever it holds more of) and into the reserve, as the
-        loop would admit them in this order (what the requests ahead take counts)."""
+    def _takes_a_hold(self, order: list[Request], under: set[str]) -> bool:
+        """Whether this step is held for the request first in line: new, of a tenant
+        below its share, and the bucket allows it."""
+        self.hold_credit = min(HOLD_BURST, self.hold_credit + self.hold_rate)
+        head = order[0] if order else None
+        if head is None or head.num_computed_tokens or tenant_of(head) not in under:
+            return False
+        if self.hold_credit < 1:
+            return False
+        self.hold_credit -= 1
+        return True
+
+    def _blocks_by_tenant(self, view: PolicyView) -> Counter:
         blocks: Counter = Counter()
         for request in view.running:
             blocks[tenant_of(request)] += -(-request.num_tokens // view.block_size)
+        return blocks
+
+    def _under_share(
+        self, view: PolicyView, tenants: set[str], seats: Counter, blocks: Counter
+    ) -> set[str]:
+        """The tenants whose dominant share (of seats or KV blocks) is below their
+        weighted share."""
+        total_weight = sum(self.weight(t) for t in tenants)
+        num_blocks = max(1, view.num_total_blocks)
+        return {t for t in tenants
+                if max(seats[t] / view.max_num_seqs, blocks[t] / num_blocks)
+                < self.weight(t) / total_weight}  # fmt: skip
+
+    def _held_back(
+        self, view: PolicyView, order: list[Request], seats: Counter, blocks: Counter
+    ) -> frozenset:
+        """The requests that would take a tenant above its weighted dominant share (of
+        seats or KV blocks, whichever it holds more of) and into the reserve, as the
+        loop would admit them in this order (what the requests ahead take counts)."""
+        seats, blocks = seats.copy(), blocks.copy()
         weights = {t: self.weight(t) for t in seats.keys() | {tenant_of(r) for r in order}}
         total_weight = sum(weights.values())
         seats_left = view.max_num_seqs - len(view.running) - int(self.reserve * view.max_num_seqs)

@@ -151,7 +151,12 @@ def policy_for(config: SchedulerConfig) -> SchedulingPolicy:
     if config.policy == "slo":
         return make_policy("slo", shed=not config.no_shed)
     if config.policy == "fair":
-        return make_policy("fair", weights=config.tenant_weights, reserve=config.fair_reserve)
+        return make_policy(
+            "fair",
+            weights=config.tenant_weights,
+            reserve=config.fair_reserve,
+            hold=config.fair_hold,
+        )
     return make_policy(config.policy)
 
 

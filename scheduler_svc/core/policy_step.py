@@ -42,6 +42,8 @@ class PolicyStep:
         self.num_shed = 0
         # Parts of decisions ignored as nonsense (unknown ids, negative caps).
         self.num_ignored_decisions = 0
+        # Steps in which the policy held running requests out (fair's hold).
+        self.num_held_steps = 0
 
     def decide(self) -> StepDecision:
         """The policy's decision for this step, its sheds applied, its nonsense left
@@ -59,7 +61,10 @@ class PolicyStep:
         self.num_ignored_decisions += (len(decision.chunk_caps) - len(caps)
                                        + (decision.prefill_budget < 0))  # fmt: skip
         budget = decision.prefill_budget if decision.prefill_budget >= 0 else UNLIMITED
-        return StepDecision(defer=decision.defer, prefill_budget=budget, chunk_caps=caps)
+        self.num_held_steps += bool(decision.hold)
+        return StepDecision(
+            defer=decision.defer, prefill_budget=budget, chunk_caps=caps, hold=decision.hold
+        )
 
     def _shed(self, shed: Mapping[str, str], waiting: RequestQueue) -> None:
         """Waiting requests that streamed nothing yet are shed (refused: the shell tells

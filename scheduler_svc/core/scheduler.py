@@ -152,7 +152,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         step = Step.of(self.config.max_num_batched_tokens, self.policy_step.decide())
-        self._schedule_running(step)
+        self._schedule_riders(step)
         self.drafts.add_slots(step, self.kv, self.step_id)
         # Admitting while we had to preempt would only hand the freed blocks to a
         # newcomer and preempt again next step (thrashing).
@@ -180,6 +180,17 @@ class Scheduler:
     def set_policy(self, policy: SchedulingPolicy) -> None:
         """Swap the live policy between steps (the next step is its)."""
         self.waiting = self.policy_step.swap(policy, self.waiting)
+
+    def _schedule_riders(self, step: Step) -> None:
+        """The running pass over the running requests the policy did not hold out of
+        this step: held ones keep their blocks and their place, and are no victims."""
+        if not step.hold:
+            self._schedule_running(step)
+            return
+        running = self.running
+        self.running = [r for r in running if r.request_id not in step.hold]
+        self._schedule_running(step)
+        self.running = [r for r in running if r.status == RUNNING]  # less the preempted
 
     def _schedule_running(self, step: Step) -> None:
         # Running requests go first: they already hold KV blocks, and finishing them

@@ -47,6 +47,7 @@ class SchedulerStats:
     shadow_decisions: int
     shadow_agreed: int
     shadow_would_shed: int
+    num_held_steps: int
 
     def as_fields(self) -> dict:
         return asdict(self)
@@ -95,4 +96,5 @@ def make_stats(scheduler: Core) -> SchedulerStats:
         num_shed=decisions.num_shed, num_ignored_decisions=decisions.num_ignored_decisions,
         shadow_policy=shadow.name, shadow_decisions=shadow.num_decisions,
         shadow_agreed=shadow.num_agreed, shadow_would_shed=shadow.num_would_shed,
+        num_held_steps=decisions.num_held_steps,
     )  # fmt: skip

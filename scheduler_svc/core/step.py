@@ -19,6 +19,8 @@ class Step:
     chunk_caps: dict[str, int] = field(default_factory=dict)
     # Waiting request ids the policy deferred this step.
     defer: frozenset[str] = frozenset()
+    # Running request ids the policy held out of this step.
+    hold: frozenset[str] = frozenset()
     # The LoRA adapters the batch runs, counted before admission (schedule()).
     seats: AdapterSeats = field(default_factory=lambda: AdapterSeats(0))
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
@@ -31,7 +33,13 @@ class Step:
 
     @classmethod
     def of(cls, token_budget: int, decision: StepDecision) -> "Step":
-        return cls(token_budget, decision.prefill_budget, decision.chunk_caps, decision.defer)
+        return cls(
+            token_budget,
+            decision.prefill_budget,
+            decision.chunk_caps,
+            decision.defer,
+            decision.hold,
+        )
 
     def cap_prefill(self, request_id: str, num_tokens: int) -> int:
         """A prefill chunk of num_tokens as the policy's budget and cap allow."""
