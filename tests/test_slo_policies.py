@@ -350,6 +350,19 @@ def test_fair_runs_a_light_tenants_first_chunk_in_a_step_of_its_own():
     assert scheduler.policy_step.num_held_steps == 0
 
 
+def test_a_hold_never_idles_the_engine():
+    # Every seat taken (no reserve): the light request cannot be admitted, so the step
+    # its hold would have emptied runs the heavy decodes instead.
+    scheduler, clock = engine(make_policy("fair", reserve=0.0, hold=1.0), max_num_seqs=4)
+    for i in range(4):
+        scheduler.add_request(request(f"heavy{i}", 16, 50, tenant="heavy"))
+    advance(scheduler, clock, scheduler.schedule())
+    scheduler.add_request(request("light0", 16, 5, now=clock.now, tenant="light"))
+    plan = scheduler.schedule()
+    assert plan.num_scheduled_tokens.keys() == {f"heavy{i}" for i in range(4)}
+    check_invariants(scheduler)
+
+
 def test_fair_holds_at_most_its_fraction_of_the_steps():
     policy = make_policy("fair", hold=0.25)
     scheduler, clock = engine(policy, budget=128, max_num_seqs=8)

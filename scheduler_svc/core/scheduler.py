@@ -160,6 +160,7 @@ class Scheduler:
             step.seats = AdapterSeats.of(self.running, self.config.max_loras)
             self._schedule_loaded(step)
             self._schedule_waiting(step)
+        self._drop_an_idle_hold(step)
         plan = self._make_output(step)
         self.policy_step.observe(plan, self.requests)
         self.transfers.attach(plan, self.kv)
@@ -191,6 +192,15 @@ class Scheduler:
         self.running = [r for r in running if r.request_id not in step.hold]
         self._schedule_running(step)
         self.running = [r for r in running if r.status == RUNNING]  # less the preempted
+
+    def _drop_an_idle_hold(self, step: Step) -> None:
+        """A hold that left the step empty (the request it was for could not be
+        admitted: no seat, no blocks) is dropped and the held requests ride: no policy
+        idles the engine while work it may run waits."""
+        if step.hold and not step.num_scheduled_tokens:
+            step.hold = frozenset()
+            self._schedule_running(step)
+            self.drafts.add_slots(step, self.kv, self.step_id)
 
     def _schedule_running(self, step: Step) -> None:
         # Running requests go first: they already hold KV blocks, and finishing them
