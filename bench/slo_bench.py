@@ -41,7 +41,7 @@ from flagstop.replay import (
     report,
     scaled,
 )
-from flagstop.scheduler_svc.core.config import FAIR_RESERVE
+from flagstop.scheduler_svc.core.config import FAIR_HOLD, FAIR_RESERVE
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
 WORKLOADS = {  # name: (file, TTFT ms, TPOT ms)
@@ -216,7 +216,10 @@ def main() -> None:
         f"FAST 2025).\n\n{slo}\n\n## Tenant fairness\n\nEach trace at {FAIR_LOAD}x capacity, "
         "one tenant sending 10x the other's rate; the light tenant's TTFT beside the heavy "
         "one against its replay alone (`fair`: VTC, prefill weight 1, output weight 2, "
-        f"reserve {FAIR_RESERVE:.3g} of seats and KV blocks; docs/policy.md):\n\n{fair}\n\n"
+        f"reserve {FAIR_RESERVE:.3g} of seats and KV blocks, hold on at most {FAIR_HOLD:.3g} of "
+        "the steps; docs/policy.md). Its floor: per light request, the lag the heavy steps of "
+        "that run force on it plus its own steps as they took alone; no order beats it without "
+        f"shortening the heavy steps:\n\n{fair}\n\n"
         f"## Replay speed\n\n{speed}\n"
     )
 
