@@ -68,6 +68,10 @@ class ExecutorConfig(BaseModel):
     kv_transfer_timeout_s: PositiveFloat = 10.0
     """--kv-role decode: a handshake, lease call or read of a prefill executor taking
     longer fails, and the request recomputes its prompt here"""
+    media_store_bytes: PositiveInt = 1 << 30
+    """a vision-language model: the host bytes of images' pixels kept from their
+    PrepareMedia to their encoder step (the most recent; a request whose image left
+    before its encoder step fails, naming this flag)"""
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     """share of the GPU's memory for weights, activations and the KV cache (CUDA)"""
     max_num_seqs: PositiveInt = 256

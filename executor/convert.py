@@ -4,6 +4,7 @@ one encoder is the scheduler's (scheduler_svc/convert.py: step_to_proto)."""
 
 from flagstop.executor.sampling_params import SampleOutput, SamplingParams, TokenLogprobs
 from flagstop.scheduler_svc.core.kv_connector import KVConnectorMetadata, KVLoad, KVSend
+from flagstop.scheduler_svc.core.media import media_from_proto
 from flagstop.scheduler_svc.core.output import (
     CachedRequestData,
     NewRequestData,
@@ -75,13 +76,14 @@ def plan_from_proto(step: executor_pb2.StepRequest) -> SchedulerOutput:
         plan.scheduled_new_reqs.append(NewRequestData(
             r.req_id, list(r.token_ids), r.num_prompt_tokens,
             sampling_from_proto(r.sampling_params), list(r.block_ids), r.num_computed_tokens,
-            r.lora_name,
+            r.lora_name, media_from_proto(r.media),
         ))  # fmt: skip
         plan.num_scheduled_tokens[r.req_id] = r.num_scheduled_tokens
     plan.total_num_scheduled_tokens = sum(plan.num_scheduled_tokens.values())
     if p.HasField("kv_connector"):
         plan.kv_connector = transfers_from_proto(p.kv_connector)
     plan.poll_kv_transfers = p.poll_kv_transfers
+    plan.encoder_inputs, plan.encoder_frees = list(p.encoder_inputs), list(p.encoder_frees)
     return plan
 
 

@@ -5,7 +5,8 @@ off, so the step never asks whether one is on:
 - `self.lora` (lora/manager.py; NoLoRA at --max-loras 0): each token's adapter;
 - `self.drafter` (speculative/drafter.py; no proposer at k = 0): the step's drafts;
 - `self.grammars` (grammar_rows.py): the constrained rows' masks, loaded on first use;
-- `self.kv_worker` (kv_transfers/; NoKVWorker without one): KV beyond the pool."""
+- `self.kv_worker` (kv_transfers/; NoKVWorker without one): KV beyond the pool;
+- `self.media` (media.py; TextOnly for a text model): images' encoder and embeddings."""
 
 import uuid
 from collections.abc import Callable
@@ -28,7 +29,10 @@ from flagstop.executor.kv_transfers.base import (
 )
 from flagstop.executor.kv_transfers.factory import make_kv_worker
 from flagstop.executor.lora.manager import lora_manager
+from flagstop.executor.media import Images, TextOnly, pixels_from_bytes
+from flagstop.executor.models.config import ModelConfig
 from flagstop.executor.models.loader import load_model
+from flagstop.executor.models.quantization import ConfigError
 from flagstop.executor.parallel import SINGLE, TensorParallel
 from flagstop.executor.prompt_logprobs import prompt_logprobs
 from flagstop.executor.rejection_sampler import verify
@@ -56,6 +60,16 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in dtypes:
         raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(dtypes)} or auto")
     return dtypes[name]
+
+
+def media_component(config: ExecutorConfig, mc: ModelConfig, dtype: torch.dtype,
+                    device: torch.device, tp: TensorParallel) -> Images | TextOnly:  # fmt: skip
+    if mc.vision is None:
+        return TextOnly()
+    if tp.size > 1:
+        raise ConfigError("a vision-language model runs on one rank for now: "
+                          "--tensor-parallel-size 1")  # fmt: skip
+    return Images(config.model, mc, dtype, device, config.media_store_bytes)
 
 
 class ModelRunner:
@@ -98,6 +112,7 @@ class ModelRunner:
         self.num_speculative_tokens = config.num_speculative_tokens
         self.speculative_method = config.speculative_method
         self.drafter = make_drafter(config, self, tp.rank)
+        self.media = media_component(config, mc, self.dtype, self.device, tp)
         self.grammars = GrammarRows(config.model, mc.vocab_size, mc.eos_token_ids,
                                     config.max_num_seqs)  # fmt: skip
         self.last_inputs: StepInputs | None = None  # ranks > 0: awaiting sampled tokens
@@ -200,7 +215,10 @@ class ModelRunner:
         drafts = self.drafter.drafts(self.batch, scheduled, self.grammars)
         inputs = prepare_inputs(self.batch, scheduled, self.device, drafts)
         self.lora.set_rows(self.batch, inputs.rows, inputs.token_rows)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attention)
+        positions, embeds = self.media.inputs(
+            self.batch, inputs.token_rows, inputs.token_positions, inputs.positions
+        )
+        hidden = self.model(inputs.input_ids, positions, self.kv_caches, inputs.attention, embeds)
         inputs.hidden = hidden  # for a drafter that reads them (drafter.computed)
         logits = self.model.compute_logits(hidden[inputs.all_logits_indices])
         if plan.kv_connector:
@@ -214,6 +232,7 @@ class ModelRunner:
         self.grammars.removed(plan, self.batch)
         self.drafter.removed(plan)
         self.batch.apply(plan)
+        self.media.apply(plan, self.batch)
         if self.tp.rank == 0:  # the rank that samples
             self.grammars.added(plan, self.batch)
             self.drafter.added(plan, self.batch)
@@ -306,6 +325,10 @@ class ModelRunner:
     def prepare_grammar(self, grammar: Constraint) -> float:
         """Compile a constraint ahead of its request (on a thread): seconds taken."""
         return self.grammars.prepare(grammar)
+
+    def prepare_media(self, key: bytes, pixels: bytes, shape: list[int], dtype: str,
+                      grid: list[int]) -> None:  # fmt: skip
+        self.media.put(key, pixels_from_bytes(pixels, shape, dtype, grid))
 
     def lora_adapters(self) -> dict[str, LoadedAdapter]:
         return self.lora.summaries()

@@ -74,6 +74,12 @@ class Runner(Protocol):
         """Drop an adapter; False when none of that name is registered."""
         ...
 
+    def prepare_media(self, key: bytes, pixels: bytes, shape: list[int], dtype: str,
+                      grid: list[int]) -> None:  # fmt: skip
+        """An image's pixels (the router's processor's), kept by its hash until an
+        encoder step needs them. Raises ValueError (a text-only model, bad pixels)."""
+        ...
+
     def prepare_grammar(self, grammar: Constraint) -> float:
         """Compile a request's output constraint ahead of it (called on a thread);
         the seconds it took. Raises GrammarError."""

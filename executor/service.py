@@ -71,6 +71,7 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
                            for name, a in runner.lora_adapters().items()],
             kv_role=generation_pb2.KVRole.Value(f"KV_ROLE_{runner.config.kv_role.upper()}"),
             kv_layout=runner.kv_layout, kv_layers=layers_to_proto(runner.kv_layers),
+            accepts_images=mc.vision is not None,
         )  # fmt: skip
         return executor_pb2.DescribeExecutorResponse(
             model=model, max_num_seqs=runner.config.max_num_seqs,
@@ -113,6 +114,15 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         except GrammarError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return executor_pb2.PrepareGrammarResponse(compile_seconds=seconds)
+
+    async def PrepareMedia(self, request, context) -> executor_pb2.PrepareMediaResponse:
+        try:
+            for item in request.items:
+                self.runner.prepare_media(item.hash, item.pixel_values, list(item.shape),
+                                          item.dtype, list(item.grid))  # fmt: skip
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return executor_pb2.PrepareMediaResponse()
 
     async def LoadLoRAAdapter(self, request, context) -> generation_pb2.LoadLoRAAdapterResponse:
         name = request.lora_name

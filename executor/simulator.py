@@ -167,6 +167,10 @@ class SimulatedRunner:
     def take_expert_tokens(self) -> None:
         return None  # the simulator routes nothing
 
+    def prepare_media(self, key: bytes, pixels: bytes, shape: list[int], dtype: str,
+                      grid: list[int]) -> None:  # fmt: skip
+        raise ValueError("the executor simulator (a load-test tool) serves no images")
+
     def prepare_grammar(self, grammar: Constraint) -> float:
         """Nothing to compile: the simulator's tokens are not sampled from a model, so
         a constrained request runs unconstrained here (a load-test tool)."""

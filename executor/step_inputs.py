@@ -41,6 +41,7 @@ class StepInputs:
     sampling: SamplingMetadata
     rows: np.ndarray  # batch row of each scheduled request, plan order
     token_rows: np.ndarray  # batch row of each token of the forward, in its order
+    token_positions: np.ndarray  # and its position in its request
     num_scheduled: np.ndarray
     sampling_rows: np.ndarray
     # Prompt logprobs: the rows of the hidden states to score after logits_indices,
@@ -105,6 +106,7 @@ def prepare_inputs(
         sampling=sampling_metadata(batch, sampling_rows, t, offsets),
         rows=rows,
         token_rows=flat.token_rows,
+        token_positions=flat.positions,
         num_scheduled=num_scheduled,
         sampling_rows=rows[samples],
         prompt_indices=prompt_indices,

@@ -20,6 +20,8 @@ from flagstop.adapters import already_loaded, name_refusal
 from flagstop.health import Health
 from flagstop.router.admission import AdmissionBudget
 from flagstop.router.detokenizer import StopStringMatcher, new_detokenizer
+from flagstop.router.media.inputs import ImageRef, router_media
+from flagstop.router.media.processor import Processed
 from flagstop.router.objective_defaults import ObjectiveDefaults
 from flagstop.router.pending import ChunkBuilder, Pending, RequestFailed
 from flagstop.router.recorder import recorder
@@ -50,6 +52,7 @@ class RouterEngine:
         self.budget = AdmissionBudget(settings.max_queued_requests, settings.max_queued_tokens)
         self.objectives = ObjectiveDefaults(settings.slo_defaults)
         self.recorder = recorder(settings.record_workload)
+        self.media = router_media(settings, tokenizer)  # images (TextOnlyMedia: none)
         self.replicas = ReplicaSet(settings, self.requests, self.fan_out, self._readiness)
         self.accepting = True
 
@@ -101,26 +104,44 @@ class RouterEngine:
         request: generation_pb2.GenerateRequest,
         metadata=(),
         operation: str = "text_completion",
+        media: Processed | None = None,
     ) -> Pending:
         """Validate and queue one request; stream() it, then release() it. metadata:
         the call's headers (a W3C traceparent makes the request part of the client's
-        trace). Raises RequestFailed (the refusal recorded with --record-workload)."""
+        trace); media: its prompt as processed with its images (process_images).
+        Raises RequestFailed (the refusal recorded with --record-workload)."""
         arrival = time.time()
         try:
-            return self._queue(request, metadata, operation, arrival)
+            return self._queue(request, metadata, operation, arrival, media)
         except RequestFailed as e:
             self.recorder.refused(request, self.tokenizer, arrival, e)
             raise
 
+    async def process_images(self, request: generation_pb2.GenerateRequest) -> Processed | None:
+        """A gRPC request's images, with its prompt text (None: it has none). Raises
+        RequestFailed."""
+        images = [ImageRef(f"images[{i}]", image.url, image.data)
+                  for i, image in enumerate(request.images)]  # fmt: skip
+        if images and not request.prompt:
+            raise RequestFailed(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "images need a text prompt holding their placeholders, not prompt_token_ids",
+                "prompt",
+            )
+        try:
+            return await self.media.process(request.prompt, images, add_special_tokens=True)
+        except RequestRejected as e:
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.param) from None
+
     def _queue(self, request: generation_pb2.GenerateRequest, metadata, operation: str,
-               arrival: float) -> Pending:  # fmt: skip
+               arrival: float, media: Processed | None) -> Pending:  # fmt: skip
         limits = self.check_serving()
         lora_name, lora_id = request.lora_name, ""
         if lora_name and (lora_id := self.replicas.adapter_id(lora_name)) is None:
             message = f"LoRA adapter {lora_name!r} is not loaded (/v1/models lists them)"
             raise RequestFailed(grpc.StatusCode.NOT_FOUND, message, "model")
         try:
-            token_ids = prompt_ids(request, self.tokenizer)
+            token_ids = media.token_ids if media else prompt_ids(request, self.tokenizer)
             sampling = validate(request, token_ids, limits)
         except RequestRejected as e:
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.param) from None
@@ -143,6 +164,9 @@ class RouterEngine:
             request_class=objectives.request_class, slo_ttft_ms=ms_of(objectives.ttft_s),
             slo_tpot_ms=ms_of(objectives.tpot_s),
         )  # fmt: skip
+        if media is not None:
+            add.media.extend(media.media)
+            add.media_data.extend(media.media_data)
         if request.HasField("max_tokens"):
             add.max_tokens = request.max_tokens
         if request.HasField("num_speculative_tokens"):

@@ -20,6 +20,11 @@ from flagstop.v1 import generation_pb2, scheduler_pb2, scheduler_pb2_grpc
 log = logging.getLogger("flagstop.router")
 
 
+# Images' pixels in one message to the scheduler at most (a request's own may be more,
+# alone): several requests' images never add up past gRPC's message limit.
+MEDIA_BYTES_PER_MESSAGE = 16 << 20
+
+
 class Fleet(Protocol):
     """What a replica tells the router's set of replicas (replicas.py's ReplicaSet)."""
 
@@ -214,8 +219,15 @@ class Replica:
             self.flush.clear()
             msg = scheduler_pb2.RouterMessage(aborts=self.aborts)
             self.aborts = []
+            num_pixel_bytes = 0
             while self.credits and self.admission:
-                msg.adds.append(self.admission.pop())
+                add = self.admission.pop()
+                num_pixel_bytes += sum(len(m.pixel_values) for m in add.media_data)
+                if msg.adds and num_pixel_bytes > MEDIA_BYTES_PER_MESSAGE:
+                    self.admission.push_front([add])  # its images ride the next message
+                    self.flush.set()
+                    break
+                msg.adds.append(add)
                 self.credits -= 1
             msg.num_queued = len(self.admission)
             if msg.adds:

@@ -36,6 +36,7 @@ from flagstop.router.settings import RouterSettings
 from flagstop.router.telemetry import ROUTED, export_model
 from flagstop.router.validation import ModelLimits
 from flagstop.scheduler_svc.core.kv_cache_manager import chain_hashes, lora_root
+from flagstop.scheduler_svc.core.media import media_from_proto
 from flagstop.server import TLSConfig
 from flagstop.settings import config_from
 from flagstop.v1 import generation_pb2, scheduler_pb2
@@ -202,7 +203,8 @@ class ReplicaSet:
         token_ids, hashes = add.prompt_token_ids, []
         if self.settings.routing == "prefix":
             hashes = chain_hashes(list(token_ids), self.model_info.block_size,
-                                  parent_hash=lora_root(add.lora_id))  # fmt: skip
+                                  parent_hash=lora_root(add.lora_id),
+                                  media=media_from_proto(add.media))  # fmt: skip
         views = self._views(replicas)
         # Prompt logprobs come out of a prefill's logits, and a remainder bound for a
         # decode replica has had its prefill: neither is split (again).

@@ -112,7 +112,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         await _refuse_undecodable(request, context)
         request_id = None
         try:
-            pending = self.engine.submit(request, context.invocation_metadata())
+            media = await self.engine.process_images(request) if request.images else None
+            pending = self.engine.submit(request, context.invocation_metadata(), media=media)
             request_id = pending.request_id
             async for chunk in self.engine.stream(pending):
                 yield chunk

@@ -72,6 +72,17 @@ class RouterSettings(ServiceSettings):
     default_chat_template_kwargs: dict[str, Any] | None = None
     """JSON: variables every chat template renders with unless a request's
     chat_template_kwargs says otherwise, e.g. '{"enable_thinking": false}'"""
+    limit_mm_per_prompt: dict[str, NonNegativeInt] = Field(default_factory=lambda: {"image": 8})
+    """a vision-language model: the most images a prompt may carry, as JSON (vLLM's
+    flag): '{"image": 8}'; past it a 400"""
+    media_max_bytes: PositiveInt = 20 << 20
+    """an image's encoded bytes at most (a data: URL's, a fetched one's)"""
+    media_max_pixels: PositiveInt = 4096 * 4096
+    """an image's pixels (width x height) at most, checked before it is decoded"""
+    media_fetch_timeout_s: PositiveFloat = 10.0
+    """an http(s) image URL's fetch, whole, at most"""
+    allowed_local_media_path: Path | None = None
+    """file:// image URLs are read under this directory only; unset: never"""
     scheduler: str = "127.0.0.1:50052"
     """the replicas' schedulers, comma-separated: HOST:PORT, or dns:NAME:PORT for every
     address a name resolves to (a Kubernetes headless Service). SIGHUP reads the list

@@ -9,6 +9,7 @@ from flagstop.scheduler_svc.core.kv_connector import (
     KVTransferResult,
 )
 from flagstop.scheduler_svc.core.kv_groups import KVLayer
+from flagstop.scheduler_svc.core.media import media_from_proto, media_to_proto
 from flagstop.scheduler_svc.core.objectives import NO_OBJECTIVES, Objectives, seconds_of
 from flagstop.scheduler_svc.core.output import SchedulerOutput, StepOutcome
 from flagstop.scheduler_svc.core.request import Request, StopParams
@@ -61,6 +62,8 @@ def request_from_proto(
         do_remote_decode=add.kv_transfer.do_remote_decode,
         remote_prefill=handoff_from_proto(add.kv_transfer)
         if add.kv_transfer.remote_endpoint else None,
+        media=media_from_proto(add.media),
+        media_data=add.media_data,
     )  # fmt: skip
 
 
@@ -109,17 +112,20 @@ def step_to_proto(plan: SchedulerOutput) -> executor_pb2.StepRequest:
     if plan.kv_connector:
         transfers_to_proto(plan.kv_connector, out.kv_connector)
     out.poll_kv_transfers = plan.poll_kv_transfers
+    out.encoder_inputs.extend(plan.encoder_inputs)
+    out.encoder_frees.extend(plan.encoder_frees)
     admitted = {d.req_id: d for d in (*plan.scheduled_new_reqs, *plan.scheduled_resumed_reqs)}
     # Batch order: running first, then admitted in admission order, as the core
     # scheduled them (the order in which sampled tokens come back).
     for req_id in itertools.islice(num_scheduled, len(c.req_ids), None):
         d = admitted[req_id]
-        out.scheduled_new_reqs.add(
+        new = out.scheduled_new_reqs.add(
             req_id=d.req_id, token_ids=d.token_ids, num_prompt_tokens=d.num_prompt_tokens,
             sampling_params=d.sampling_params, block_ids=d.block_ids,
             num_computed_tokens=d.num_computed_tokens, num_scheduled_tokens=num_scheduled[req_id],
             lora_name=d.lora_name,
         )  # fmt: skip
+        media_to_proto(d.media, new.media)
     return step
 
 

@@ -60,8 +60,14 @@ class LinkHooks:
     fail_all: Callable[[grpc.StatusCode, str], None]
     # The executor came or went.
     on_connection: Callable[[], None]
-    # A new executor instance answered (its adapters restored).
+    # A new executor instance answered (its adapters and images restored).
     on_new_executor: Callable[[executor_pb2.DescribeExecutorResponse], None]
+    # The images' pixels of every request still here: a new executor gets them again.
+    media_in_flight: Callable[[], list[generation_pb2.MediaData]]
+
+
+# Pixels in one PrepareMedia call at most (below gRPC's message limit).
+MEDIA_BYTES_PER_CALL = 16 << 20
 
 
 class ExecutorLink:
@@ -161,6 +167,7 @@ class ExecutorLink:
                 await self.reconnect.wait()
                 continue
             await self._restore_adapters(info)
+            await self._restore_media()
             self.info.model.num_host_blocks = info.model.num_host_blocks
             self.hooks.on_new_executor(info)
             return info
@@ -236,6 +243,28 @@ class ExecutorLink:
             structured_outputs=add.sampling.structured_outputs
         )
         await self.stub.PrepareGrammar(request, timeout=self.settings.executor_timeout)
+
+    async def prepare_media(self, items) -> None:
+        """Send images' pixels to the executor, a message of at most
+        MEDIA_BYTES_PER_CALL each (one image alone may be more; raises AioRpcError)."""
+        batch, num_bytes = executor_pb2.PrepareMediaRequest(), 0
+        for item in items:
+            if batch.items and num_bytes + len(item.pixel_values) > MEDIA_BYTES_PER_CALL:
+                await self.stub.PrepareMedia(batch, timeout=self.settings.executor_timeout)
+                batch, num_bytes = executor_pb2.PrepareMediaRequest(), 0
+            batch.items.append(item)
+            num_bytes += len(item.pixel_values)
+        if batch.items:
+            await self.stub.PrepareMedia(batch, timeout=self.settings.executor_timeout)
+
+    async def _restore_media(self) -> None:
+        """A new executor holds no pixels: those of every request still here go
+        again, before its first step (a step's encoder work reads them)."""
+        items = self.hooks.media_in_flight()
+        try:
+            await self.prepare_media(items)
+        except grpc.aio.AioRpcError as e:  # its steps fail those requests, one line each
+            log.error("could not send %d images to the new executor: %s", len(items), e.code())
 
     # -- the step stream -------------------------------------------------------
 

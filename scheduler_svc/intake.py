@@ -1,6 +1,7 @@
 """A request's way into the core: refused while nothing can serve it, held while the
-executor compiles its grammar (vLLM's WAITING_FOR_FSM: the request waits, the batch
-does not), its LoRA adapter resolved to the identity it runs under, then added."""
+executor takes its images' pixels and compiles its grammar (vLLM's WAITING_FOR_FSM:
+the request waits, the batch does not), its LoRA adapter resolved to the identity it
+runs under, then added."""
 
 import asyncio
 import logging
@@ -48,8 +49,8 @@ class Intake:
             return request_error(add.request_id, grpc.StatusCode.UNAVAILABLE,
                                  "the scheduler is not serving (starting, stopping, or no "
                                  "executor)")  # fmt: skip
-        if add.sampling.HasField("structured_outputs"):
-            task = asyncio.create_task(self._compile_then_admit(conn, add))
+        if add.sampling.HasField("structured_outputs") or add.media_data:
+            task = asyncio.create_task(self._prepare_then_admit(conn, add))
             self.compiling[add.request_id] = (conn.router_id, task)
             return None
         return self._admit(conn, add, core.scheduler)
@@ -69,18 +70,19 @@ class Intake:
         self.telemetry.on_add(add.request_id, len(add.prompt_token_ids), add.traceparent)
         return None
 
-    async def _compile_then_admit(self, conn: RouterConnection, add: scheduler_pb2.AddRequest):
-        """A grammar the executor refuses ends the request with INVALID_ARGUMENT; an
-        executor that does not answer (lost, restarting) leaves the compile to the
-        request's first step."""
+    async def _prepare_then_admit(self, conn: RouterConnection, add: scheduler_pb2.AddRequest):
+        """Pixels or a grammar the executor refuses end the request with
+        INVALID_ARGUMENT; an executor that does not answer (lost, restarting) gets the
+        pixels again when it is back (ExecutorLink._restore_media) and leaves the
+        compile to the request's first step."""
         error = None
         try:
-            await self.link.prepare_grammar(add)
+            if add.media_data:
+                await self._prepare(self.link.prepare_media(add.media_data), add, "images")
+            if add.sampling.HasField("structured_outputs"):
+                await self._prepare(self.link.prepare_grammar(add), add, "grammar")
         except grpc.aio.AioRpcError as e:
-            if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
-                error = request_error(add.request_id, e.code(), e.details())
-            else:
-                log.warning("grammar of %s not compiled ahead: %s", add.request_id, e.code())
+            error = request_error(add.request_id, e.code(), e.details())
         finally:
             self.compiling.pop(add.request_id, None)
         if conn.closed or self.core.scheduler is None:
@@ -89,6 +91,16 @@ class Intake:
         if error is not None:
             conn.send_errors([error])
         self.link.wakeup.set()
+
+    @staticmethod
+    async def _prepare(call, add: scheduler_pb2.AddRequest, what: str) -> None:
+        """Raises AioRpcError for a refusal; the executor's absence is logged."""
+        try:
+            await call
+        except grpc.aio.AioRpcError as e:
+            if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+                raise
+            log.warning("%s of %s not prepared ahead: %s", what, add.request_id, e.code())
 
     def cancel(self, request_ids) -> None:
         for request_id in request_ids:

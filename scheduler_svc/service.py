@@ -67,7 +67,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             before_schedule=lambda scheduler: self.policy_client.maybe_query(scheduler),
             num_queued_at_routers=lambda: self.links.num_queued,
             fail_all=self.fail_all, on_connection=self.executor_changed,
-            on_new_executor=self.executor_replaced,
+            on_new_executor=self.executor_replaced, media_in_flight=self.media_in_flight,
         )  # fmt: skip
         self.link = ExecutorLink(settings, self.tls, telemetry, hooks)
         # The router links come last, and the earlier parts call them late (lambdas).
@@ -90,7 +90,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             info = await self.link.first_executor()
             config = s.core_config(
                 info.model.max_model_len, info.model.block_size, info.num_speculative_tokens,
-                info.model.max_loras,
+                info.model.max_loras, info.model.accepts_images,
             )  # fmt: skip
             groups = kv_cache_groups(kv_layers_from_proto(info.model))
         except (ExecutorMismatch, ValueError) as e:
@@ -110,6 +110,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             extras += f"{info.num_speculative_tokens})"
         if info.model.num_host_blocks:
             extras += f", a host tier of {info.model.num_host_blocks} blocks"
+        if config.max_num_encoder_input_tokens:
+            extras += (
+                f", images (an encoder budget of {config.max_num_encoder_input_tokens}"
+                f" tokens a step, a cache of {config.encoder_cache_size})"
+            )
         if info.model.kv_role:
             role = generation_pb2.KVRole.Name(info.model.kv_role).removeprefix("KV_ROLE_")
             extras += f", KV role {role.lower()}"
@@ -158,6 +163,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.adapters.changed()
         if self.kv_connector is not None:
             self.kv_connector.executor_replaced(info.kv_endpoint, info.kv_engine_id)
+
+    def media_in_flight(self) -> list:
+        scheduler = self.scheduler
+        if scheduler is None:
+            return []
+        return [item for r in scheduler.requests.values() for item in r.media_data]
 
     async def run(self) -> None:
         await self.connect_executor()
@@ -261,6 +272,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         reply.model.max_model_len = self.scheduler.config.max_model_len  # --max-model-len
         reply.model.num_blocks = self.scheduler.num_total_blocks  # the pool of the executor now
         reply.model.kv_capacity_tokens = self.scheduler.kv_capacity_tokens
+        config = self.scheduler.config
+        reply.model.max_num_encoder_input_tokens = config.max_num_encoder_input_tokens
+        reply.model.encoder_cache_size = config.encoder_cache_size
         return reply
 
     async def GetStats(self, request, context) -> scheduler_pb2.GetStatsResponse:

@@ -79,6 +79,14 @@ class SchedulerSettings(ServiceSettings):
     """the remote policy's address"""
     policy_deadline_ms: PositiveFloat = 20.0
     """past it a policy query is dropped and FCFS used meanwhile"""
+    max_num_encoder_input_tokens: PositiveInt | None = None
+    """a vision-language model: the image embedding tokens the encoder computes a step
+    (the encoder's budget beside the token budget; an image larger is refused at
+    admission); default: --max-num-batched-tokens"""
+    encoder_cache_size: PositiveInt | None = None
+    """a vision-language model: the image embedding tokens the executor's encoder cache
+    holds (images a running request still needs, then the most recent others);
+    default: --max-num-encoder-input-tokens"""
     speculative_disable_batch_size: PositiveInt = CORE.speculative_disable_batch_size
     """speculative decoding: from this many decodes in a step on, none drafts"""
     speculative_min_gain: float = Field(CORE.speculative_min_gain, gt=0, le=1)
@@ -114,13 +122,17 @@ class SchedulerSettings(ServiceSettings):
 
     def core_config(
         self, executor_max_model_len: int, block_size: int, num_speculative_tokens: int = 0,
-        max_loras: int = 0,
+        max_loras: int = 0, accepts_images: bool = False,
     ) -> SchedulerConfig:  # fmt: skip
         """The core's config once the executor has described itself (its model's
-        length, its block size, the draft tokens it proposes, its LoRA slots; raises
-        ValueError for a combination the core cannot run)."""
+        length, its block size, the draft tokens it proposes, its LoRA slots, whether
+        it reads images; raises ValueError for a combination the core cannot run)."""
+        encoder_budget = self.max_num_encoder_input_tokens or self.max_num_batched_tokens
         return config_from(
             self, SchedulerConfig,
             max_model_len=self.max_model_len or executor_max_model_len, block_size=block_size,
             num_speculative_tokens=num_speculative_tokens, max_loras=max_loras,
+            max_num_encoder_input_tokens=encoder_budget if accepts_images else 0,
+            encoder_cache_size=(self.encoder_cache_size or encoder_budget)
+            if accepts_images else 0,
         )  # fmt: skip

@@ -20,6 +20,7 @@ class Job:
     stop_token_ids: frozenset[int] = frozenset()
     num_speculative_tokens: int | None = None
     lora_name: str = ""  # the adapter it runs ("": the base model)
+    media: tuple = ()  # its images' MediaPlaceholders (their pixels put to the runner)
 
 
 @dataclass(slots=True)
@@ -37,12 +38,15 @@ class EngineRun:
 def run_engine(
     runner, jobs: list[Job], config: SchedulerConfig, steps_in_flight: int = 2,
     num_blocks: int | None = None, eos_token_ids: frozenset[int] = frozenset(),
-    timestamps: bool = False, on_step=None,
+    timestamps: bool = False, on_step=None, scheduler: Scheduler | None = None,
 ) -> EngineRun:  # fmt: skip
     """Every job to its end; outputs in job order. The runner starts from an empty
-    batch (as on a new scheduler stream). on_step(scheduler): after each plan."""
+    batch (as on a new scheduler stream). on_step(scheduler): after each plan;
+    scheduler: one to go on with (its caches as an earlier run left them)."""
     runner.reset()
-    scheduler = Scheduler(config, num_blocks or runner.num_blocks, kv_groups=runner.kv_groups)
+    if scheduler is None:
+        scheduler = Scheduler(config, num_blocks or runner.num_blocks,
+                              kv_groups=runner.kv_groups)  # fmt: skip
     adapters = runner.lora_adapters()
     for i, job in enumerate(jobs):
         request = Request(
@@ -51,7 +55,7 @@ def run_engine(
                        stop_token_ids=job.stop_token_ids),
             eos_token_ids=eos_token_ids, sampling_params=job.sampling_params,
             num_speculative_tokens=job.num_speculative_tokens, lora_name=job.lora_name,
-            lora_id=adapters[job.lora_name].id if job.lora_name else "",
+            lora_id=adapters[job.lora_name].id if job.lora_name else "", media=job.media,
         )  # fmt: skip
         scheduler.add_request(request)
     run = EngineRun([[] for _ in jobs], scheduler=scheduler)

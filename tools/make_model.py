@@ -153,6 +153,8 @@ ARCHS = {
                 "embedding_multiplier": 12.0, "attention_multiplier": 0.0625,
                 "residual_multiplier": 0.22, "logits_scaling": 8.0},
 }  # fmt: skip
+# Vision-language models (tools/make_vision_model.py: made by transformers' classes).
+VISION_ARCHS = ("qwen2_5_vl",)
 DEEPSEEK_LAYOUT = ("deepseek_v3", "glm4_moe")  # routed + shared experts, first layer dense
 GEMMA_PATTERN = 6  # a global layer after every 5 local ones
 NUM_EXPERTS, EXPERTS_PER_TOKEN = 8, 2
@@ -506,7 +508,7 @@ def write_json(path: Path, data: dict) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m tools.make_model", description=__doc__)
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
-    parser.add_argument("--arch", choices=sorted(ARCHS), default="llama")
+    parser.add_argument("--arch", choices=sorted([*ARCHS, *VISION_ARCHS]), default="llama")
     parser.add_argument(
         "--out", type=Path, default=None, help="default: models/flagstop-SIZE[-ARCH]"
     )
@@ -531,7 +533,12 @@ def main() -> None:
     if args.if_missing and (out / "config.json").exists():
         print(f"{out} is there")
         return
-    model = write_model(out, args.size, args.seed, args.arch, args.thinking, args.harmony)
+    if args.arch in VISION_ARCHS:
+        from tools.make_vision_model import write_vision_model
+
+        model = write_vision_model(out, args.size, args.seed)
+    else:
+        model = write_model(out, args.size, args.seed, args.arch, args.thinking, args.harmony)
     print(f"wrote {model}")
 
 

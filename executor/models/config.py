@@ -13,6 +13,8 @@ from flagstop.executor.models.config_sections import (
     MoeConfig,
     Multipliers,
     RecurrentConfig,
+    VisionConfig,
+    language_fields,
 )
 from flagstop.executor.models.families import ARCHITECTURES, Architecture
 from flagstop.executor.models.quantization import ConfigError, QuantConfig
@@ -102,6 +104,7 @@ class ModelConfig:
     # every norm is Gemma's (1 + w).
     recurrent: RecurrentConfig | None = None
     multipliers: Multipliers | None = None  # Granite's scalars (None: all 1)
+    vision: VisionConfig | None = None  # a vision-language model's images (None: text)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":
@@ -114,6 +117,8 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any], eos: int | list[int] | None = None) -> "ModelConfig":
         arch = _architecture(hf)
+        if arch.vision is not None:
+            top, hf = hf, language_fields(hf)
         if (act := hf.get("hidden_act", "silu")) != "silu":
             raise ConfigError(f"hidden_act={act!r}: flagstop's MLPs run silu")
         num_layers, num_heads = hf["num_hidden_layers"], hf["num_attention_heads"]
@@ -153,7 +158,10 @@ class ModelConfig:
             mla=mla,
             rotary_dim=mla.rope_dim if mla else int(head_dim * partial),
         )
-        return cls(**fields | _sections(arch, hf, num_layers, local_rope) | arch.overrides(hf))
+        vision = {} if arch.vision is None else \
+            {"vision": VisionConfig.from_hf(arch.vision, top, rope)}  # fmt: skip
+        return cls(**fields | _sections(arch, hf, num_layers, local_rope) | vision
+                   | arch.overrides(hf))  # fmt: skip
 
     @property
     def attention_gated(self) -> bool:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flagstop.executor.models.expert_routing import Routing
-from flagstop.executor.models.families.family import QWEN_MOE, MoeLayout
+from flagstop.executor.models.families.family import QWEN_MOE, MoeLayout, VisionLayout
 from flagstop.executor.models.quantization import ConfigError
 
 # Routing fields of the other MoE families with the value that means "the plain softmax
@@ -283,3 +283,37 @@ class Multipliers:
                    float(hf.get("attention_multiplier", 1.0)),
                    float(hf.get("residual_multiplier", 1.0)),
                    float(hf.get("logits_scaling", 1.0)))  # fmt: skip
+
+
+@dataclass(slots=True, frozen=True)
+class VisionConfig:
+    """A vision-language model's image side: its placeholder token, how its tower
+    merges patches into embeddings, its multimodal RoPE sections, and the tower's own
+    config (vision_config, which transformers' tower class reads)."""
+
+    layout: VisionLayout
+    image_token_id: int
+    spatial_merge_size: int
+    # Per rotary dimension pair, which position (temporal, height, width) turns it:
+    # the first mrope_section[0] pairs the temporal, and so on.
+    mrope_section: tuple[int, ...]
+    tower_config: dict[str, Any]
+
+    @classmethod
+    def from_hf(cls, layout: VisionLayout, hf: dict[str, Any], rope: dict[str, Any]
+                ) -> "VisionConfig":  # fmt: skip
+        tower = hf.get("vision_config") or {}
+        section = tuple(rope.get("mrope_section") or ()) if layout.mrope else ()
+        if layout.mrope and len(section) != 3:
+            raise ConfigError(f"rope_parameters.mrope_section={section!r}: multimodal RoPE "
+                              "takes three sections (temporal, height, width)")  # fmt: skip
+        return cls(layout, hf["image_token_id"], tower.get("spatial_merge_size", 2), section,
+                   tower)  # fmt: skip
+
+
+def language_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """A vision-language config's language model as a text model's config: its
+    text_config's fields over the top level's (which keeps the architecture, the tied
+    embeddings and the image token ids)."""
+    top = {k: v for k, v in hf.items() if k not in ("text_config", "vision_config")}
+    return top | hf.get("text_config", {})

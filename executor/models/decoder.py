@@ -18,6 +18,7 @@ from flagstop.executor.models.config import ModelConfig
 from flagstop.executor.models.gdn import GatedDeltaNet
 from flagstop.executor.models.layers import (
     GemmaRMSNorm,
+    MRotaryEmbedding,
     RMSNorm,
     Rope,
     RotaryEmbedding,
@@ -42,6 +43,18 @@ from flagstop.scheduler_svc.core.kv_groups import (
 
 # A layer's cache tensors: K and V, or latent attention's one latent cache.
 KVCache = tuple[torch.Tensor, ...]
+
+
+class InputEmbeds:
+    """What a step's embeddings take besides the tokens' own: nothing (a text model's
+    step); the runner's media component gives the image embeddings of the step's
+    placeholder tokens (executor/media.py)."""
+
+    def merge(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+TEXT_ONLY = InputEmbeds()
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -224,12 +237,11 @@ class Decoder(nn.Module):
         super().__init__()
         self.config, self.tp = config, tp
         # One table shared by every layer (Gemma's window layers: a second one).
-        self.rotary = RotaryEmbedding(
-            config.rotary_dim,
-            config.max_position_embeddings,
-            config.rope_theta,
-            config.rope_scaling,
-        )
+        rope = (config.rotary_dim, config.max_position_embeddings, config.rope_theta,
+                config.rope_scaling)  # fmt: skip
+        vision = config.vision
+        self.rotary = MRotaryEmbedding(*rope, vision.mrope_section) \
+            if vision is not None and vision.mrope_section else RotaryEmbedding(*rope)  # fmt: skip
         self.rotary_tables = [self.rotary]
         if (gemma := config.gemma) is not None:
             self.rotary_tables.append(RotaryEmbedding(
@@ -292,12 +304,14 @@ class Decoder(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         metas: Sequence[AttentionMetadata],
+        embeds: InputEmbeds = TEXT_ONLY,
     ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] of one flattened step; kv_caches by layer,
-        metas by KV cache group."""
+        metas by KV cache group; embeds: the images' at their placeholders."""
         x, residual = self.embed_tokens(input_ids), None
         if (scale := self.embed_scale) is not None:
             x = x * (torch.tensor(scale, dtype=x.dtype) if self.embed_scale_rounded else scale)
+        x = embeds.merge(x)
         ropes = tuple(table.lookup(positions) for table in self.rotary_tables)
         for layer, kv_cache, g in zip(self.layers, kv_caches, self.layer_groups, strict=True):
             x, residual = layer(ropes, x, residual, kv_cache, metas[g])

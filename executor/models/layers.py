@@ -138,6 +138,31 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal RoPE (Qwen-VL): a step's positions are [3, T] (temporal, height,
+    width), and rotary pair i turns by the position of its section (sections: pairs
+    per position, transformers' mrope_section). Text's three positions are equal,
+    where this is plain RoPE; 1-D positions are looked up as such."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float,
+                 scaling: dict | None, sections: tuple[int, ...]) -> None:  # fmt: skip
+        self.sections = sections
+        super().__init__(head_dim, max_positions, theta, scaling)
+
+    def build(self, device: torch.device) -> None:
+        super().build(device)
+        sections = [s for s, n in enumerate(self.sections) for _ in range(n)]
+        self.section_of_pair = torch.tensor(sections, device=device)
+        self.pairs = torch.arange(len(sections), device=device)
+
+    def lookup(self, positions: torch.Tensor) -> Rope:
+        if positions.dim() == 1:
+            return super().lookup(positions)
+        cos, sin = self.cos[positions], self.sin[positions]  # [3, T, D/2]
+        pick = (self.section_of_pair, slice(None), self.pairs)  # -> [D/2, T]
+        return cos[pick].T.unsqueeze(1), sin[pick].T.unsqueeze(1)
+
+
 def apply_rotary(rope: Rope, q: torch.Tensor, k: torch.Tensor):
     """q [T, H, D], k [T, KVH, D] rotated, returned in their own dtype: their first
     rotary dimensions (the table's: all of D but under partial rotary, GLM-4.5's)."""

@@ -62,8 +62,9 @@ def main_layers(num_layers: int) -> Names:
     """The main model's tensors: every one but the prediction layers'."""
 
     def name(hf_name: str) -> str | None:
-        if hf_name.startswith("mtp."):
-            return None
+        if hf_name.startswith(("mtp.", "visual.", "model.visual.")):
+            return None  # the vision tower's: models/vision.py loads them
+        hf_name = hf_name.replace("model.language_model.", "model.", 1)
         return hf_name if (m := LAYER.match(hf_name)) is None or int(m[1]) < num_layers else None
 
     return name

@@ -75,6 +75,16 @@ class PrepareGrammarRequest(_message.Message):
     structured_outputs: _generation_pb2.StructuredOutputs
     def __init__(self, structured_outputs: _Optional[_Union[_generation_pb2.StructuredOutputs, _Mapping]] = ...) -> None: ...
 
+class PrepareMediaRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[_generation_pb2.MediaData]
+    def __init__(self, items: _Optional[_Iterable[_Union[_generation_pb2.MediaData, _Mapping]]] = ...) -> None: ...
+
+class PrepareMediaResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class PrepareGrammarResponse(_message.Message):
     __slots__ = ("compile_seconds",)
     COMPILE_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -145,7 +155,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[int] = ..., structured_outputs: _Optional[_Union[_generation_pb2.StructuredOutputs, _Mapping]] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class NewRequestData(_message.Message):
-    __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "sampling_params", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "lora_name")
+    __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "sampling_params", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "lora_name", "media")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +164,7 @@ class NewRequestData(_message.Message):
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_prompt_tokens: int
@@ -162,7 +173,8 @@ class NewRequestData(_message.Message):
     num_computed_tokens: int
     num_scheduled_tokens: int
     lora_name: str
-    def __init__(self, req_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    media: _containers.RepeatedCompositeFieldContainer[_generation_pb2.MediaPlaceholder]
+    def __init__(self, req_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., lora_name: _Optional[str] = ..., media: _Optional[_Iterable[_Union[_generation_pb2.MediaPlaceholder, _Mapping]]] = ...) -> None: ...
 
 class CachedRequestData(_message.Message):
     __slots__ = ("req_ids", "num_computed_tokens", "num_scheduled_tokens", "num_new_blocks", "new_block_ids", "num_draft_slots")
@@ -181,7 +193,7 @@ class CachedRequestData(_message.Message):
     def __init__(self, req_ids: _Optional[_Iterable[str]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_draft_slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SchedulerOutput(_message.Message):
-    __slots__ = ("finished_req_ids", "preempted_req_ids", "scheduled_cached_reqs", "scheduled_new_reqs", "trimmed_req_ids", "trimmed_num_blocks", "kv_connector", "poll_kv_transfers")
+    __slots__ = ("finished_req_ids", "preempted_req_ids", "scheduled_cached_reqs", "scheduled_new_reqs", "trimmed_req_ids", "trimmed_num_blocks", "kv_connector", "poll_kv_transfers", "encoder_inputs", "encoder_frees")
     FINISHED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     SCHEDULED_CACHED_REQS_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +202,8 @@ class SchedulerOutput(_message.Message):
     TRIMMED_NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_CONNECTOR_FIELD_NUMBER: _ClassVar[int]
     POLL_KV_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_FREES_FIELD_NUMBER: _ClassVar[int]
     finished_req_ids: _containers.RepeatedScalarFieldContainer[str]
     preempted_req_ids: _containers.RepeatedScalarFieldContainer[str]
     scheduled_cached_reqs: CachedRequestData
@@ -198,7 +212,9 @@ class SchedulerOutput(_message.Message):
     trimmed_num_blocks: _containers.RepeatedScalarFieldContainer[int]
     kv_connector: KVConnectorMetadata
     poll_kv_transfers: bool
-    def __init__(self, finished_req_ids: _Optional[_Iterable[str]] = ..., preempted_req_ids: _Optional[_Iterable[str]] = ..., scheduled_cached_reqs: _Optional[_Union[CachedRequestData, _Mapping]] = ..., scheduled_new_reqs: _Optional[_Iterable[_Union[NewRequestData, _Mapping]]] = ..., trimmed_req_ids: _Optional[_Iterable[str]] = ..., trimmed_num_blocks: _Optional[_Iterable[int]] = ..., kv_connector: _Optional[_Union[KVConnectorMetadata, _Mapping]] = ..., poll_kv_transfers: _Optional[bool] = ...) -> None: ...
+    encoder_inputs: _containers.RepeatedScalarFieldContainer[bytes]
+    encoder_frees: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, finished_req_ids: _Optional[_Iterable[str]] = ..., preempted_req_ids: _Optional[_Iterable[str]] = ..., scheduled_cached_reqs: _Optional[_Union[CachedRequestData, _Mapping]] = ..., scheduled_new_reqs: _Optional[_Iterable[_Union[NewRequestData, _Mapping]]] = ..., trimmed_req_ids: _Optional[_Iterable[str]] = ..., trimmed_num_blocks: _Optional[_Iterable[int]] = ..., kv_connector: _Optional[_Union[KVConnectorMetadata, _Mapping]] = ..., poll_kv_transfers: _Optional[bool] = ..., encoder_inputs: _Optional[_Iterable[bytes]] = ..., encoder_frees: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class KVLoad(_message.Message):
     __slots__ = ("req_id", "block_ids", "source_ids", "endpoint", "engine_id", "transfer_id")

@@ -50,6 +50,11 @@ class ExecutorStub:
                 request_serializer=flagstop_dot_v1_dot_executor__pb2.PrepareGrammarRequest.SerializeToString,
                 response_deserializer=flagstop_dot_v1_dot_executor__pb2.PrepareGrammarResponse.FromString,
                 _registered_method=True)
+        self.PrepareMedia = channel.unary_unary(
+                '/flagstop.v1.Executor/PrepareMedia',
+                request_serializer=flagstop_dot_v1_dot_executor__pb2.PrepareMediaRequest.SerializeToString,
+                response_deserializer=flagstop_dot_v1_dot_executor__pb2.PrepareMediaResponse.FromString,
+                _registered_method=True)
         self.LoadLoRAAdapter = channel.unary_unary(
                 '/flagstop.v1.Executor/LoadLoRAAdapter',
                 request_serializer=flagstop_dot_v1_dot_generation__pb2.LoadLoRAAdapterRequest.SerializeToString,
@@ -97,6 +102,15 @@ class ExecutorServicer:
         """Compiles a request's output constraint before the request is scheduled, off the
         step loop (the scheduler holds the request until this answers): OK when ready,
         INVALID_ARGUMENT with the grammar engine's message when it does not compile.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrepareMedia(self, request, context):
+        """A request's images' pixels, ahead of the request (the scheduler holds it until
+        this answers): kept by hash until an encoder step needs them. INVALID_ARGUMENT
+        for a text-only model or pixels that do not match their shape.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -160,6 +174,11 @@ def add_ExecutorServicer_to_server(servicer, server):
                     servicer.PrepareGrammar,
                     request_deserializer=flagstop_dot_v1_dot_executor__pb2.PrepareGrammarRequest.FromString,
                     response_serializer=flagstop_dot_v1_dot_executor__pb2.PrepareGrammarResponse.SerializeToString,
+            ),
+            'PrepareMedia': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareMedia,
+                    request_deserializer=flagstop_dot_v1_dot_executor__pb2.PrepareMediaRequest.FromString,
+                    response_serializer=flagstop_dot_v1_dot_executor__pb2.PrepareMediaResponse.SerializeToString,
             ),
             'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.LoadLoRAAdapter,
@@ -268,6 +287,33 @@ class Executor:
             '/flagstop.v1.Executor/PrepareGrammar',
             flagstop_dot_v1_dot_executor__pb2.PrepareGrammarRequest.SerializeToString,
             flagstop_dot_v1_dot_executor__pb2.PrepareGrammarResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareMedia(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagstop.v1.Executor/PrepareMedia',
+            flagstop_dot_v1_dot_executor__pb2.PrepareMediaRequest.SerializeToString,
+            flagstop_dot_v1_dot_executor__pb2.PrepareMediaResponse.FromString,
             options,
             channel_credentials,
             insecure,

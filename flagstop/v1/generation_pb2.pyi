@@ -66,7 +66,7 @@ class UnloadLoRAAdapterResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "temperature", "top_p", "top_k", "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "priority", "logprobs", "labels", "structured_outputs", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_p", "logit_bias", "prompt_logprobs", "num_speculative_tokens", "lora_name", "slo_ttft_ms", "slo_tpot_ms", "tenant", "request_class")
+    __slots__ = ("prompt", "prompt_token_ids", "temperature", "top_p", "top_k", "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "priority", "logprobs", "labels", "structured_outputs", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_p", "logit_bias", "prompt_logprobs", "num_speculative_tokens", "lora_name", "slo_ttft_ms", "slo_tpot_ms", "tenant", "request_class", "images")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,7 @@ class GenerateRequest(_message.Message):
     SLO_TPOT_MS_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     REQUEST_CLASS_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     temperature: float
@@ -135,7 +136,42 @@ class GenerateRequest(_message.Message):
     slo_tpot_ms: float
     tenant: str
     request_class: str
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., priority: _Optional[int] = ..., logprobs: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., structured_outputs: _Optional[_Union[StructuredOutputs, _Mapping]] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., prompt_logprobs: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., lora_name: _Optional[str] = ..., slo_ttft_ms: _Optional[float] = ..., slo_tpot_ms: _Optional[float] = ..., tenant: _Optional[str] = ..., request_class: _Optional[str] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[ImageInput]
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., priority: _Optional[int] = ..., logprobs: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., structured_outputs: _Optional[_Union[StructuredOutputs, _Mapping]] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., prompt_logprobs: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., lora_name: _Optional[str] = ..., slo_ttft_ms: _Optional[float] = ..., slo_tpot_ms: _Optional[float] = ..., tenant: _Optional[str] = ..., request_class: _Optional[str] = ..., images: _Optional[_Iterable[_Union[ImageInput, _Mapping]]] = ...) -> None: ...
+
+class ImageInput(_message.Message):
+    __slots__ = ("data", "url")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    URL_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    url: str
+    def __init__(self, data: _Optional[bytes] = ..., url: _Optional[str] = ...) -> None: ...
+
+class MediaPlaceholder(_message.Message):
+    __slots__ = ("hash", "offset", "length", "grid")
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    GRID_FIELD_NUMBER: _ClassVar[int]
+    hash: bytes
+    offset: int
+    length: int
+    grid: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, hash: _Optional[bytes] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., grid: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class MediaData(_message.Message):
+    __slots__ = ("hash", "pixel_values", "shape", "dtype", "grid")
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    PIXEL_VALUES_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    GRID_FIELD_NUMBER: _ClassVar[int]
+    hash: bytes
+    pixel_values: bytes
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    grid: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, hash: _Optional[bytes] = ..., pixel_values: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., grid: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StructuredOutputs(_message.Message):
     __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar", "strict", "after_token_ids", "force_after_within", "open_token_ids", "num_prompt_tokens_constrained")
@@ -218,7 +254,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "max_model_len", "eos_token_ids", "block_size", "num_blocks", "lora_adapters", "max_loras", "num_host_blocks", "kv_role", "kv_layout", "kv_layers", "kv_capacity_tokens")
+    __slots__ = ("model_name", "vocab_size", "max_model_len", "eos_token_ids", "block_size", "num_blocks", "lora_adapters", "max_loras", "num_host_blocks", "kv_role", "kv_layout", "kv_layers", "kv_capacity_tokens", "accepts_images", "max_num_encoder_input_tokens", "encoder_cache_size")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +268,9 @@ class ModelInfo(_message.Message):
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     KV_LAYERS_FIELD_NUMBER: _ClassVar[int]
     KV_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_ENCODER_INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_CACHE_SIZE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     max_model_len: int
@@ -245,7 +284,10 @@ class ModelInfo(_message.Message):
     kv_layout: str
     kv_layers: _containers.RepeatedCompositeFieldContainer[KVCacheLayer]
     kv_capacity_tokens: int
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ..., max_loras: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., kv_role: _Optional[_Union[KVRole, str]] = ..., kv_layout: _Optional[str] = ..., kv_layers: _Optional[_Iterable[_Union[KVCacheLayer, _Mapping]]] = ..., kv_capacity_tokens: _Optional[int] = ...) -> None: ...
+    accepts_images: bool
+    max_num_encoder_input_tokens: int
+    encoder_cache_size: int
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ..., max_loras: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., kv_role: _Optional[_Union[KVRole, str]] = ..., kv_layout: _Optional[str] = ..., kv_layers: _Optional[_Iterable[_Union[KVCacheLayer, _Mapping]]] = ..., kv_capacity_tokens: _Optional[int] = ..., accepts_images: _Optional[bool] = ..., max_num_encoder_input_tokens: _Optional[int] = ..., encoder_cache_size: _Optional[int] = ...) -> None: ...
 
 class KVCacheLayer(_message.Message):
     __slots__ = ("attention", "sliding_window", "sinks", "kv_bytes_per_token")

@@ -35,7 +35,7 @@ class DescribeSchedulerResponse(_message.Message):
     def __init__(self, model: _Optional[_Union[_generation_pb2.ModelInfo, _Mapping]] = ...) -> None: ...
 
 class AddRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "max_tokens", "min_tokens", "ignore_eos", "stop_token_ids", "priority", "arrival_time", "traceparent", "labels", "num_speculative_tokens", "lora_name", "kv_transfer", "lora_id", "slo_ttft_ms", "slo_tpot_ms", "tenant", "request_class")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "max_tokens", "min_tokens", "ignore_eos", "stop_token_ids", "priority", "arrival_time", "traceparent", "labels", "num_speculative_tokens", "lora_name", "kv_transfer", "lora_id", "slo_ttft_ms", "slo_tpot_ms", "tenant", "request_class", "media", "media_data")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,8 @@ class AddRequest(_message.Message):
     SLO_TPOT_MS_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     REQUEST_CLASS_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_DATA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _executor_pb2.SamplingParams
@@ -81,7 +83,9 @@ class AddRequest(_message.Message):
     slo_tpot_ms: float
     tenant: str
     request_class: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_executor_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., arrival_time: _Optional[float] = ..., traceparent: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., num_speculative_tokens: _Optional[int] = ..., lora_name: _Optional[str] = ..., kv_transfer: _Optional[_Union[KVTransferParams, _Mapping]] = ..., lora_id: _Optional[str] = ..., slo_ttft_ms: _Optional[float] = ..., slo_tpot_ms: _Optional[float] = ..., tenant: _Optional[str] = ..., request_class: _Optional[str] = ...) -> None: ...
+    media: _containers.RepeatedCompositeFieldContainer[_generation_pb2.MediaPlaceholder]
+    media_data: _containers.RepeatedCompositeFieldContainer[_generation_pb2.MediaData]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_executor_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., arrival_time: _Optional[float] = ..., traceparent: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., num_speculative_tokens: _Optional[int] = ..., lora_name: _Optional[str] = ..., kv_transfer: _Optional[_Union[KVTransferParams, _Mapping]] = ..., lora_id: _Optional[str] = ..., slo_ttft_ms: _Optional[float] = ..., slo_tpot_ms: _Optional[float] = ..., tenant: _Optional[str] = ..., request_class: _Optional[str] = ..., media: _Optional[_Iterable[_Union[_generation_pb2.MediaPlaceholder, _Mapping]]] = ..., media_data: _Optional[_Iterable[_Union[_generation_pb2.MediaData, _Mapping]]] = ...) -> None: ...
 
 class KVTransferParams(_message.Message):
     __slots__ = ("do_remote_decode", "remote_endpoint", "remote_engine_id", "transfer_id", "remote_block_ids", "num_remote_tokens")

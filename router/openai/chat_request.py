@@ -3,10 +3,11 @@ OpenAI API defines it; its conversion to GenerateRequests is the shared
 OpenAIRequest's (protocol.py), the tool choice a constraint of its own."""
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from flagstop.router.media.inputs import ImageRef
 from flagstop.router.openai.errors import OpenAIError
 from flagstop.router.openai.protocol import (
     VLLM_UNSUPPORTED,
@@ -21,6 +22,19 @@ from flagstop.v1 import generation_pb2
 class TextPart(BaseModel):
     type: Literal["text"]
     text: str
+
+
+class ImageURL(BaseModel):
+    url: str = Field(min_length=1)  # data:, http(s): or file: (docs/multimodal.md)
+    detail: Literal["auto", "low", "high"] | None = None  # accepted, not used
+
+
+class ImageURLPart(BaseModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImageURLPart, Field(discriminator="type")]
 
 
 class FunctionDefinition(BaseModel):
@@ -60,16 +74,17 @@ class ChatMessage(BaseModel):
 
     # "developer" is OpenAI's newer name for "system".
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # a tool's reply to one
 
     def as_template_input(self) -> dict[str, Any]:
         """The message as chat templates read it (Hugging Face's convention: a call's
         arguments as an object, where the API sends JSON text)."""
-        content = self.content
+        content: Any = self.content
         if isinstance(content, list):
-            content = "".join(part.text for part in content)
+            content = _template_parts(content) if self.images() else \
+                "".join(part.text for part in content if isinstance(part, TextPart))  # fmt: skip
         role = "system" if self.role == "developer" else self.role
         message: dict[str, Any] = {"role": role, "content": content or ""}
         if self.tool_calls:
@@ -81,6 +96,18 @@ class ChatMessage(BaseModel):
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         return message
+
+    def images(self) -> list[ImageURLPart]:
+        content = self.content
+        return [p for p in content if isinstance(p, ImageURLPart)] if isinstance(content, list) \
+            else []  # fmt: skip
+
+
+def _template_parts(parts: list) -> list[dict[str, str]]:
+    """Content with images as chat templates read it (Hugging Face's convention): text
+    parts, and an {"type": "image"} where each image goes (its placeholder)."""
+    return [{"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"}
+            for p in parts]  # fmt: skip
 
 
 def _arguments(call: ToolCall) -> Any:
@@ -239,6 +266,12 @@ class ChatCompletionRequest(TemplateParams, OpenAIRequest):
             *found,
             ("tool_choice", structured_outputs(json_schema=json.dumps(schema), strict=True)),
         ]
+
+    def image_refs(self) -> list[ImageRef]:
+        """Its images in prompt order, each named by where it is in the request."""
+        return [ImageRef(f"messages[{i}].content[{j}]", url=part.image_url.url)
+                for i, m in enumerate(self.messages) if isinstance(m.content, list)
+                for j, part in enumerate(m.content) if isinstance(part, ImageURLPart)]  # fmt: skip
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools as chat templates take them; none when tool_choice is none."""

@@ -33,7 +33,13 @@ async def completions(body: CompletionRequest, http: Request, front: Front) -> R
 async def chat_completions(body: ChatCompletionRequest, http: Request, front: Front) -> Response:
     front.check_model(body.model)
     path = front.chat_path
-    prompt = path.render(body)
+    prompt = await front.render(body)
     outputs = path.outputs(body, prompt)
-    return await front.respond(http, body, "chat", path.requests(body, prompt),
-                               lambda i, pending: Choice(i, output=outputs()))  # fmt: skip
+    return await front.respond(
+        http,
+        body,
+        "chat",
+        path.requests(body, prompt),
+        lambda i, pending: Choice(i, output=outputs()),
+        prompt.media,
+    )

@@ -20,10 +20,12 @@ from flagstop.router.openai.bodies import Choice, ResponseBuilder, TokenTexts
 from flagstop.router.openai.chat_path import ChatPath
 from flagstop.router.openai.errors import OpenAIError, from_failure, internal_error, stream_error
 from flagstop.router.openai.harmony import HarmonyPath
+from flagstop.router.openai.outputs import Rendered
 from flagstop.router.openai.reasoning import HARMONY
 from flagstop.router.openai.sse import DONE, sse
 from flagstop.router.pending import Pending, RequestFailed
 from flagstop.router.settings import RouterSettings
+from flagstop.scheduler_svc.core.limits import RequestRejected
 
 log = logging.getLogger("flagstop.router.http")
 
@@ -74,12 +76,29 @@ class OpenAIFront:
             request.lora_name = lora_name
         return requests
 
-    def submit(self, requests, metadata, operation: str) -> list[Pending]:
+    async def render(self, body) -> Rendered:
+        """A chat body's prompt, with its images fetched and processed: its token ids
+        then the processor's (each image's placeholder expanded). Raises OpenAIError
+        (400; a text-only model refuses images before its template sees them)."""
+        images, media = body.image_refs(), self.engine.media
+        try:
+            if images and not media.accepts_images:
+                await media.process("", images, add_special_tokens=False)  # its refusal
+            prompt = self.chat_path.render(body)
+            if not images:
+                return prompt
+            processed = await media.process(prompt.text, images, add_special_tokens=False)
+        except RequestRejected as e:
+            raise OpenAIError(400, str(e), e.param) from None
+        assert processed is not None
+        return Rendered(prompt.text, processed.token_ids, processed)
+
+    def submit(self, requests, metadata, operation: str, media=None) -> list[Pending]:
         """All of a response's choices, or none (one refused releases the others)."""
         pendings: list[Pending] = []
         try:
             for request in requests:
-                pendings.append(self.engine.submit(request, metadata, operation))
+                pendings.append(self.engine.submit(request, metadata, operation, media))
         except RequestFailed as e:
             for pending in pendings:
                 self.engine.release(pending)
@@ -102,28 +121,30 @@ class OpenAIFront:
             choices.append(choice)
         return choices
 
-    def start_one(self, http: Request, body, operation: str):
+    async def start_one(self, http: Request, body, operation: str):
         """A chat-shaped request of one choice (Responses, Messages: body is its chat
         request) rendered, submitted, and its reader made: (builder, choice, pending)."""
         path = self.chat_path
-        prompt = path.render(body)
+        prompt = await self.render(body)
         outputs = path.outputs(body, prompt)
         requests = self.with_adapter(path.requests(body, prompt), body.model)
-        [pending] = self.submit(requests, list(http.headers.items()), operation)
+        [pending] = self.submit(requests, list(http.headers.items()), operation, prompt.media)
         builder = self.builder(body, "chat")
         [choice] = self.choices(body, [pending], lambda i, p: Choice(i, output=outputs()))
         builder.usage.prompt_tokens = len(pending.prompt_token_ids)
         return builder, choice, pending
 
     async def respond(
-        self, http: Request, body, kind: str, requests, make: Callable[[int, Pending], Choice]
-    ) -> Response:
+        self, http: Request, body, kind: str, requests, make: Callable[[int, Pending], Choice],
+        media=None,
+    ) -> Response:  # fmt: skip
         """Submit a response's requests and answer: whole, or as Server-Sent Events.
-        make: each choice's Choice (echo, tools), given its index and request."""
+        make: each choice's Choice (echo, tools), given its index and request; media:
+        the prompt's processed images (with_images)."""
         builder = self.builder(body, kind)
         operation = "chat" if kind == "chat" else "text_completion"
         requests = self.with_adapter(requests, body.model)
-        pendings = self.submit(requests, list(http.headers.items()), operation)
+        pendings = self.submit(requests, list(http.headers.items()), operation, media)
         choices = self.choices(body, pendings, make)
         builder.usage.prompt_tokens = sum(len(c.prompt_token_ids) for c in choices
                                           if c.counts_prompt)  # fmt: skip

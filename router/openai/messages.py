@@ -62,7 +62,7 @@ async def count_tokens(body: CountTokensRequest, front: Front) -> Response:
 @api.post("/v1/messages")
 async def messages(body: MessagesRequest, http: Request, front: Front) -> Response:
     front.check_model(body.model)
-    builder, choice, pending = front.start_one(http, as_chat(body), "chat")
+    builder, choice, pending = await front.start_one(http, as_chat(body), "chat")
     events = MessageEvents(body.model, builder)
     if body.stream:
         chunks = await front.started(http, front.engine.stream(pending), [pending])

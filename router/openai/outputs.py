@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
+from flagstop.router.media.processor import Processed
 from flagstop.router.openai.reasoning import (
     FORMATS,
     NoReasoning,
@@ -89,6 +90,9 @@ class Rendered:
 
     text: str
     token_ids: list[int]
+    # Its images processed (router/media/): the token ids are then the processor's,
+    # each image's placeholders expanded; None: text only.
+    media: Processed | None = None
 
 
 class ReasoningSetup:

@@ -18,7 +18,7 @@ api = APIRouter(dependencies=[Depends(authorized)])
 @api.post("/v1/responses")
 async def responses(body: ResponsesRequest, http: Request, front: Front) -> Response:
     served = front.check_model(body.model)
-    builder, choice, pending = front.start_one(http, as_chat(body), "responses")
+    builder, choice, pending = await front.start_one(http, as_chat(body), "responses")
     events, engine = ResponseEvents(body, served), front.engine
     if body.stream:
         chunks = await front.started(http, engine.stream(pending), [pending])

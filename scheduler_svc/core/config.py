@@ -46,6 +46,10 @@ class SchedulerConfig:
     # LoRA: the most distinct adapters among the running requests (the executor's
     # --max-loras slots); 0: no adapters.
     max_loras: int = 0
+    # Images (a vision-language model; 0: text only): the embedding tokens the encoder
+    # computes a step, and those its cache holds (encoder_cache.py).
+    max_num_encoder_input_tokens: int = 0
+    encoder_cache_size: int = 0
 
     def __post_init__(self) -> None:
         if min(self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len) < 1:
@@ -56,6 +60,8 @@ class SchedulerConfig:
             raise ValueError("long_prefill_token_threshold must be >= 0")
         if self.num_speculative_tokens < 0 or self.speculative_disable_batch_size < 1:
             raise ValueError("num_speculative_tokens >= 0, speculative_disable_batch_size >= 1")
+        if min(self.max_num_encoder_input_tokens, self.encoder_cache_size) < 0:
+            raise ValueError("max_num_encoder_input_tokens and encoder_cache_size must be >= 0")
         if self.max_loras < 0:
             raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
         if not 0 <= self.fair_reserve < 1:

@@ -5,14 +5,15 @@ from dataclasses import dataclass
 
 from flagstop.scheduler_svc.core.block_pool import BlockPool, KVCacheBlock
 from flagstop.scheduler_svc.core.kv_groups import KVCacheGroup, group_key, kv_cache_groups
+from flagstop.scheduler_svc.core.media import MediaPlaceholder
 from flagstop.scheduler_svc.core.request import Request
 from flagstop.utils import cdiv
 
 
-def hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:
+def hash_block(parent_hash: bytes, token_ids: list[int], extra: bytes = b"") -> bytes:
     # sha256 rather than hash(): the cache is shared by every client, and a colliding
     # hash would hand one request another's KV (vLLM moved to sha256 for this reason).
-    return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
+    return hashlib.sha256(parent_hash + array("q", token_ids).tobytes() + extra).digest()
 
 
 def lora_root(lora_id: str) -> bytes:
@@ -24,13 +25,19 @@ def lora_root(lora_id: str) -> bytes:
 
 
 def chain_hashes(
-    token_ids: list[int], block_size: int, first_block: int = 0, parent_hash: bytes = b""
-) -> list[bytes]:
+    token_ids: list[int], block_size: int, first_block: int = 0, parent_hash: bytes = b"",
+    media: Sequence[MediaPlaceholder] = (),
+) -> list[bytes]:  # fmt: skip
     """The chained hashes of the full blocks of token_ids from first_block on (whose
-    parent's hash is parent_hash): the prefix cache's keys, and the router's too."""
+    parent's hash is parent_hash): the prefix cache's keys, and the router's too. A
+    block that covers an image's placeholders hashes the image's content hash too
+    (vLLM's extra keys): the same text with another image never hits."""
     hashes = []
     for start in range(first_block * block_size, len(token_ids) - block_size + 1, block_size):
-        parent_hash = hash_block(parent_hash, token_ids[start : start + block_size])
+        end = start + block_size
+        extra = b"".join(m.hash for m in media if m.offset < end and m.end > start) \
+            if media else b""  # fmt: skip
+        parent_hash = hash_block(parent_hash, token_ids[start:end], extra)
         hashes.append(parent_hash)
     return hashes
 
@@ -109,7 +116,8 @@ class KVCacheManager:
             return
         hashes = request.block_hashes
         hashes += chain_hashes(request.all_token_ids, self.block_size, len(hashes),
-                               hashes[-1] if hashes else lora_root(request.lora_id))  # fmt: skip
+                               hashes[-1] if hashes else lora_root(request.lora_id),
+                               request.media)  # fmt: skip
 
     # -- prefix hits ---------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from flagstop.scheduler_svc.core.kv_connector import (
     KVHandoff,
     KVTransferResult,
 )
+from flagstop.scheduler_svc.core.media import MediaPlaceholder
 from flagstop.scheduler_svc.core.request import FinishReason, Request
 
 
@@ -30,6 +31,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int = 0  # prefix-cache hits: already in the KV cache
     lora_name: str = ""  # the LoRA adapter it runs ("": the base model alone)
+    media: tuple[MediaPlaceholder, ...] = ()  # its images' hashes and placeholders
 
     @classmethod
     def from_request(
@@ -37,7 +39,7 @@ class NewRequestData:
     ) -> "NewRequestData":
         return cls(request.request_id, token_ids, request.num_prompt_tokens,
                    request.sampling_params, block_ids, request.num_computed_tokens,
-                   request.lora_name)  # fmt: skip
+                   request.lora_name, request.media)  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -80,6 +82,10 @@ class SchedulerOutput:
     # transfers are under way that the result should report on.
     kv_connector: KVConnectorMetadata | None = None
     poll_kv_transfers: bool = False
+    # The encoder's: images to run before this step's forward (their embeddings go
+    # into the encoder cache), and cached embeddings to drop (encoder_cache.py).
+    encoder_inputs: list[bytes] = field(default_factory=list)
+    encoder_frees: list[bytes] = field(default_factory=list)
 
     @property
     def polls_only(self) -> bool:
@@ -91,6 +97,7 @@ class SchedulerOutput:
         return not (
             self.num_scheduled_tokens or self.finished_req_ids or self.preempted_req_ids
             or self.trimmed_blocks or self.kv_connector or self.poll_kv_transfers
+            or self.encoder_frees
         )  # fmt: skip
 
 

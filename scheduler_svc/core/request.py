@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flagstop.scheduler_svc.core.kv_handoff import KVHandoff
+from flagstop.scheduler_svc.core.media import MediaPlaceholder
 from flagstop.scheduler_svc.core.objectives import NO_OBJECTIVES, Objectives
 
 
@@ -122,6 +123,11 @@ class Request:
     do_remote_decode: bool = False
     kv_handoff: KVHandoff | None = None
     remote_prefill: KVHandoff | None = None
+    # Its images (media.py), by prompt position: their hashes key its blocks, and the
+    # encoder cache computes their embeddings before a chunk reaches them.
+    media: tuple[MediaPlaceholder, ...] = ()
+    # Opaque to the core: their pixels, which a new executor is sent again.
+    media_data: Any = ()
     status: RequestStatus = RequestStatus.WAITING
     all_token_ids: list[int] = field(init=False)
     num_prompt_tokens: int = field(init=False)

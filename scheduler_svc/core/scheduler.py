@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Sequence
 from flagstop.scheduler_svc.core.adapter_seats import AdapterSeats
 from flagstop.scheduler_svc.core.config import SchedulerConfig
 from flagstop.scheduler_svc.core.decision import PolicyView
+from flagstop.scheduler_svc.core.encoder_cache import encoder_cache
 from flagstop.scheduler_svc.core.kv_cache_manager import (
     NO_NEW_BLOCKS,
     ComputedBlocks,
@@ -74,6 +75,8 @@ class Scheduler:
         policy = policy or policy_for(config)
         self.policy_step = PolicyStep(policy, self._policy_view, self._refuse)
         self.drafts = draft_budget(config)
+        self.encoder = encoder_cache(config.max_num_encoder_input_tokens,
+                                     config.encoder_cache_size)  # fmt: skip
         self.transfers = kv_transfers(connector)
         self.block_size = config.block_size  # read per token
         self._new_pool(num_blocks)
@@ -104,6 +107,7 @@ class Scheduler:
             raise RequestRejected(f"request id {request.request_id!r} is already in use")
         config = self.config
         check_admissible(request, config.max_model_len, self.kv_capacity_tokens, config.max_loras)
+        self.encoder.check(request)
         request.set_limits(self.max_model_len)
         self.transfers.on_add(request)
         self.kv.update_block_hashes(request)
@@ -147,11 +151,14 @@ class Scheduler:
         # The new executor starts from an empty batch: nothing of the old to drop.
         self.finished_req_ids = set()
         self.drafts.reset()
+        self.encoder = encoder_cache(self.config.max_num_encoder_input_tokens,
+                                     self.config.encoder_cache_size)  # fmt: skip
 
     # -- one step ----------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        step = Step.of(self.config.max_num_batched_tokens, self.policy_step.decide())
+        step = Step.of(self.config.max_num_batched_tokens, self.policy_step.decide(),
+                       self.encoder.budget)  # fmt: skip
         self._schedule_riders(step)
         self.drafts.add_slots(step, self.kv, self.step_id)
         # Admitting while we had to preempt would only hand the freed blocks to a
@@ -228,6 +235,8 @@ class Scheduler:
                     num_new = token_budget
                 if num_new > 1:  # a prefill (or recompute) chunk: the policy's caps apply
                     num_new = step.cap_prefill(request.request_id, num_new)
+                    num_new = self.encoder.chunk(request, request.num_computed_tokens,
+                                                 num_new, step)  # fmt: skip
             if num_new == 0:
                 i += 1
                 continue
@@ -273,6 +282,7 @@ class Scheduler:
         # recomputes prompt + outputs (cheap while its prefix stays cached).
         self.kv.free(request.request_id, request.num_computed_tokens)
         self.drafts.forget(request.request_id)
+        self.encoder.free(request)
         request.status = PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -350,9 +360,11 @@ class Scheduler:
         config = self.config
         if config.no_chunked_prefill:
             fits = num_new <= min(step.token_budget, step.cap_prefill(request.request_id, num_new))
+            fits = fits and self.encoder.chunk(request, num_cached, num_new, step) == num_new
             return num_new if fits else None
         num_new = min(num_new, config.long_prefill_token_threshold or num_new, step.token_budget)
-        return step.cap_prefill(request.request_id, num_new) or None
+        num_new = step.cap_prefill(request.request_id, num_new)
+        return self.encoder.chunk(request, num_cached, num_new, step) or None
 
     def _find_computed(self, request: Request) -> tuple[ComputedBlocks | None, int, int] | None:
         """(local hits, tokens they cover, tokens the connector can load), or None
@@ -384,6 +396,7 @@ class Scheduler:
             request.status = RUNNING
         # In num_scheduled_tokens order: running first, then admitted.
         output.num_context_tokens = step.advance(output.sampling_requests)
+        output.encoder_frees = self.encoder.take_frees()
         self.finished_req_ids = set()
         self.step_id += 1
         return output
@@ -497,6 +510,7 @@ class Scheduler:
         request.status = status
         if not self.transfers.finish(self.kv, request, was_loading):
             self.kv.free(request.request_id)
+        self.encoder.free(request)
         del self.requests[request.request_id]
         return was_running
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from flagstop.scheduler_svc.core.adapter_seats import AdapterSeats
 from flagstop.scheduler_svc.core.decision import UNLIMITED, StepDecision
+from flagstop.scheduler_svc.core.media import MediaPlaceholder
 from flagstop.scheduler_svc.core.output import CachedRequestData, NewRequestData, SchedulerOutput
 from flagstop.scheduler_svc.core.request import PREEMPTED, Request
 
@@ -30,15 +31,20 @@ class Step:
     admitted_reqs: list[Request] = field(default_factory=list)
     preempted_req_ids: set[str] = field(default_factory=set)
     num_draft_slots: dict[str, int] = field(default_factory=dict)
+    # The encoder's: embedding tokens it may still compute this step, and the images
+    # it computes (encoder_cache.py).
+    encoder_budget: int = 0
+    encoder_inputs: list[MediaPlaceholder] = field(default_factory=list)
 
     @classmethod
-    def of(cls, token_budget: int, decision: StepDecision) -> "Step":
+    def of(cls, token_budget: int, decision: StepDecision, encoder_budget: int = 0) -> "Step":
         return cls(
             token_budget,
             decision.prefill_budget,
             decision.chunk_caps,
             decision.defer,
             decision.hold,
+            encoder_budget=encoder_budget,
         )
 
     def cap_prefill(self, request_id: str, num_tokens: int) -> int:
@@ -116,4 +122,5 @@ class Step:
             sampling_requests=[],
             num_draft_slots=self.num_draft_slots,
             trimmed_blocks=trimmed_blocks,
+            encoder_inputs=[m.hash for m in self.encoder_inputs],
         )

@@ -12,13 +12,14 @@ from flagstop.executor.models.families import (
     mixtral,
     qwen,
     qwen3_next,
+    qwen_vl,
 )
-from flagstop.executor.models.families.family import Architecture, MoeLayout
+from flagstop.executor.models.families.family import Architecture, MoeLayout, VisionLayout
 
-FAMILIES = (llama, qwen, mixtral, gemma, gpt_oss, deepseek, glm, qwen3_next, granite)
+FAMILIES = (llama, qwen, mixtral, gemma, gpt_oss, deepseek, glm, qwen3_next, granite, qwen_vl)
 
 ARCHITECTURES: dict[str, Architecture] = {
     a.name: a for family in FAMILIES for a in family.ARCHITECTURES
 }
 
-__all__ = ["ARCHITECTURES", "FAMILIES", "Architecture", "MoeLayout"]
+__all__ = ["ARCHITECTURES", "FAMILIES", "Architecture", "MoeLayout", "VisionLayout"]

@@ -57,9 +57,24 @@ class Architecture:
     # Scalar multipliers on the embedding, attention, residual branches and logits
     # (Multipliers: Granite's).
     multipliers: bool = False
+    # A vision-language model: its text under text_config, images by its tower.
+    vision: "VisionLayout | None" = None
     # ModelConfig fields a config of the family sets its own way: hf -> {field: value}.
     overrides: Callable[[dict[str, Any]], dict[str, Any]] = no_overrides
 
 
 # Qwen-MoE's layout, the default of a MoeConfig built by hand.
 QWEN_MOE = MoeLayout()
+
+
+@dataclass(frozen=True, slots=True)
+class VisionLayout:
+    """A vision-language family: where its config keeps the language model's fields,
+    its vision tower (transformers' own module, models/vision.py), and its positions."""
+
+    # The transformers module and class of the vision tower, built from vision_config.
+    tower_module: str
+    tower_class: str
+    # Multimodal RoPE (Qwen-VL): each rotary dimension rotates by one of (temporal,
+    # height, width) positions, by the text config's mrope_section.
+    mrope: bool = True

@@ -1,0 +1,189 @@
+"""Images in the prompt, in process (docs/multimodal.md): Qwen2.5-VL on a tiny random
+checkpoint made with transformers' classes, token-exact against transformers'
+generate() with the same processor through prefill, chunks that cut an image, prefix
+hits with the same image and misses with another, preemption and joins; the
+scheduler's encoder budget and cache; image identity in the block hashes."""
+
+import pytest
+import torch
+
+from flagstop.executor.config import ExecutorConfig
+from flagstop.executor.model_runner import ModelRunner
+from flagstop.executor.models.vision import mrope_positions
+from flagstop.scheduler_svc.core.config import SchedulerConfig
+from flagstop.scheduler_svc.core.encoder_cache import EncoderCache
+from flagstop.scheduler_svc.core.kv_cache_manager import chain_hashes
+from flagstop.scheduler_svc.core.limits import RequestRejected
+from flagstop.scheduler_svc.core.media import MediaPlaceholder, media_from_proto
+from flagstop.scheduler_svc.core.request import Request, StopParams
+from flagstop.scheduler_svc.core.scheduler import Scheduler
+from flagstop.scheduler_svc.core.step import Step
+from tests.helpers.images import VisionReference, drawn, processor
+from tools.inprocess import Job, run_engine
+from tools.make_vision_model import write_vision_model
+
+pytestmark = pytest.mark.numeric  # no clock in its in-process tests (Makefile: test)
+
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+ASK = "<s><|user|>\nWhat is in {} this picture, and why?\n<|assistant|>\n"
+TWO = "<s><|user|>\nCompare {} with {} please.\n<|assistant|>\n"
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def vl_model(tmp_path_factory):
+    return write_vision_model(tmp_path_factory.mktemp("vl") / "flagstop-tiny-qwen2_5_vl")
+
+
+@pytest.fixture(scope="module")
+def vl_reference(vl_model):
+    return VisionReference(vl_model)
+
+
+@pytest.fixture(scope="module")
+def runner(vl_model):
+    config = ExecutorConfig(model=str(vl_model), num_blocks=256, block_size=4, max_num_seqs=8)
+    return ModelRunner(config)
+
+
+def job(model_dir, runner, text: str, images: list[bytes]) -> Job:
+    """The prompt as the router makes it; its pixels put to the runner."""
+    if not images:
+        tokenizer = processor(model_dir).processor.tokenizer
+        return Job(tokenizer(text, add_special_tokens=False).input_ids, MAX_TOKENS)
+    processed = processor(model_dir).process(text, images, ["x"] * len(images), False)
+    for d in processed.media_data:
+        runner.prepare_media(d.hash, d.pixel_values, list(d.shape), d.dtype, list(d.grid))
+    return Job(processed.token_ids, MAX_TOKENS, media=media_from_proto(processed.media))
+
+
+def config(budget: int = 2048, encoder_budget: int = 2048, cache: int = 4096) -> SchedulerConfig:
+    return SchedulerConfig(max_num_batched_tokens=budget, block_size=4,
+                           max_num_encoder_input_tokens=encoder_budget,
+                           encoder_cache_size=cache)  # fmt: skip
+
+
+PROMPTS = [
+    (ASK.format(IMAGE), [drawn(1)]),
+    (TWO.format(IMAGE, IMAGE), [drawn(2, 60, 90), drawn(3, 140, 56)]),
+    ("<s><|user|>\nNo picture here, only words.\n<|assistant|>\n", []),
+    (ASK.format(IMAGE), [drawn(4, 200, 120, "JPEG")]),
+]
+
+
+@pytest.mark.parametrize("budget", [2048, 7])
+def test_image_prompts_equal_generate_whole_and_in_chunks_cutting_images(
+    vl_model, vl_reference, runner, budget
+):
+    """Four requests in one batch (two images in one, none in another); at a token
+    budget of 7 every image is cut by chunk boundaries and its embeddings sliced."""
+    jobs = [job(vl_model, runner, text, images) for text, images in PROMPTS]
+    run = run_engine(runner, jobs, config(budget))
+    for (text, images), out in zip(PROMPTS, run.outputs, strict=True):
+        assert out == vl_reference.greedy(text, images, MAX_TOKENS)
+
+
+def test_same_image_hits_the_prefix_cache_and_another_misses(vl_model, vl_reference, runner):
+    text = ASK.format(IMAGE)
+    first = job(vl_model, runner, text, [drawn(5)])
+    run = run_engine(runner, [first], config())
+    scheduler = run.scheduler
+    stats = scheduler.kv.prefix_stats
+    hits_before = stats.num_hits
+    again = run_engine(runner, [job(vl_model, runner, text, [drawn(5)])], config(),
+                       scheduler=scheduler)  # fmt: skip
+    image = first.media[0]
+    assert stats.num_hits - hits_before >= image.end // 4 * 4 > image.offset  # past the image
+    assert again.outputs[0] == run.outputs[0]
+    hits_before = stats.num_hits
+    other = run_engine(runner, [job(vl_model, runner, text, [drawn(6)])], config(),
+                       scheduler=scheduler)  # fmt: skip
+    assert stats.num_hits - hits_before <= image.offset  # the text before it only
+    assert other.outputs[0] == vl_reference.greedy(text, [drawn(6)], MAX_TOKENS)
+    assert other.outputs[0] != run.outputs[0]
+
+
+def test_preempted_image_requests_recompute_token_exact(vl_model, vl_reference, runner):
+    """A pool too small for all of them: requests are preempted and recompute their
+    prompts, images included (their embeddings cached or encoded again)."""
+    prompts = [(ASK.format(IMAGE), [drawn(10 + i)]) for i in range(4)]
+    jobs = [job(vl_model, runner, text, images) for text, images in prompts]
+    cfg = SchedulerConfig(max_num_batched_tokens=16, block_size=4, reserve_full_isl=False,
+                          max_num_encoder_input_tokens=64, encoder_cache_size=64)  # fmt: skip
+    run = run_engine(runner, jobs, cfg, num_blocks=30)
+    assert run.scheduler.num_preemptions > 0
+    for (text, images), out in zip(prompts, run.outputs, strict=True):
+        assert out == vl_reference.greedy(text, images, MAX_TOKENS)
+
+
+def test_mrope_positions_match_transformers(vl_model):
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    text = TWO.format(IMAGE, IMAGE)
+    images = [drawn(2, 60, 90), drawn(3, 140, 56)]
+    processed = processor(vl_model).process(text, images, ["x", "y"], False)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(vl_model))
+    ids = torch.tensor([processed.token_ids])
+    grids = torch.tensor([list(m.grid) for m in processed.media])
+    types = (ids == model.config.image_token_id).int()
+    expected, delta = model.model.get_rope_index(ids, types, image_grid_thw=grids)
+    media = media_from_proto(processed.media)
+    positions, ours = mrope_positions(len(processed.token_ids), media, 2)
+    assert torch.equal(positions, expected[:, 0]) and ours == int(delta)
+
+
+# -- the scheduler's encoder budget and cache, and image identity ------------------
+
+
+def image(key: bytes, offset: int, length: int) -> MediaPlaceholder:
+    return MediaPlaceholder(key, offset, length, (1, 2, 2 * length))
+
+
+def request(request_id: str, num_tokens: int, *media: MediaPlaceholder) -> Request:
+    return Request(request_id, "t", list(range(num_tokens)), StopParams(max_tokens=4),
+                   media=media)  # fmt: skip
+
+
+def test_a_chunk_stops_short_of_an_image_the_encoder_budget_cannot_take():
+    cache = EncoderCache(capacity=100, budget=30)
+    step = Step(token_budget=100, encoder_budget=30)
+    a = request("a", 60, image(b"a", 10, 20))
+    b = request("b", 60, image(b"b", 5, 20))
+    assert cache.chunk(a, 0, 60, step) == 60  # its image computed this step
+    assert cache.chunk(b, 0, 60, step) == 5  # 10 of the budget left: up to its image
+    assert [m.hash for m in step.encoder_inputs] == [b"a"]
+    assert cache.chunk(b, 0, 5, Step(token_budget=100, encoder_budget=30)) == 5
+
+
+def test_the_encoder_cache_keeps_what_running_requests_need_and_evicts_the_oldest_other():
+    cache = EncoderCache(capacity=40, budget=100)
+    a, b = request("a", 60, image(b"a", 0, 20)), request("b", 60, image(b"b", 0, 20))
+    cache.chunk(a, 0, 60, Step(100, encoder_budget=100))
+    cache.chunk(b, 0, 60, Step(100, encoder_budget=100))
+    c = request("c", 60, image(b"c", 0, 20))
+    assert cache.chunk(c, 0, 60, Step(100, encoder_budget=100)) == 0  # a and b in use
+    cache.free(a)
+    cache.free(b)
+    same = request("d", 60, image(b"b", 0, 20))
+    step = Step(100, encoder_budget=100)
+    assert cache.chunk(same, 0, 60, step) == 60 and not step.encoder_inputs  # a hit
+    assert cache.chunk(c, 0, 60, step) == 60  # a, unused longest, made room
+    assert cache.take_frees() == [b"a"] and cache.stats.num_cache_hits == 1
+
+
+def test_an_image_larger_than_the_encoder_budget_is_refused_at_admission():
+    scheduler = Scheduler(SchedulerConfig(max_num_encoder_input_tokens=16,
+                                          encoder_cache_size=64), 64)  # fmt: skip
+    with pytest.raises(RequestRejected, match="encoder"):
+        scheduler.add_request(request("a", 40, image(b"a", 0, 20)))
+    text_only = Scheduler(SchedulerConfig(), 64)
+    with pytest.raises(RequestRejected, match="reads no images"):
+        text_only.add_request(request("b", 40, image(b"b", 0, 8)))
+
+
+def test_an_images_hash_keys_every_block_over_it_and_after_it():
+    tokens = list(range(32))
+    one = chain_hashes(tokens, 4, media=[image(b"one", 9, 6)])
+    other = chain_hashes(tokens, 4, media=[image(b"two", 9, 6)])
+    assert one[:2] == other[:2] == chain_hashes(tokens, 4)[:2]  # before the image
+    assert all(x != y for x, y in zip(one[2:], other[2:], strict=True))
