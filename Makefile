@@ -140,7 +140,7 @@ proto: $(STAMP)
 
 model: $(MODEL_DIR)/config.json
 
-$(MODEL_DIR)/config.json: $(STAMP) tools/make_model.py
+$(MODEL_DIR)/config.json: $(STAMP) tools/make_model.py tools/make_vision_model.py
 	$(PY) -m tools.make_model --size $(SIZE) --arch $(ARCH) --out $(MODEL_DIR) \
 		$(if $(THINKING),--thinking) $(if $(HARMONY),--harmony)
 

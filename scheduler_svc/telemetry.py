@@ -98,6 +98,19 @@ POLICY_COUNTS = {
     "shadow_would_shed": Counter("flagstop:shadow_would_shed_requests",
                                  "Requests a shadow policy would have shed", ["policy"]),
 }  # fmt: skip
+ENCODER_CACHE_USAGE = Gauge(
+    "flagstop:encoder_cache_usage_perc",
+    "Fraction of the encoder cache's embedding tokens in use (0-1; images)", ["model_name"],
+)  # fmt: skip
+ENCODER_COUNTS = {
+    "num_encoded_images": Counter("flagstop:encoder_images", "Images run through the encoder",
+                                  ["model_name"]),
+    "num_encoded_tokens": Counter("flagstop:encoder_tokens",
+                                  "Embedding tokens the encoder computed", ["model_name"]),
+    "encoder_cache_hits": Counter("flagstop:encoder_cache_hits",
+                                  "Images a prefill chunk found in the encoder cache",
+                                  ["model_name"]),
+}  # fmt: skip
 KV_GROUPS_INFO = Gauge(
     "flagstop:kv_cache_groups_info", "KV cache groups, KV bytes per token, tokens a sequence",
     ["model_name", "groups", "kv_bytes_per_token", "capacity_tokens"],
@@ -109,9 +122,24 @@ STEP_SECONDS = Histogram(
 
 
 class SchedulerTelemetry:
-    __slots__ = ("_model_name", "arrivals", "enabled", "kv_connector", "last_external",
-                 "last_hits", "last_lora", "last_policy", "last_preemptions", "last_queries",
-                 "last_spec", "metrics", "request_spans", "steps", "tracer")  # fmt: skip
+    __slots__ = (
+        "_model_name",
+        "arrivals",
+        "enabled",
+        "kv_connector",
+        "last_encoder",
+        "last_external",
+        "last_hits",
+        "last_lora",
+        "last_policy",
+        "last_preemptions",
+        "last_queries",
+        "last_spec",
+        "metrics",
+        "request_spans",
+        "steps",
+        "tracer",
+    )  # fmt: skip
 
     def __init__(self, telemetry: Telemetry) -> None:
         self.enabled, self.tracer = telemetry.enabled, telemetry.tracer
@@ -127,6 +155,7 @@ class SchedulerTelemetry:
         self.metrics: tuple = ()  # this model's labelled metrics, looked up once
         self.last_lora: tuple[str, str, str] | None = None
         self.last_policy = dict.fromkeys(POLICY_COUNTS, 0)
+        self.last_encoder: dict[str, int] = {}  # the encoder counts exported so far
         # The core's KV connector, whose metrics exist only where there is one.
         self.kv_connector: KVConnector | None = None
 
@@ -278,6 +307,8 @@ class SchedulerTelemetry:
         if scheduler.drafts.stats.num_drafts != self.last_spec[0]:
             self._export_spec(scheduler)
         self._export_policy(stats)
+        if stats.encoder_cache_size:
+            self._export_encoder(stats)
         self._export_service(scheduler.policy_step.policy)
         if self.kv_connector is not None:
             self._export_connector(self.kv_connector, stats)
@@ -290,6 +321,15 @@ class SchedulerTelemetry:
                 policy = stats.shadow_policy if name.startswith("shadow") else stats.policy
                 counter.labels(policy).inc(max(0, value - last[name]))
                 last[name] = value
+
+    def _export_encoder(self, stats) -> None:
+        name, last = self._model_name, self.last_encoder
+        ENCODER_CACHE_USAGE.labels(name).set(stats.encoder_cache_used_tokens
+                                             / stats.encoder_cache_size)  # fmt: skip
+        for field, counter in ENCODER_COUNTS.items():
+            value = getattr(stats, field)
+            counter.labels(name).inc(max(0, value - last.get(field, 0)))
+            last[field] = value
 
     def _export_service(self, policy) -> None:
         for tenant, service in policy.service_by_tenant().items():

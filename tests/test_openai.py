@@ -187,7 +187,8 @@ BAD = [
      {**CHAT, "tools": [{"type": "function"}]}, None, 400, "tools.0.function"),
     ("best_of we would drop", "/completions", {**COMPLETION, "best_of": 3}, None, 400, None),
     ("an image we cannot see", "/chat/completions", {**CHAT, "messages": [{"role": "user",
-     "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, None, 400, None),
+     "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, None, 400,
+     "messages[0].content[0]"),
 ]  # fmt: skip
 
 

@@ -187,7 +187,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("step_id", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "executor_connected", "remote_policy_active", "remote_policy_failures", "num_routers", "num_loading", "external_prefix_cache_queries", "external_prefix_cache_hits", "num_host_blocks", "num_host_cached_blocks", "num_kv_leases", "policy", "num_shed", "num_ignored_decisions", "shadow_policy", "shadow_decisions", "shadow_agreed", "shadow_would_shed", "num_held_steps")
+    __slots__ = ("step_id", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "executor_connected", "remote_policy_active", "remote_policy_failures", "num_routers", "num_loading", "external_prefix_cache_queries", "external_prefix_cache_hits", "num_host_blocks", "num_host_cached_blocks", "num_kv_leases", "policy", "num_shed", "num_ignored_decisions", "shadow_policy", "shadow_decisions", "shadow_agreed", "shadow_would_shed", "num_held_steps", "encoder_cache_used_tokens", "encoder_cache_size", "num_encoded_images", "num_encoded_tokens", "encoder_cache_hits")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -215,6 +215,11 @@ class GetStatsResponse(_message.Message):
     SHADOW_AGREED_FIELD_NUMBER: _ClassVar[int]
     SHADOW_WOULD_SHED_FIELD_NUMBER: _ClassVar[int]
     NUM_HELD_STEPS_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_CACHE_USED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_CACHE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_ENCODED_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_ENCODED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     num_running: int
     num_waiting: int
@@ -242,7 +247,12 @@ class GetStatsResponse(_message.Message):
     shadow_agreed: int
     shadow_would_shed: int
     num_held_steps: int
-    def __init__(self, step_id: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., executor_connected: _Optional[bool] = ..., remote_policy_active: _Optional[bool] = ..., remote_policy_failures: _Optional[int] = ..., num_routers: _Optional[int] = ..., num_loading: _Optional[int] = ..., external_prefix_cache_queries: _Optional[int] = ..., external_prefix_cache_hits: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., num_host_cached_blocks: _Optional[int] = ..., num_kv_leases: _Optional[int] = ..., policy: _Optional[str] = ..., num_shed: _Optional[int] = ..., num_ignored_decisions: _Optional[int] = ..., shadow_policy: _Optional[str] = ..., shadow_decisions: _Optional[int] = ..., shadow_agreed: _Optional[int] = ..., shadow_would_shed: _Optional[int] = ..., num_held_steps: _Optional[int] = ...) -> None: ...
+    encoder_cache_used_tokens: int
+    encoder_cache_size: int
+    num_encoded_images: int
+    num_encoded_tokens: int
+    encoder_cache_hits: int
+    def __init__(self, step_id: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., executor_connected: _Optional[bool] = ..., remote_policy_active: _Optional[bool] = ..., remote_policy_failures: _Optional[int] = ..., num_routers: _Optional[int] = ..., num_loading: _Optional[int] = ..., external_prefix_cache_queries: _Optional[int] = ..., external_prefix_cache_hits: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., num_host_cached_blocks: _Optional[int] = ..., num_kv_leases: _Optional[int] = ..., policy: _Optional[str] = ..., num_shed: _Optional[int] = ..., num_ignored_decisions: _Optional[int] = ..., shadow_policy: _Optional[str] = ..., shadow_decisions: _Optional[int] = ..., shadow_agreed: _Optional[int] = ..., shadow_would_shed: _Optional[int] = ..., num_held_steps: _Optional[int] = ..., encoder_cache_used_tokens: _Optional[int] = ..., encoder_cache_size: _Optional[int] = ..., num_encoded_images: _Optional[int] = ..., num_encoded_tokens: _Optional[int] = ..., encoder_cache_hits: _Optional[int] = ...) -> None: ...
 
 class SetPolicyRequest(_message.Message):
     __slots__ = ("policy", "policy_addr", "shadow")

@@ -120,11 +120,13 @@ class MediaProcessor:
                                       where)  # fmt: skip
             image.load()  # a truncated or corrupt image fails here, not in the processor
             return image
-        except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+        except UnidentifiedImageError:
+            raise RequestRejected(f"{where}: not an image this server reads (PNG, JPEG, "
+                                  "WebP, GIF, BMP)", where) from None  # fmt: skip
+        except (OSError, SyntaxError, ValueError) as e:
             if isinstance(e, RequestRejected):
                 raise
-            raise RequestRejected(f"{where}: not an image this server reads (PNG, JPEG, "
-                                  f"WebP, GIF, BMP): {e}", where) from None  # fmt: skip
+            raise RequestRejected(f"{where}: the image does not decode: {e}", where) from None
 
     def _placeholder_ranges(self, token_ids: list[int]) -> list[tuple[int, int]]:
         """(offset, length) of each run of the image token, in order."""

@@ -29,6 +29,7 @@ class Block(BaseModel):
     content: str | list["Block"] | None = None
     is_error: bool | None = None
     thinking: str | None = None
+    source: dict[str, Any] | None = None  # an image's: base64 data or a URL
 
 
 class Message(BaseModel):
@@ -185,6 +186,8 @@ def _chat_messages(message: Message, where: str) -> list[dict[str, Any]]:
         at = f"{where}.content.{j}"
         if block.type == "text":
             text.append(block.text or "")
+        elif block.type == "image" and message.role == "user":
+            text.append({"type": "image_url", "image_url": {"url": _image_url(block, at)}})
         elif block.type == "tool_use" and message.role == "assistant":
             if not block.id or not block.name:
                 raise ValueError(f"{at}: a tool_use block needs its id and name")
@@ -201,14 +204,32 @@ def _chat_messages(message: Message, where: str) -> list[dict[str, Any]]:
         else:
             raise ValueError(
                 f"{at}: {message.role} content blocks of type {block.type!r} are "
-                "not supported (text, tool_use, tool_result and thinking are)"
+                "not supported (text, image, tool_use, tool_result and thinking are)"
             )
     if text or calls or not out:
-        chat: dict[str, Any] = {"role": message.role, "content": "".join(text)}
+        chat: dict[str, Any] = {"role": message.role, "content": _content(text)}
         if calls:
             chat["tool_calls"] = calls
         out.append(chat)
     return out
+
+
+def _image_url(block: Block, where: str) -> str:
+    """An image block's source as a chat image_url: base64 data as a data: URL."""
+    source = block.source or {}
+    if source.get("type") == "base64" and isinstance(source.get("data"), str):
+        return f"data:{source.get('media_type') or 'image/png'};base64,{source['data']}"
+    if source.get("type") == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise ValueError(f"{where}: an image block's source is {{type: base64, media_type, data}} "
+                     "or {type: url, url}")  # fmt: skip
+
+
+def _content(parts: list) -> str | list[dict[str, Any]]:
+    """Text blocks joined; with images, chat content parts in order."""
+    if all(isinstance(p, str) for p in parts):
+        return "".join(parts)
+    return [p if isinstance(p, dict) else {"type": "text", "text": p} for p in parts]
 
 
 def _text(content: str | list[Block], where: str) -> str:

@@ -39,7 +39,8 @@ def model_cards(front: OpenAIFront) -> dict[str, dict]:
     front.check_model(info.model_name)
     base = {"id": info.model_name, "object": "model", "created": 0, "owned_by": "flagstop",
             "root": info.model_name, "parent": None,
-            "max_model_len": info.max_model_len, **kv_cache_card(info)}  # fmt: skip
+            "max_model_len": info.max_model_len, **kv_cache_card(info),
+            **encoder_card(front.engine)}  # fmt: skip
     cards = {info.model_name: base}
     for name, adapter in sorted(front.engine.replicas.adapters().items()):
         cards[name] = {**base, "id": name, "root": adapter.path, "parent": info.model_name}
@@ -53,6 +54,19 @@ def kv_cache_card(info) -> dict:
     return {"kv_cache_groups": describe_groups(groups),
             "kv_bytes_per_token": sum(x.kv_bytes_per_token for x in info.kv_layers),
             "kv_capacity_tokens": info.kv_capacity_tokens}  # fmt: skip
+
+
+def encoder_card(engine) -> dict:
+    """A vision-language model's images (docs/multimodal.md): the input modalities,
+    the images a prompt may carry, and the scheduler's encoder budget and cache, in
+    embedding tokens (their live use is in the metrics)."""
+    info = engine.model_info
+    if not info.accepts_images:
+        return {"input_modalities": ["text"]}
+    return {"input_modalities": ["text", "image"],
+            "limit_mm_per_prompt": engine.settings.limit_mm_per_prompt,
+            "max_num_encoder_input_tokens": info.max_num_encoder_input_tokens,
+            "encoder_cache_size": info.encoder_cache_size}  # fmt: skip
 
 
 @api.get("/v1/models")

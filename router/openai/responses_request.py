@@ -15,14 +15,34 @@ from flagstop.router.openai.protocol import Count, EncodableText
 
 
 class InputPart(BaseModel):
-    type: Literal["input_text", "output_text", "text"]
-    text: str
+    type: Literal["input_text", "output_text", "text", "input_image"]
+    text: str = ""
+    image_url: str | None = None  # input_image: a data:, http(s): or file: URL
+    detail: str | None = None  # accepted, not used
 
 
 def _text(content: "str | list[InputPart] | None") -> str:
     if isinstance(content, list):
+        if any(part.type == "input_image" for part in content):
+            raise ValueError("input_image parts go in a message's content only")
         return "".join(part.text for part in content)
     return content or ""
+
+
+def _content(content: "str | list[InputPart] | None") -> str | list[dict[str, Any]]:
+    """A message's content as chat's: its text, or with images its parts in order."""
+    if not isinstance(content, list) or all(p.type != "input_image" for p in content):
+        return _text(content)
+    parts: list[dict[str, Any]] = []
+    for part in content:
+        if part.type != "input_image":
+            parts.append({"type": "text", "text": part.text})
+        elif not part.image_url:
+            raise ValueError("an input_image part needs its image_url (file_id is not "
+                             "supported)")  # fmt: skip
+        else:
+            parts.append({"type": "image_url", "image_url": {"url": part.image_url}})
+    return parts
 
 
 class InputItem(BaseModel):
@@ -221,7 +241,7 @@ def _message(item: InputItem, messages: list[dict[str, Any]]) -> dict[str, Any]:
         return {"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)}
     if item.role is None:
         raise ValueError("a message input item needs its role")
-    return {"role": item.role, "content": _text(item.content)}
+    return {"role": item.role, "content": _content(item.content)}
 
 
 def _chat_tool(tool: FunctionTool) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from flagstop.scheduler_svc.core.request import Request
 
 @dataclass(slots=True)
 class EncoderStats:
-    num_encoded_items: int = 0  # images run through the encoder
+    num_encoded_items: int = 0  # images run through the encoder (planned)
     num_encoded_tokens: int = 0  # their embedding tokens
     num_cache_hits: int = 0  # images a chunk found cached (no encoder work)
 

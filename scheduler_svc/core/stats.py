@@ -5,6 +5,7 @@ each router hears."""
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
+from flagstop.scheduler_svc.core.encoder_cache import EncoderCache, NoEncoder
 from flagstop.scheduler_svc.core.kv_cache_manager import KVCacheManager
 from flagstop.scheduler_svc.core.kv_transfers import KVTransfers
 from flagstop.scheduler_svc.core.policy_step import PolicyStep
@@ -22,6 +23,7 @@ class Core(Protocol):
     kv: KVCacheManager
     transfers: KVTransfers
     policy_step: PolicyStep
+    encoder: EncoderCache | NoEncoder
 
 
 @dataclass(slots=True)
@@ -48,6 +50,11 @@ class SchedulerStats:
     shadow_agreed: int
     shadow_would_shed: int
     num_held_steps: int
+    encoder_cache_used_tokens: int
+    encoder_cache_size: int
+    num_encoded_images: int
+    num_encoded_tokens: int
+    encoder_cache_hits: int
 
     def as_fields(self) -> dict:
         return asdict(self)
@@ -82,6 +89,7 @@ def make_stats(scheduler: Core) -> SchedulerStats:
     pool, transfers, decisions = scheduler.kv.pool, scheduler.transfers, scheduler.policy_step
     shadow = decisions.shadow
     prefix, external = scheduler.kv.prefix_stats, transfers.external_stats
+    encoder = scheduler.encoder
     return SchedulerStats(
         step_id=scheduler.step_id, num_running=len(scheduler.running),
         num_waiting=len(scheduler.waiting) + len(transfers.loaded),
@@ -97,4 +105,8 @@ def make_stats(scheduler: Core) -> SchedulerStats:
         shadow_policy=shadow.name, shadow_decisions=shadow.num_decisions,
         shadow_agreed=shadow.num_agreed, shadow_would_shed=shadow.num_would_shed,
         num_held_steps=decisions.num_held_steps,
+        encoder_cache_used_tokens=encoder.num_used_tokens, encoder_cache_size=encoder.capacity,
+        num_encoded_images=encoder.stats.num_encoded_items,
+        num_encoded_tokens=encoder.stats.num_encoded_tokens,
+        encoder_cache_hits=encoder.stats.num_cache_hits,
     )  # fmt: skip
