@@ -32,7 +32,6 @@ from flagstop.executor.lora.manager import lora_manager
 from flagstop.executor.media import Images, TextOnly, pixels_from_bytes
 from flagstop.executor.models.config import ModelConfig
 from flagstop.executor.models.loader import load_model
-from flagstop.executor.models.quantization import ConfigError
 from flagstop.executor.parallel import SINGLE, TensorParallel
 from flagstop.executor.prompt_logprobs import prompt_logprobs
 from flagstop.executor.rejection_sampler import verify
@@ -63,12 +62,10 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def media_component(config: ExecutorConfig, mc: ModelConfig, dtype: torch.dtype,
-                    device: torch.device, tp: TensorParallel) -> Images | TextOnly:  # fmt: skip
+                    device: torch.device) -> Images | TextOnly:  # fmt: skip
+    """Every rank runs the whole vision tower (replicated: docs/multimodal.md)."""
     if mc.vision is None:
         return TextOnly()
-    if tp.size > 1:
-        raise ConfigError("a vision-language model runs on one rank for now: "
-                          "--tensor-parallel-size 1")  # fmt: skip
     return Images(config.model, mc, dtype, device, config.media_store_bytes)
 
 
@@ -112,7 +109,7 @@ class ModelRunner:
         self.num_speculative_tokens = config.num_speculative_tokens
         self.speculative_method = config.speculative_method
         self.drafter = make_drafter(config, self, tp.rank)
-        self.media = media_component(config, mc, self.dtype, self.device, tp)
+        self.media = media_component(config, mc, self.dtype, self.device)
         self.grammars = GrammarRows(config.model, mc.vocab_size, mc.eos_token_ids,
                                     config.max_num_seqs)  # fmt: skip
         self.last_inputs: StepInputs | None = None  # ranks > 0: awaiting sampled tokens

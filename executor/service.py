@@ -15,7 +15,7 @@ from prometheus_client import Histogram
 from flagstop.adapters import LoadedAdapter, already_loaded, name_refusal
 from flagstop.executor.convert import plan_from_proto, result_to_proto
 from flagstop.executor.kv_transfers.base import LayoutMismatch
-from flagstop.executor.tp_messages import LORA_LOAD, LORA_UNLOAD
+from flagstop.executor.tp_messages import LORA_LOAD, LORA_UNLOAD, MEDIA
 from flagstop.scheduler_svc.convert import layers_to_proto
 from flagstop.structured import GrammarError, constraint_from_proto
 from flagstop.telemetry import LATENCY_BUCKETS, Telemetry, extract
@@ -122,6 +122,8 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
                                           item.dtype, list(item.grid))  # fmt: skip
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if self.group is not None:  # every rank runs the (replicated) vision tower
+            self.group.broadcast(MEDIA, request.SerializeToString())
         return executor_pb2.PrepareMediaResponse()
 
     async def LoadLoRAAdapter(self, request, context) -> generation_pb2.LoadLoRAAdapterResponse:

@@ -20,7 +20,7 @@ from flagstop.executor.distributed import (
     start_group,
 )
 from flagstop.executor.model_runner import ModelRunner
-from flagstop.executor.tp_messages import LORA_LOAD, LORA_UNLOAD, RESET, STEP, STOP
+from flagstop.executor.tp_messages import LORA_LOAD, LORA_UNLOAD, MEDIA, RESET, STEP, STOP
 from flagstop.server import StartupError
 from flagstop.v1 import executor_pb2, generation_pb2
 
@@ -53,6 +53,10 @@ def follow(config: ExecutorConfig, membership: Membership) -> None:
             runner.unload_lora(
                 generation_pb2.UnloadLoRAAdapterRequest.FromString(payload).lora_name
             )
+        elif kind == MEDIA:
+            for item in executor_pb2.PrepareMediaRequest.FromString(payload).items:
+                runner.prepare_media(item.hash, item.pixel_values, list(item.shape), item.dtype,
+                                     list(item.grid))  # fmt: skip
         elif kind == STOP:
             leave(group)
             return

@@ -247,3 +247,18 @@ def test_the_encoder_is_accounted_in_models_and_metrics(stack, client):
     metrics = scrape(stack.metrics_ports["scheduler"])
     assert any(k.startswith("flagstop:encoder_images_total") and v > 0
                for k, v in metrics.items())  # fmt: skip
+
+
+def test_two_tensor_parallel_ranks_read_images_token_exact(vl_model, vl_reference, tmp_path):
+    """The language model split over two ranks, the vision tower on each (replicated):
+    chunks that cut the image, and the same image again (an encoder cache hit)."""
+    tp = start_stack(vl_model, tmp_path, executor_args=["--tensor-parallel-size", "2"],
+                     scheduler_args=["--max-num-batched-tokens", "12"])  # fmt: skip
+    try:
+        client = openai.OpenAI(base_url=tp.base_url, api_key="none", max_retries=0, timeout=60)
+        text = prompt("What is in ", IMAGE_PART, " this picture?")
+        expected = vl_reference.greedy(text, [drawn(12)], MAX_TOKENS)
+        for _ in range(2):
+            assert chat_tokens(client, ask(data_url(drawn(12))))[0] == expected
+    finally:
+        assert set(tp.stop().values()) == {0}
