@@ -7,6 +7,7 @@ the plan's images, then gives the forward its positions and the embeddings of th
 placeholder tokens the step computes, sliced from the cache. A text-only model's
 component, TextOnly, does nothing."""
 
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -45,7 +46,9 @@ def pixels_from_bytes(data: bytes, shape: list[int], dtype: str, grid: list[int]
     if len(data) != expected or len(grid) != 3 or len(shape) != 2:
         raise MediaError(f"pixels of {len(data)} bytes do not match shape {list(shape)} "
                          f"of {dtype} and grid {list(grid)}")  # fmt: skip
-    values = torch.frombuffer(bytearray(data), dtype=torch_dtype).view(*shape)
+    with warnings.catch_warnings():  # read only: the message's bytes, never written
+        warnings.simplefilter("ignore", UserWarning)
+        values = torch.frombuffer(data, dtype=torch_dtype).view(*shape)
     return Pixels(values, (grid[0], grid[1], grid[2]))
 
 

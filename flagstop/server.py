@@ -18,8 +18,12 @@ import uvloop
 from flagstop import logs
 from flagstop.settings import ServiceSettings, SettingsInvalid
 
-# A prompt of a long-context model is ~0.5 MB of token ids; 64 MiB bounds any step.
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# A prompt of a long-context model is ~0.5 MB of token ids, a step far less; an image's
+# pixels are the largest message: a 4-megapixel one is 96 MiB in float32 (the CPU's
+# dtype), 48 MiB in bfloat16 (bench/multimodal_bench.py). The router refuses a
+# request whose images' pixels pass MAX_MEDIA_BYTES.
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+MAX_MEDIA_BYTES = 192 * 1024 * 1024
 _KEEPALIVE = [
     ("grpc.keepalive_time_ms", 20_000),
     ("grpc.keepalive_timeout_ms", 10_000),

@@ -129,9 +129,16 @@ class RouterEngine:
                 "prompt",
             )
         try:
-            return await self.media.process(request.prompt, images, add_special_tokens=True)
+            return await self.process_media(request.prompt, images, add_special_tokens=True)
         except RequestRejected as e:
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.param) from None
+
+    async def process_media(self, text: str, images: list[ImageRef],
+                            add_special_tokens: bool) -> Processed | None:  # fmt: skip
+        """A prompt's images processed, their pixels in the executor's dtype
+        (RequestRejected for a bad one)."""
+        return await self.media.process(text, images, add_special_tokens,
+                                        self.model_info.pixel_dtype)  # fmt: skip
 
     def _queue(self, request: generation_pb2.GenerateRequest, metadata, operation: str,
                arrival: float, media: Processed | None) -> Pending:  # fmt: skip

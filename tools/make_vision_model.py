@@ -36,7 +36,9 @@ VISION = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, patch
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 448 * 448
 
 
-def write_vision_model(out: Path, size: str = "tiny", seed: int = 0) -> Path:
+def write_vision_model(out: Path, size: str = "tiny", seed: int = 0,
+                       vision: dict | None = None) -> Path:  # fmt: skip
+    """vision: the tower's config fields over VISION's (a bench's larger tower)."""
     from transformers import (
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
@@ -58,7 +60,7 @@ def write_vision_model(out: Path, size: str = "tiny", seed: int = 0) -> Path:
                                           "mrope_section": [2 * quarter, 3 * quarter,
                                                             3 * quarter]},
                          **vocab.ids()),
-        vision_config=dict(VISION, out_hidden_size=dims["hidden_size"]),
+        vision_config={**VISION, **(vision or {}), "out_hidden_size": dims["hidden_size"]},
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False,

@@ -25,8 +25,8 @@ class ImageRef:
 class TextOnlyMedia:
     accepts_images = False
 
-    async def process(self, text: str, images: Sequence[ImageRef],
-                      add_special_tokens: bool) -> Processed | None:  # fmt: skip
+    async def process(self, text: str, images: Sequence[ImageRef], add_special_tokens: bool,
+                      dtype: str = "") -> Processed | None:  # fmt: skip
         if images:
             raise RequestRejected(f"{images[0].where}: this model reads no images; send "
                                   "text only, or serve a vision-language model",
@@ -43,9 +43,10 @@ class ImageMedia:
     def __init__(self, processor: MediaProcessor, fetcher: ImageFetcher, limit: int) -> None:
         self.processor, self.fetcher, self.limit = processor, fetcher, limit
 
-    async def process(self, text: str, images: Sequence[ImageRef],
-                      add_special_tokens: bool) -> Processed | None:  # fmt: skip
-        """The prompt with its images (None: it has none). Raises RequestRejected."""
+    async def process(self, text: str, images: Sequence[ImageRef], add_special_tokens: bool,
+                      dtype: str = "") -> Processed | None:  # fmt: skip
+        """The prompt with its images, their pixels in dtype (the executor's; ""
+        float32); None: it has none. Raises RequestRejected."""
         if not images:
             return None
         if len(images) > self.limit:
@@ -58,7 +59,7 @@ class ImageMedia:
         where = [ref.where for ref in images]
         # Off the loop: resizing a 4-megapixel image takes tens of milliseconds.
         return await asyncio.to_thread(self.processor.process, text, data, where,
-                                       add_special_tokens)  # fmt: skip
+                                       add_special_tokens, dtype or "float32")  # fmt: skip
 
     async def _bytes(self, ref: ImageRef) -> bytes:
         if ref.data:

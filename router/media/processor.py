@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from flagstop.scheduler_svc.core.limits import RequestRejected
+from flagstop.server import MAX_MEDIA_BYTES
 from flagstop.v1 import generation_pb2
 
 
@@ -73,11 +74,13 @@ class MediaProcessor:
         self.settings_digest = hashlib.sha256(settings.encode()).digest()
 
     def process(self, text: str, images: list[bytes], where: list[str],
-                add_special_tokens: bool) -> Processed:  # fmt: skip
+                add_special_tokens: bool, dtype: str = "float32") -> Processed:  # fmt: skip
         """The prompt's tokens with each image's placeholders expanded, each image's
-        placeholder range and hash, and its pixels. Raises RequestRejected naming the
-        image (where[i]) and what is wrong."""
+        placeholder range and hash, and its pixels in dtype (the executor's: what
+        its tower casts them to anyway). Raises RequestRejected naming the image
+        (where[i]) and what is wrong."""
         opened = [self._open(data, w) for data, w in zip(images, where, strict=True)]
+        keys = [self._hash(image) for image in opened]
         try:
             out = self.processor(text=[text], images=opened, return_tensors="np",
                                  add_special_tokens=add_special_tokens)  # fmt: skip
@@ -92,21 +95,24 @@ class MediaProcessor:
             raise RequestRejected(f"{len(ranges)} image placeholders for {len(grids)} images",
                                   "messages")  # fmt: skip
         media, data, row = [], [], 0
-        for (offset, length), grid in zip(ranges, grids, strict=True):
+        for (offset, length), grid, key in zip(ranges, grids, keys, strict=True):
             rows = pixels[row : row + int(np.prod(grid))]
             row += len(rows)
-            key = self._hash(rows, grid)
             media.append(generation_pb2.MediaPlaceholder(hash=key, offset=offset, length=length,
                                                          grid=grid))  # fmt: skip
             data.append(
                 generation_pb2.MediaData(
                     hash=key,
-                    pixel_values=rows.tobytes(),
+                    pixel_values=as_bytes(rows, dtype),
                     shape=rows.shape,
-                    dtype="float32",
+                    dtype=dtype,
                     grid=grid,
                 )
             )
+        if (num_bytes := sum(len(d.pixel_values) for d in data)) > MAX_MEDIA_BYTES:
+            raise RequestRejected(f"the images' pixels come to {num_bytes >> 20} MiB, more "
+                                  f"than the {MAX_MEDIA_BYTES >> 20} MiB a request carries; "
+                                  "send smaller images", where[-1])  # fmt: skip
         return Processed(token_ids, media, data)
 
     def _open(self, data: bytes, where: str):
@@ -134,8 +140,25 @@ class MediaProcessor:
         edges = np.flatnonzero(np.diff(np.concatenate(([0], is_image.astype(np.int8), [0]))))
         return [(int(a), int(b - a)) for a, b in zip(edges[::2], edges[1::2], strict=True)]
 
-    def _hash(self, pixels: np.ndarray, grid: list[int]) -> bytes:
+    def _hash(self, image) -> bytes:
+        """The decoded image's (its mode, size, palette and pixels) with the
+        processor's settings: what its pixels are a function of. An eighth of the
+        bytes of the float32 patches (a still image's are doubled in time), and as
+        safe: two inputs that differ never share a hash (bench/multimodal_bench.py)."""
         digest = hashlib.sha256(self.settings_digest)
-        digest.update(np.asarray(grid, np.int64).tobytes())
-        digest.update(pixels.tobytes())
+        digest.update(f"{image.mode}:{image.width}x{image.height}:".encode())
+        if (palette := image.getpalette()) is not None:
+            digest.update(bytes(palette))
+        digest.update(image.tobytes())
         return digest.digest()
+
+
+def as_bytes(pixels: np.ndarray, dtype: str) -> bytes:
+    """float32 pixels in dtype (float32, float16, or bfloat16 rounded to nearest even,
+    as torch casts them), as bytes."""
+    if dtype == "float32":
+        return pixels.tobytes()
+    if dtype == "float16":
+        return pixels.astype(np.float16).tobytes()
+    bits = pixels.view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16).tobytes()

@@ -87,7 +87,7 @@ class OpenAIFront:
             prompt = self.chat_path.render(body)
             if not images:
                 return prompt
-            processed = await media.process(prompt.text, images, add_special_tokens=False)
+            processed = await self.engine.process_media(prompt.text, images, False)
         except RequestRejected as e:
             raise OpenAIError(400, str(e), e.param) from None
         assert processed is not None
