@@ -76,13 +76,28 @@ class TextOnly:
 
 
 class ImageEmbeds(InputEmbeds):
-    """A step's image embeddings at their flattened token indices."""
+    """A step's image embeddings at their flattened token indices: [tokens, hidden],
+    or with DeepStack [tokens, hidden x (1 + layers)], a layer's features after the
+    embeddings."""
 
-    def __init__(self, indices: torch.Tensor, values: torch.Tensor) -> None:
-        self.indices, self.values = indices, values
+    def __init__(self, indices: torch.Tensor, values: torch.Tensor, hidden: int) -> None:
+        self.indices, self.values, self.hidden = indices, values, hidden
+        self.num_deepstack = values.shape[1] // hidden - 1
 
     def merge(self, x: torch.Tensor) -> torch.Tensor:
-        return x.index_copy(0, self.indices, self.values.to(x.dtype))
+        return x.index_copy(0, self.indices, self.values[:, : self.hidden].to(x.dtype))
+
+    def after_layer(self, index: int, x: torch.Tensor, residual: torch.Tensor):
+        """DeepStack: layer index's features added to the image tokens' hidden states
+        (the residual stream x + residual, added in transformers' order, carried on as
+        the residual, x zero)."""
+        if index >= self.num_deepstack:
+            return x, residual
+        hidden = x + residual
+        start = (index + 1) * self.hidden
+        features = self.values[:, start : start + self.hidden].to(x.dtype)
+        hidden[self.indices] = hidden[self.indices] + features
+        return torch.zeros_like(hidden), hidden
 
 
 class Images:
@@ -94,6 +109,7 @@ class Images:
         self.tower = VisionTower(config.vision, dtype, device)
         self.tower.load(model_dir)
         self.merge = config.vision.spatial_merge_size
+        self.hidden = config.hidden_size
         self.device, self.store_bytes = device, store_bytes
         self.pixels: OrderedDict[bytes, Pixels] = OrderedDict()  # least recently put first
         self.num_pixel_bytes = 0
@@ -151,7 +167,7 @@ class Images:
         if not indices:
             return device_out, TEXT_ONLY
         index = torch.from_numpy(np.concatenate(indices)).to(self.device)
-        return device_out, ImageEmbeds(index, torch.cat(values))
+        return device_out, ImageEmbeds(index, torch.cat(values), self.hidden)
 
     @staticmethod
     def _positions(media: RequestMedia, pos: np.ndarray, where: np.ndarray, out: np.ndarray):

@@ -30,9 +30,10 @@ TWO = "<s><|user|>\nCompare {} with {} please.\n<|assistant|>\n"
 MAX_TOKENS = 10
 
 
-@pytest.fixture(scope="module")
-def vl_model(tmp_path_factory):
-    return write_vision_model(tmp_path_factory.mktemp("vl") / "flagstop-tiny-qwen2_5_vl")
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def vl_model(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(request.param) / f"flagstop-tiny-{request.param}"
+    return write_vision_model(out, arch=request.param)
 
 
 @pytest.fixture(scope="module")
@@ -116,13 +117,11 @@ def test_preempted_image_requests_recompute_token_exact(vl_model, vl_reference, 
         assert out == vl_reference.greedy(text, images, MAX_TOKENS)
 
 
-def test_mrope_positions_match_transformers(vl_model):
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
+def test_mrope_positions_match_transformers(vl_model, vl_reference):
     text = TWO.format(IMAGE, IMAGE)
     images = [drawn(2, 60, 90), drawn(3, 140, 56)]
     processed = processor(vl_model).process(text, images, ["x", "y"], False)
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(vl_model))
+    model = vl_reference.model
     ids = torch.tensor([processed.token_ids])
     grids = torch.tensor([list(m.grid) for m in processed.media])
     types = (ids == model.config.image_token_id).int()

@@ -154,7 +154,7 @@ ARCHS = {
                 "residual_multiplier": 0.22, "logits_scaling": 8.0},
 }  # fmt: skip
 # Vision-language models (tools/make_vision_model.py: made by transformers' classes).
-VISION_ARCHS = ("qwen2_5_vl",)
+VISION_ARCHS = ("qwen2_5_vl", "qwen3_vl")
 DEEPSEEK_LAYOUT = ("deepseek_v3", "glm4_moe")  # routed + shared experts, first layer dense
 GEMMA_PATTERN = 6  # a global layer after every 5 local ones
 NUM_EXPERTS, EXPERTS_PER_TOKEN = 8, 2
@@ -536,7 +536,7 @@ def main() -> None:
     if args.arch in VISION_ARCHS:
         from tools.make_vision_model import write_vision_model
 
-        model = write_vision_model(out, args.size, args.seed)
+        model = write_vision_model(out, args.size, args.seed, arch=args.arch)
     else:
         model = write_model(out, args.size, args.seed, args.arch, args.thinking, args.harmony)
     print(f"wrote {model}")

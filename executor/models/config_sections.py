@@ -294,21 +294,23 @@ class VisionConfig:
     layout: VisionLayout
     image_token_id: int
     spatial_merge_size: int
-    # Per rotary dimension pair, which position (temporal, height, width) turns it:
-    # the first mrope_section[0] pairs the temporal, and so on.
+    # Pairs of rotary dimensions per position (temporal, height, width), one section
+    # after another or interleaved (the family's layout says).
     mrope_section: tuple[int, ...]
     tower_config: dict[str, Any]
+    num_deepstack_layers: int = 0  # DeepStack: the first layers that add tower features
 
     @classmethod
     def from_hf(cls, layout: VisionLayout, hf: dict[str, Any], rope: dict[str, Any]
                 ) -> "VisionConfig":  # fmt: skip
         tower = hf.get("vision_config") or {}
-        section = tuple(rope.get("mrope_section") or ()) if layout.mrope else ()
+        section = tuple(rope.get("mrope_section") or layout.mrope_section) if layout.mrope else ()
         if layout.mrope and len(section) != 3:
             raise ConfigError(f"rope_parameters.mrope_section={section!r}: multimodal RoPE "
                               "takes three sections (temporal, height, width)")  # fmt: skip
+        deepstack = len(tower.get("deepstack_visual_indexes") or ()) if layout.deepstack else 0
         return cls(layout, hf["image_token_id"], tower.get("spatial_merge_size", 2), section,
-                   tower)  # fmt: skip
+                   tower, deepstack)  # fmt: skip
 
 
 def language_fields(hf: dict[str, Any]) -> dict[str, Any]:

@@ -46,12 +46,16 @@ KVCache = tuple[torch.Tensor, ...]
 
 
 class InputEmbeds:
-    """What a step's embeddings take besides the tokens' own: nothing (a text model's
-    step); the runner's media component gives the image embeddings of the step's
-    placeholder tokens (executor/media.py)."""
+    """What a step's hidden states take besides the tokens' own embeddings: nothing (a
+    text model's step); the runner's media component gives the image embeddings of
+    the step's placeholder tokens, and DeepStack's features after the first layers
+    (executor/media.py)."""
 
     def merge(self, x: torch.Tensor) -> torch.Tensor:
         return x
+
+    def after_layer(self, index: int, x: torch.Tensor, residual: torch.Tensor):
+        return x, residual
 
 
 TEXT_ONLY = InputEmbeds()
@@ -240,7 +244,8 @@ class Decoder(nn.Module):
         rope = (config.rotary_dim, config.max_position_embeddings, config.rope_theta,
                 config.rope_scaling)  # fmt: skip
         vision = config.vision
-        self.rotary = MRotaryEmbedding(*rope, vision.mrope_section) \
+        self.rotary = MRotaryEmbedding(*rope, vision.mrope_section,
+                                       vision.layout.mrope_interleaved) \
             if vision is not None and vision.mrope_section else RotaryEmbedding(*rope)  # fmt: skip
         self.rotary_tables = [self.rotary]
         if (gemma := config.gemma) is not None:
@@ -313,8 +318,10 @@ class Decoder(nn.Module):
             x = x * (torch.tensor(scale, dtype=x.dtype) if self.embed_scale_rounded else scale)
         x = embeds.merge(x)
         ropes = tuple(table.lookup(positions) for table in self.rotary_tables)
-        for layer, kv_cache, g in zip(self.layers, kv_caches, self.layer_groups, strict=True):
+        for i, (layer, kv_cache, g) in enumerate(zip(self.layers, kv_caches, self.layer_groups,
+                                                     strict=True)):  # fmt: skip
             x, residual = layer(ropes, x, residual, kv_cache, metas[g])
+            x, residual = embeds.after_layer(i, x, residual)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

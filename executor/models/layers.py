@@ -141,19 +141,25 @@ class RotaryEmbedding(nn.Module):
 class MRotaryEmbedding(RotaryEmbedding):
     """Multimodal RoPE (Qwen-VL): a step's positions are [3, T] (temporal, height,
     width), and rotary pair i turns by the position of its section (sections: pairs
-    per position, transformers' mrope_section). Text's three positions are equal,
-    where this is plain RoPE; 1-D positions are looked up as such."""
+    per position, transformers' mrope_section; one after another, or interleaved t,
+    h, w, t, h, w ... with the pairs past 3 x a section temporal). Text's three
+    positions are equal, where this is plain RoPE; 1-D positions are looked up as such."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float,
-                 scaling: dict | None, sections: tuple[int, ...]) -> None:  # fmt: skip
-        self.sections = sections
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
+                 sections: tuple[int, ...], interleaved: bool = False) -> None:  # fmt: skip
+        self.sections, self.interleaved = sections, interleaved
         super().__init__(head_dim, max_positions, theta, scaling)
 
     def build(self, device: torch.device) -> None:
         super().build(device)
-        sections = [s for s, n in enumerate(self.sections) for _ in range(n)]
+        sections = self.section_of_each_pair(len(self.inv_freq))
         self.section_of_pair = torch.tensor(sections, device=device)
         self.pairs = torch.arange(len(sections), device=device)
+
+    def section_of_each_pair(self, num_pairs: int) -> list[int]:
+        if not self.interleaved:
+            return [s for s, n in enumerate(self.sections) for _ in range(n)]
+        return [i % 3 if i % 3 and i < 3 * self.sections[i % 3] else 0 for i in range(num_pairs)]
 
     def lookup(self, positions: torch.Tensor) -> Rope:
         if positions.dim() == 1:

@@ -49,10 +49,13 @@ class VisionTower(nn.Module):
 
     @torch.inference_mode()
     def encode(self, pixel_values: torch.Tensor, grid: Sequence[int]) -> torch.Tensor:
-        """One image's embeddings [placeholder tokens, hidden]."""
+        """One image's embeddings [placeholder tokens, hidden], each row followed by
+        its DeepStack features (hidden each) where the tower gives them."""
         grid_thw = torch.tensor([list(grid)], device=pixel_values.device)
         out = self.tower(pixel_values.to(self.dtype), grid_thw=grid_thw)
-        return out.pooler_output
+        deepstack = getattr(out, "deepstack_features", None) or []
+        return torch.cat([out.pooler_output, *deepstack], dim=-1) if deepstack else \
+            out.pooler_output  # fmt: skip
 
 
 def mrope_positions(

@@ -75,6 +75,13 @@ class VisionLayout:
     # The transformers module and class of the vision tower, built from vision_config.
     tower_module: str
     tower_class: str
-    # Multimodal RoPE (Qwen-VL): each rotary dimension rotates by one of (temporal,
-    # height, width) positions, by the text config's mrope_section.
+    # Multimodal RoPE (Qwen-VL): each rotary dimension pair turns by one of (temporal,
+    # height, width) positions, by the text config's mrope_section (this default when
+    # it has none): the sections one after another (Qwen2.5-VL), or interleaved
+    # t, h, w, t, h, w ... with the rest temporal (Qwen3-VL).
     mrope: bool = True
+    mrope_section: tuple[int, ...] = ()
+    mrope_interleaved: bool = False
+    # DeepStack (Qwen3-VL): the tower's features of some of its blocks are added to the
+    # image tokens' hidden states after the first decoder layers, one a layer.
+    deepstack: bool = False
