@@ -21,6 +21,10 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [num_seqs] cached + new tokens
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
     num_decodes: int  # the first num_decodes sequences have exactly one new token
+    # Per prefill token, the last key position it sees, where some see past their own
+    # (an image's tokens see the whole image: Gemma 3's bidirectional images); None:
+    # causal, each its own position.
+    prefill_key_limits: torch.Tensor | None = None
     # The decode rows and the prefill rows, cut once a step: every layer passes the same
     # tensors, so a backend may keep what it derives from them for the other layers.
     decode: tuple[torch.Tensor, torch.Tensor] = field(init=False)  # block tables, seq lens
@@ -76,6 +80,8 @@ def paged_attention(
     if n:
         out[:n] = decode(query[:n], k_cache, v_cache, *meta.decode, scale, **kwargs)
     block_tables, query_start_loc, seq_lens = meta.prefill
+    if meta.prefill_key_limits is not None:
+        kwargs["key_limits"] = meta.prefill_key_limits
     out[n:] = prefill(query[n:], k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
                       **kwargs)  # fmt: skip
     return out

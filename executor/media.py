@@ -14,10 +14,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from flagstop.executor.attention import AttentionMetadata
 from flagstop.executor.input_batch import InputBatch
 from flagstop.executor.models.config import ModelConfig
 from flagstop.executor.models.decoder import TEXT_ONLY, InputEmbeds
 from flagstop.executor.models.vision import VisionTower, mrope_positions
+from flagstop.executor.step_inputs import StepInputs
 from flagstop.scheduler_svc.core.media import MediaPlaceholder
 from flagstop.scheduler_svc.core.output import SchedulerOutput
 
@@ -43,7 +45,7 @@ def pixels_from_bytes(data: bytes, shape: list[int], dtype: str, grid: list[int]
         raise MediaError(f"pixel dtype {dtype!r}: one of {sorted(DTYPES)}")
     torch_dtype = DTYPES[dtype]
     expected = int(np.prod(shape)) * torch_dtype.itemsize
-    if len(data) != expected or len(grid) != 3 or len(shape) != 2:
+    if len(data) != expected or len(grid) != 3 or not 2 <= len(shape) <= 3:
         raise MediaError(f"pixels of {len(data)} bytes do not match shape {list(shape)} "
                          f"of {dtype} and grid {list(grid)}")  # fmt: skip
     with warnings.catch_warnings():  # read only: the message's bytes, never written
@@ -55,8 +57,10 @@ def pixels_from_bytes(data: bytes, shape: list[int], dtype: str, grid: list[int]
 @dataclass(slots=True)
 class RequestMedia:
     media: tuple[MediaPlaceholder, ...]
-    positions: np.ndarray  # [3, prompt tokens] multimodal RoPE positions
-    delta: int  # a later token's positions: its index + delta
+    # Under multimodal RoPE: [3, prompt tokens], and a later token's (index + delta);
+    # None: plain positions.
+    positions: np.ndarray | None
+    delta: int
 
 
 class TextOnly:
@@ -70,9 +74,8 @@ class TextOnly:
     def apply(self, plan: SchedulerOutput, batch: InputBatch) -> None:
         pass
 
-    def inputs(self, batch: InputBatch, token_rows: np.ndarray, positions: np.ndarray,
-               device_positions: torch.Tensor) -> tuple[torch.Tensor, InputEmbeds]:  # fmt: skip
-        return device_positions, TEXT_ONLY
+    def inputs(self, batch: InputBatch, inputs: StepInputs) -> tuple[torch.Tensor, InputEmbeds]:
+        return inputs.positions, TEXT_ONLY
 
 
 class ImageEmbeds(InputEmbeds):
@@ -108,6 +111,7 @@ class Images:
         assert config.vision is not None
         self.tower = VisionTower(config.vision, dtype, device)
         self.tower.load(model_dir)
+        self.layout = config.vision.layout
         self.merge = config.vision.spatial_merge_size
         self.hidden = config.hidden_size
         self.device, self.store_bytes = device, store_bytes
@@ -138,8 +142,7 @@ class Images:
             self.requests.pop(req_id, None)
         for data in (*plan.scheduled_new_reqs, *plan.scheduled_resumed_reqs):
             if data.media:
-                positions, delta = mrope_positions(data.num_prompt_tokens, data.media, self.merge)
-                self.requests[data.req_id] = RequestMedia(data.media, positions.numpy(), delta)
+                self.requests[data.req_id] = self._request(data.media, data.num_prompt_tokens)
         for key in plan.encoder_frees:
             self.embeddings.pop(key, None)
         for key in plan.encoder_inputs:
@@ -148,26 +151,44 @@ class Images:
                 self.embeddings[key] = self.tower.encode(pixels.values.to(self.device),
                                                          pixels.grid)  # fmt: skip
 
-    def inputs(self, batch: InputBatch, token_rows: np.ndarray, positions: np.ndarray,
-               device_positions: torch.Tensor) -> tuple[torch.Tensor, InputEmbeds]:  # fmt: skip
-        """The step's positions ([3, T] once any of its requests has images) and
-        its placeholder tokens' embeddings."""
-        rows = {batch.req_rows[r]: m for r in self.requests
-                if (m := self.requests[r]) and r in batch.req_rows}  # fmt: skip
+    def _request(self, media: tuple[MediaPlaceholder, ...], num_prompt_tokens: int):
+        if not self.layout.mrope:
+            return RequestMedia(media, None, 0)
+        positions, delta = mrope_positions(num_prompt_tokens, media, self.merge)
+        return RequestMedia(media, positions.numpy(), delta)
+
+    def inputs(self, batch: InputBatch, inputs: StepInputs) -> tuple[torch.Tensor, InputEmbeds]:
+        """The step's positions ([3, T] under multimodal RoPE once any of its requests
+        has images) and its placeholder tokens' embeddings; with bidirectional images,
+        each attention group's key limits."""
+        token_rows, positions = inputs.token_rows, inputs.token_positions
+        rows = {batch.req_rows[r]: m for r, m in self.requests.items() if r in batch.req_rows}
         rows = {row: m for row, m in rows.items() if (token_rows == row).any()}
         if not rows:
-            return device_positions, TEXT_ONLY
+            return inputs.positions, TEXT_ONLY
         out = np.broadcast_to(positions, (3, len(positions))).copy()
+        limits = positions.copy() if self.layout.bidirectional else None
         indices, values = [], []
         for row, media in rows.items():
             where = np.nonzero(token_rows == row)[0]
-            self._positions(media, positions[where], where, out)
-            self._embeds(batch, row, media, positions[where], where, indices, values)
-        device_out = torch.from_numpy(out).to(self.device, non_blocking=True)
+            if media.positions is not None:
+                self._positions(media, positions[where], where, out)
+            self._embeds(batch, row, media, positions[where], where, indices, values, limits)
+        device_positions = inputs.positions if not self.layout.mrope else \
+            torch.from_numpy(out).to(self.device, non_blocking=True)  # fmt: skip
+        if limits is not None:
+            self._key_limits(inputs, limits)
         if not indices:
-            return device_out, TEXT_ONLY
+            return device_positions, TEXT_ONLY
         index = torch.from_numpy(np.concatenate(indices)).to(self.device)
-        return device_out, ImageEmbeds(index, torch.cat(values), self.hidden)
+        return device_positions, ImageEmbeds(index, torch.cat(values), self.hidden)
+
+    def _key_limits(self, inputs: StepInputs, limits: np.ndarray) -> None:
+        """Each attention group's prefill tokens' key limits (after the decodes)."""
+        for meta in inputs.attention:
+            if isinstance(meta, AttentionMetadata):
+                prefill = limits[meta.num_decodes :].astype(np.int32)
+                meta.prefill_key_limits = torch.from_numpy(prefill).to(self.device)
 
     @staticmethod
     def _positions(media: RequestMedia, pos: np.ndarray, where: np.ndarray, out: np.ndarray):
@@ -176,7 +197,11 @@ class Images:
         out[:, where[~in_prompt]] = pos[~in_prompt] + media.delta
 
     def _embeds(self, batch: InputBatch, row: int, media: RequestMedia, pos: np.ndarray,
-                where: np.ndarray, indices: list, values: list) -> None:  # fmt: skip
+                where: np.ndarray, indices: list, values: list,
+                limits: np.ndarray | None) -> None:  # fmt: skip
+        """The embeddings of the image tokens among a request's chunk (its tokens at
+        flat indices `where`, positions `pos`); with bidirectional images each such
+        token's key limit is its image's last token."""
         first, last = int(pos[0]), int(pos[-1]) + 1  # a chunk's positions are contiguous
         for item in media.media:
             lo, hi = max(first, item.offset), min(last, item.end)
@@ -188,3 +213,5 @@ class Images:
                 continue
             indices.append(where[lo - first : hi - first])
             values.append(embeddings[lo - item.offset : hi - item.offset])
+            if limits is not None:
+                limits[where[lo - first : hi - first]] = item.end - 1

@@ -212,9 +212,7 @@ class ModelRunner:
         drafts = self.drafter.drafts(self.batch, scheduled, self.grammars)
         inputs = prepare_inputs(self.batch, scheduled, self.device, drafts)
         self.lora.set_rows(self.batch, inputs.rows, inputs.token_rows)
-        positions, embeds = self.media.inputs(
-            self.batch, inputs.token_rows, inputs.token_positions, inputs.positions
-        )
+        positions, embeds = self.media.inputs(self.batch, inputs)
         hidden = self.model(inputs.input_ids, positions, self.kv_caches, inputs.attention, embeds)
         inputs.hidden = hidden  # for a drafter that reads them (drafter.computed)
         logits = self.model.compute_logits(hidden[inputs.all_logits_indices])

@@ -73,6 +73,7 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
             kv_layout=runner.kv_layout, kv_layers=layers_to_proto(runner.kv_layers),
             accepts_images=mc.vision is not None,
             pixel_dtype=str(runner.dtype).removeprefix("torch.") if mc.vision else "",
+            bidirectional_images=mc.vision is not None and mc.vision.layout.bidirectional,
         )  # fmt: skip
         return executor_pb2.DescribeExecutorResponse(
             model=model, max_num_seqs=runner.config.max_num_seqs,

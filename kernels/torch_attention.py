@@ -266,18 +266,21 @@ def paged_attention_prefill(
     window: int = 0,
     sinks: torch.Tensor | None = None,
     softcap: float = 0.0,
+    key_limits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention: sequence i's queries are query[query_start_loc[i]:
     query_start_loc[i+1]], the LAST tokens of its seq_lens[i] cached tokens (earlier
     ones are cached context: chunked prefill, prefix hits). query [T, H, D] -> same.
-    window, sinks and softcap: as paged_attention_decode's.
+    window, sinks and softcap: as paged_attention_decode's; key_limits [T]: each
+    query's last visible key position, where not its own (an image's tokens see the
+    whole image: AttentionMetadata's).
 
     Short queries after a context (speculative decoding's 1 + k verification rows, a
     short last chunk) attend together in one batched call (_short_queries); the rest
     one sequence at a time."""
-    if window or sinks is not None or softcap:
+    if window or sinks is not None or softcap or key_limits is not None:
         return _masked_prefill(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-                               scale, window, sinks, softcap)  # fmt: skip
+                               scale, window, sinks, softcap, key_limits)  # fmt: skip
     out = torch.empty_like(query)
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     plan = _memo.get("short", (query_start_loc, seq_lens), short_queries)
@@ -402,7 +405,7 @@ def _masked_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, windo
 
 
 def _masked_prefill(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                    window, sinks, softcap):  # fmt: skip
+                    window, sinks, softcap, key_limits=None):  # fmt: skip
     out = torch.empty_like(query)
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     for i, seq_len in enumerate(lens):
@@ -411,15 +414,18 @@ def _masked_prefill(query, k_cache, v_cache, block_tables, query_start_loc, seq_
         v = gather_kv(v_cache, block_tables[i : i + 1], seq_len)
         query_pos = torch.arange(seq_len - (end - start), seq_len, device=query.device)
         key_pos = torch.arange(seq_len, device=query.device)
-        visible = _band(query_pos[:, None], key_pos[None], window)
+        limits = query_pos if key_limits is None else key_limits[start:end].long()
+        visible = _band(query_pos[:, None], key_pos[None], window, limits[:, None])
         q = query[start:end].transpose(0, 1)[None]  # [1, H, n, D]
         out[start:end] = _attend(q, k, v, visible[None], scale, sinks, softcap)[0].transpose(0, 1)
     return out
 
 
-def _band(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int) -> torch.Tensor:
-    """Which keys each query sees: causal, and within the window (if any): key > q - W."""
-    visible = key_pos <= query_pos
+def _band(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int,
+          limits: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Which keys each query sees: causal (up to its limit, where one is given), and
+    within the window (if any): key > q - W."""
+    visible = key_pos <= (query_pos if limits is None else limits)
     return visible & (key_pos > query_pos - window) if window else visible
 
 

@@ -305,6 +305,7 @@ def _prefill_kernel(
     seq_lens,
     out,
     sinks,
+    key_limits,
     scale,
     window,
     softcap,
@@ -321,9 +322,11 @@ def _prefill_kernel(
     HAS_WINDOW: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    HAS_LIMITS: tl.constexpr,
 ):
     """BLOCK_M queries of one sequence and one head against its cached context and
-    the new tokens, causally (and within the window), one KV block at a time."""
+    the new tokens, causally or up to each query's key limit (and within the window),
+    one KV block at a time."""
     seq, head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(query_start_loc + seq)
     q_len = tl.load(query_start_loc + seq + 1) - q_start
@@ -344,6 +347,10 @@ def _prefill_kernel(
         offsets = tl.arange(0, BLOCK_SIZE)
         # Causality: no query of this tile sees past its last query's position.
         kv_end = tl.minimum(seq_len, num_context + (tile + 1) * BLOCK_M)
+        limits = query_pos
+        if HAS_LIMITS:  # an image's tokens see to its end: any key of the sequence
+            limits = tl.load(key_limits + q_start + rows, mask=rows < q_len, other=0)
+            kv_end = seq_len
         kv_start = 0
         if HAS_WINDOW:  # nor before its first query's window
             kv_start = tl.maximum(num_context + tile * BLOCK_M - window + 1, 0)
@@ -361,7 +368,7 @@ def _prefill_kernel(
                 BLOCK_SIZE,
             )
             key_pos = block_start + offsets
-            visible = (key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] < seq_len)
+            visible = (key_pos[None, :] <= limits[:, None]) & (key_pos[None, :] < seq_len)
             if HAS_WINDOW:
                 visible = visible & (key_pos[None, :] > query_pos[:, None] - window)
             m, l, acc = _attend_block(  # noqa: E741
@@ -376,7 +383,7 @@ def _prefill_kernel(
 
 def paged_attention_prefill(
     query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, window=0, sinks=None,
-    softcap=0.0,
+    softcap=0.0, key_limits=None,
 ):  # fmt: skip
     _, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -397,6 +404,7 @@ def paged_attention_prefill(
         seq_lens,
         out,
         seq_lens if sinks is None else sinks,  # not read without sinks
+        seq_lens if key_limits is None else key_limits,  # not read without limits
         scale,
         window,
         float(softcap),
@@ -413,6 +421,7 @@ def paged_attention_prefill(
         HAS_WINDOW=window > 0,
         HAS_SINKS=sinks is not None,
         HAS_SOFTCAP=bool(softcap),
+        HAS_LIMITS=key_limits is not None,
         num_warps=num_warps,
     )
     return out

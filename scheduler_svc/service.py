@@ -91,6 +91,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             config = s.core_config(
                 info.model.max_model_len, info.model.block_size, info.num_speculative_tokens,
                 info.model.max_loras, info.model.accepts_images,
+                info.model.bidirectional_images,
             )  # fmt: skip
             groups = kv_cache_groups(kv_layers_from_proto(info.model))
         except (ExecutorMismatch, ValueError) as e:

@@ -122,7 +122,7 @@ class SchedulerSettings(ServiceSettings):
 
     def core_config(
         self, executor_max_model_len: int, block_size: int, num_speculative_tokens: int = 0,
-        max_loras: int = 0, accepts_images: bool = False,
+        max_loras: int = 0, accepts_images: bool = False, whole_images: bool = False,
     ) -> SchedulerConfig:  # fmt: skip
         """The core's config once the executor has described itself (its model's
         length, its block size, the draft tokens it proposes, its LoRA slots, whether
@@ -135,4 +135,5 @@ class SchedulerSettings(ServiceSettings):
             max_num_encoder_input_tokens=encoder_budget if accepts_images else 0,
             encoder_cache_size=(self.encoder_cache_size or encoder_budget)
             if accepts_images else 0,
+            whole_images=whole_images,
         )  # fmt: skip

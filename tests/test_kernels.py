@@ -213,6 +213,47 @@ def test_paged_attention_prefill_in_a_window_with_sinks(
     assert_close(got, expected, dtype)
 
 
+@pytest.mark.parametrize("window", [0, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prefill_with_key_limits_lets_an_images_tokens_see_the_whole_image(window, dtype):
+    """Gemma 3's bidirectional images: a query inside [a, b) sees keys up to b - 1. The
+    torch twin against a mask written out here, and the Triton kernel against it."""
+    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 64, 16
+    shapes = [(40, 0), (30, 21)]  # (new tokens, cached context)
+    images = [(5, 17), (25, 45)]  # a [start, end) image span in each (positions)
+    seq_lens = [q + c for q, c in shapes]
+    num_blocks = sum(cdiv(n, block_size) for n in seq_lens) + 3
+    k_cache, v_cache = make_caches(num_blocks, block_size, num_kv_heads, head_dim, dtype)
+    tables = block_tables(seq_lens, block_size, num_blocks)
+    starts = torch.tensor([0, 40, 70], dtype=torch.int32, device=DEVICE)
+    query = randn(70, num_heads, head_dim, dtype=dtype, seed=4)
+    limits = torch.cat([torch.arange(c, c + q) for q, c in shapes])
+    for i, (a, b) in enumerate(images):
+        first = int(starts[i]) - shapes[i][1]  # flat index of position 0
+        limits[first + a : first + b] = b - 1
+    limits = limits.to(DEVICE, torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    scale = head_dim**-0.5
+    expected = torch_attention.paged_attention_prefill(
+        query, *head_major(k_cache, v_cache), tables, starts, lens, scale, window,
+        key_limits=limits)  # fmt: skip
+    k, v = (torch_attention.gather_kv(c, tables[1:2], seq_lens[1]) for c in
+            head_major(k_cache, v_cache))  # fmt: skip
+    q = query[40:70].transpose(0, 1)[None].float()
+    pos, keys = torch.arange(21, 51, device=DEVICE)[:, None], torch.arange(51, device=DEVICE)
+    mask = (keys <= limits[40:70, None].long()) & ((keys > pos - window) if window else True)
+    own = torch.softmax(
+        (q @ k.float().repeat_interleave(2, 1).transpose(-1, -2)) * scale
+        + torch.where(mask, 0.0, float("-inf")),
+        -1,
+    ) @ v.float().repeat_interleave(2, 1)
+    assert_close(expected[40:70], own[0].transpose(0, 1), dtype)
+    got = triton_attention.paged_attention_prefill(
+        query, k_cache, v_cache, tables, starts, lens, scale, window, key_limits=limits
+    )
+    assert_close(got, expected, dtype)
+
+
 @pytest.mark.parametrize(
     "checkpoint", ["llama", "qwen2-moe", "qwen2-window", "gpt-oss", "gemma2", "deepseek-v3"]
 )

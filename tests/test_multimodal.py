@@ -9,6 +9,7 @@ import torch
 
 from flagstop.executor.config import ExecutorConfig
 from flagstop.executor.model_runner import ModelRunner
+from flagstop.executor.models.config import ModelConfig
 from flagstop.executor.models.vision import mrope_positions
 from flagstop.scheduler_svc.core.config import SchedulerConfig
 from flagstop.scheduler_svc.core.encoder_cache import EncoderCache
@@ -20,20 +21,29 @@ from flagstop.scheduler_svc.core.scheduler import Scheduler
 from flagstop.scheduler_svc.core.step import Step
 from tests.helpers.images import VisionReference, drawn, processor
 from tools.inprocess import Job, run_engine
-from tools.make_vision_model import write_vision_model
+from tools.make_vision_model import FAMILIES, write_vision_model
 
 pytestmark = pytest.mark.numeric  # no clock in its in-process tests (Makefile: test)
 
-IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 ASK = "<s><|user|>\nWhat is in {} this picture, and why?\n<|assistant|>\n"
 TWO = "<s><|user|>\nCompare {} with {} please.\n<|assistant|>\n"
 MAX_TOKENS = 10
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
 def vl_model(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(request.param) / f"flagstop-tiny-{request.param}"
     return write_vision_model(out, arch=request.param)
+
+
+def image_part(model_dir) -> str:
+    """The family's placeholder of one image in a prompt."""
+    return FAMILIES[model_dir.name.removeprefix("flagstop-tiny-")].image_part
+
+
+def whole_images(model_dir) -> bool:
+    """Gemma 3: a chunk never cuts an image (its tokens attend both ways)."""
+    return ModelConfig.from_pretrained(model_dir).vision.layout.bidirectional
 
 
 @pytest.fixture(scope="module")
@@ -58,46 +68,51 @@ def job(model_dir, runner, text: str, images: list[bytes]) -> Job:
     return Job(processed.token_ids, MAX_TOKENS, media=media_from_proto(processed.media))
 
 
-def config(budget: int = 2048, encoder_budget: int = 2048, cache: int = 4096) -> SchedulerConfig:
-    return SchedulerConfig(max_num_batched_tokens=budget, block_size=4,
-                           max_num_encoder_input_tokens=encoder_budget,
-                           encoder_cache_size=cache)  # fmt: skip
+def config(model_dir, budget: int = 2048, **fields) -> SchedulerConfig:
+    return SchedulerConfig(**{"max_num_batched_tokens": budget, "block_size": 4,
+                              "max_num_encoder_input_tokens": 2048, "encoder_cache_size": 4096,
+                              "whole_images": whole_images(model_dir), **fields})  # fmt: skip
 
 
-PROMPTS = [
-    (ASK.format(IMAGE), [drawn(1)]),
-    (TWO.format(IMAGE, IMAGE), [drawn(2, 60, 90), drawn(3, 140, 56)]),
-    ("<s><|user|>\nNo picture here, only words.\n<|assistant|>\n", []),
-    (ASK.format(IMAGE), [drawn(4, 200, 120, "JPEG")]),
-]
+def prompts(model_dir) -> list[tuple[str, list[bytes]]]:
+    image = image_part(model_dir)
+    return [
+        (ASK.format(image), [drawn(1)]),
+        (TWO.format(image, image), [drawn(2, 60, 90), drawn(3, 140, 56)]),
+        ("<s><|user|>\nNo picture here, only words.\n<|assistant|>\n", []),
+        (ASK.format(image), [drawn(4, 200, 120, "JPEG")]),
+    ]
 
 
-@pytest.mark.parametrize("budget", [2048, 7])
+@pytest.mark.parametrize("chunked", [False, True])
 def test_image_prompts_equal_generate_whole_and_in_chunks_cutting_images(
-    vl_model, vl_reference, runner, budget
+    vl_model, vl_reference, runner, chunked
 ):
-    """Four requests in one batch (two images in one, none in another); at a token
-    budget of 7 every image is cut by chunk boundaries and its embeddings sliced."""
-    jobs = [job(vl_model, runner, text, images) for text, images in PROMPTS]
-    run = run_engine(runner, jobs, config(budget))
-    for (text, images), out in zip(PROMPTS, run.outputs, strict=True):
+    """Four requests in one batch (two images in one, none in another); chunked, at a
+    token budget of 7 every image is cut by chunk boundaries and its embeddings
+    sliced (Gemma 3's, never cut, at 20: the chunks end before its images)."""
+    budget = (20 if whole_images(vl_model) else 7) if chunked else 2048
+    cases = prompts(vl_model)
+    jobs = [job(vl_model, runner, text, images) for text, images in cases]
+    run = run_engine(runner, jobs, config(vl_model, budget))
+    for (text, images), out in zip(cases, run.outputs, strict=True):
         assert out == vl_reference.greedy(text, images, MAX_TOKENS)
 
 
 def test_same_image_hits_the_prefix_cache_and_another_misses(vl_model, vl_reference, runner):
-    text = ASK.format(IMAGE)
+    text = ASK.format(image_part(vl_model))
     first = job(vl_model, runner, text, [drawn(5)])
-    run = run_engine(runner, [first], config())
+    run = run_engine(runner, [first], config(vl_model))
     scheduler = run.scheduler
     stats = scheduler.kv.prefix_stats
     hits_before = stats.num_hits
-    again = run_engine(runner, [job(vl_model, runner, text, [drawn(5)])], config(),
+    again = run_engine(runner, [job(vl_model, runner, text, [drawn(5)])], config(vl_model),
                        scheduler=scheduler)  # fmt: skip
     image = first.media[0]
     assert stats.num_hits - hits_before >= image.end // 4 * 4 > image.offset  # past the image
     assert again.outputs[0] == run.outputs[0]
     hits_before = stats.num_hits
-    other = run_engine(runner, [job(vl_model, runner, text, [drawn(6)])], config(),
+    other = run_engine(runner, [job(vl_model, runner, text, [drawn(6)])], config(vl_model),
                        scheduler=scheduler)  # fmt: skip
     assert stats.num_hits - hits_before <= image.offset  # the text before it only
     assert other.outputs[0] == vl_reference.greedy(text, [drawn(6)], MAX_TOKENS)
@@ -107,18 +122,20 @@ def test_same_image_hits_the_prefix_cache_and_another_misses(vl_model, vl_refere
 def test_preempted_image_requests_recompute_token_exact(vl_model, vl_reference, runner):
     """A pool too small for all of them: requests are preempted and recompute their
     prompts, images included (their embeddings cached or encoded again)."""
-    prompts = [(ASK.format(IMAGE), [drawn(10 + i)]) for i in range(4)]
-    jobs = [job(vl_model, runner, text, images) for text, images in prompts]
-    cfg = SchedulerConfig(max_num_batched_tokens=16, block_size=4, reserve_full_isl=False,
-                          max_num_encoder_input_tokens=64, encoder_cache_size=64)  # fmt: skip
-    run = run_engine(runner, jobs, cfg, num_blocks=30)
+    cases = [(ASK.format(image_part(vl_model)), [drawn(10 + i)]) for i in range(4)]
+    jobs = [job(vl_model, runner, text, images) for text, images in cases]
+    cfg = config(vl_model, 20 if whole_images(vl_model) else 16, reserve_full_isl=False,
+                 max_num_encoder_input_tokens=64, encoder_cache_size=64)  # fmt: skip
+    run = run_engine(runner, jobs, cfg, num_blocks=30 * len(runner.kv_groups))
     assert run.scheduler.num_preemptions > 0
-    for (text, images), out in zip(prompts, run.outputs, strict=True):
+    for (text, images), out in zip(cases, run.outputs, strict=True):
         assert out == vl_reference.greedy(text, images, MAX_TOKENS)
 
 
 def test_mrope_positions_match_transformers(vl_model, vl_reference):
-    text = TWO.format(IMAGE, IMAGE)
+    if not ModelConfig.from_pretrained(vl_model).vision.layout.mrope:
+        pytest.skip("plain RoPE positions")
+    text = TWO.format(image_part(vl_model), image_part(vl_model))
     images = [drawn(2, 60, 90), drawn(3, 140, 56)]
     processed = processor(vl_model).process(text, images, ["x", "y"], False)
     model = vl_reference.model

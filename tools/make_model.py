@@ -154,7 +154,7 @@ ARCHS = {
                 "residual_multiplier": 0.22, "logits_scaling": 8.0},
 }  # fmt: skip
 # Vision-language models (tools/make_vision_model.py: made by transformers' classes).
-VISION_ARCHS = ("qwen2_5_vl", "qwen3_vl")
+VISION_ARCHS = ("qwen2_5_vl", "qwen3_vl", "gemma3_vl")
 DEEPSEEK_LAYOUT = ("deepseek_v3", "glm4_moe")  # routed + shared experts, first layer dense
 GEMMA_PATTERN = 6  # a global layer after every 5 local ones
 NUM_EXPERTS, EXPERTS_PER_TOKEN = 8, 2

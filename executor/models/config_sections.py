@@ -299,6 +299,7 @@ class VisionConfig:
     mrope_section: tuple[int, ...]
     tower_config: dict[str, Any]
     num_deepstack_layers: int = 0  # DeepStack: the first layers that add tower features
+    model_config: dict[str, Any] | None = None  # the whole config.json (a projector's)
 
     @classmethod
     def from_hf(cls, layout: VisionLayout, hf: dict[str, Any], rope: dict[str, Any]
@@ -309,13 +310,17 @@ class VisionConfig:
             raise ConfigError(f"rope_parameters.mrope_section={section!r}: multimodal RoPE "
                               "takes three sections (temporal, height, width)")  # fmt: skip
         deepstack = len(tower.get("deepstack_visual_indexes") or ()) if layout.deepstack else 0
-        return cls(layout, hf["image_token_id"], tower.get("spatial_merge_size", 2), section,
-                   tower, deepstack)  # fmt: skip
+        image_token_id = hf.get("image_token_id", hf.get("image_token_index"))
+        return cls(layout, image_token_id, tower.get("spatial_merge_size", 2), section,
+                   tower, deepstack, hf)  # fmt: skip
 
 
 def language_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """A vision-language config's language model as a text model's config: its
-    text_config's fields over the top level's (which keeps the architecture, the tied
-    embeddings and the image token ids)."""
+    text_config's fields over the top level's (which keeps the architecture and the
+    image token ids), but the top level's tie_word_embeddings, which is the model's
+    (transformers writes the text config's default beside it)."""
     top = {k: v for k, v in hf.items() if k not in ("text_config", "vision_config")}
-    return top | hf.get("text_config", {})
+    tied = {"tie_word_embeddings": top["tie_word_embeddings"]} \
+        if "tie_word_embeddings" in top else {}  # fmt: skip
+    return top | hf.get("text_config", {}) | tied

@@ -54,17 +54,32 @@ def read(f, hf_name: str, region: tuple[int, int, int] | None, full_rows: int | 
 # Qwen3.5's `mtp.*`: the main model skips them (as transformers does) and the `mtp`
 # drafter loads them (executor/speculative/mtp.py).
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# A vision-language checkpoint's image encoder's tensors: not the language model's.
+VISION_TENSORS = tuple(
+    f"{model}{name}."
+    for model in ("", "model.")
+    for name in ("visual", "vision_tower", "multi_modal_projector")
+)
 # The name a checkpoint tensor loads as in a model (its HF form), None: not this model's.
 Names = Callable[[str], str | None]
+
+
+def language_name(hf_name: str) -> str:
+    """A vision-language checkpoint's language model tensor as a text model's: by
+    transformers 5's names (model.language_model.layers) or the older ones
+    (language_model.model.layers, language_model.lm_head)."""
+    if hf_name.startswith("model.language_model."):
+        return "model." + hf_name.removeprefix("model.language_model.")
+    return hf_name.removeprefix("language_model.")
 
 
 def main_layers(num_layers: int) -> Names:
     """The main model's tensors: every one but the prediction layers'."""
 
     def name(hf_name: str) -> str | None:
-        if hf_name.startswith(("mtp.", "visual.", "model.visual.")):
-            return None  # the vision tower's: models/vision.py loads them
-        hf_name = hf_name.replace("model.language_model.", "model.", 1)
+        if hf_name.startswith(("mtp.", *VISION_TENSORS)):
+            return None  # an image encoder's: models/vision.py loads them
+        hf_name = language_name(hf_name)
         return hf_name if (m := LAYER.match(hf_name)) is None or int(m[1]) < num_layers else None
 
     return name

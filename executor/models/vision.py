@@ -15,33 +15,44 @@ from torch import nn
 from flagstop.executor.models.config_sections import VisionConfig
 from flagstop.scheduler_svc.core.media import MediaPlaceholder
 
-# The tower's tensors in a checkpoint: `visual.*` (the published layout) or
-# `model.visual.*` (transformers 5's in-memory one).
-TOWER = re.compile(r"^(?:model\.)?visual\.(.+)$")
+
+def _class(path: str):
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
 
 
 class VisionTower(nn.Module):
-    """The family's vision tower: pixels (the processor's patches) in, one embedding
-    per placeholder token out, an image at a time."""
+    """The family's image encoder: transformers' modules its layout names, under the
+    checkpoint's names for them (its tower; a projector where it has one), one image
+    at a time: the processor's pixels in, an embedding per placeholder token out."""
 
     def __init__(self, vision: VisionConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        module = importlib.import_module(vision.layout.tower_module)
-        tower_class = getattr(module, vision.layout.tower_class)
+        layout = vision.layout
+        tower_class = _class(layout.tower)
         config = tower_class.config_class(**vision.tower_config)
         config._attn_implementation = "sdpa"
+        parts = {}
         with torch.device(device):
-            self.tower = tower_class._from_config(config, dtype=dtype).eval()
-        self.dtype = dtype
+            parts[layout.weights[0]] = tower_class._from_config(config, dtype=dtype)
+            if layout.projector:  # built from the whole model's config (its sizes)
+                whole = _class(layout.model_config)(**vision.model_config)
+                parts[layout.weights[1]] = _class(layout.projector)(whole).to(dtype)
+        self.parts = nn.ModuleDict(parts).eval()
+        self.layout, self.dtype = layout, dtype
+        # A tensor's name in the checkpoint (model. first or not; Gemma 3's older
+        # tower under .vision_model) -> its name here.
+        names = "|".join(layout.weights)
+        self.pattern = re.compile(rf"^(?:model\.)?({names})\.(?:vision_model\.)?(.+)$")
 
     def load(self, model_dir: str | Path) -> None:
         state = {}
         for file in sorted(Path(model_dir).glob("*.safetensors")):
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    if (m := TOWER.match(name)) is not None:
-                        state[m[1]] = f.get_tensor(name)
-        missing, unexpected = self.tower.load_state_dict(state, strict=False)
+                    if (m := self.pattern.match(name)) is not None:
+                        state[f"{m[1]}.{m[2]}"] = f.get_tensor(name)
+        missing, unexpected = self.parts.load_state_dict(state, strict=False)
         missing = [m for m in missing if "inv_freq" not in m]
         if missing or unexpected:
             raise ValueError(f"vision tower: checkpoint lacks {missing[:3]}, "
@@ -51,8 +62,13 @@ class VisionTower(nn.Module):
     def encode(self, pixel_values: torch.Tensor, grid: Sequence[int]) -> torch.Tensor:
         """One image's embeddings [placeholder tokens, hidden], each row followed by
         its DeepStack features (hidden each) where the tower gives them."""
+        tower = self.parts[self.layout.weights[0]]
+        pixel_values = pixel_values.to(self.dtype)
+        if self.layout.projector:  # a fixed-size image: its patches' states, projected
+            states = tower(pixel_values=pixel_values[None]).last_hidden_state
+            return self.parts[self.layout.weights[1]](states)[0]
         grid_thw = torch.tensor([list(grid)], device=pixel_values.device)
-        out = self.tower(pixel_values.to(self.dtype), grid_thw=grid_thw)
+        out = tower(pixel_values, grid_thw=grid_thw)
         deepstack = getattr(out, "deepstack_features", None) or []
         return torch.cat([out.pooler_output, *deepstack], dim=-1) if deepstack else \
             out.pooler_output  # fmt: skip

@@ -254,7 +254,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "max_model_len", "eos_token_ids", "block_size", "num_blocks", "lora_adapters", "max_loras", "num_host_blocks", "kv_role", "kv_layout", "kv_layers", "kv_capacity_tokens", "accepts_images", "max_num_encoder_input_tokens", "encoder_cache_size", "pixel_dtype")
+    __slots__ = ("model_name", "vocab_size", "max_model_len", "eos_token_ids", "block_size", "num_blocks", "lora_adapters", "max_loras", "num_host_blocks", "kv_role", "kv_layout", "kv_layers", "kv_capacity_tokens", "accepts_images", "max_num_encoder_input_tokens", "encoder_cache_size", "pixel_dtype", "bidirectional_images")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -272,6 +272,7 @@ class ModelInfo(_message.Message):
     MAX_NUM_ENCODER_INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ENCODER_CACHE_SIZE_FIELD_NUMBER: _ClassVar[int]
     PIXEL_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BIDIRECTIONAL_IMAGES_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     max_model_len: int
@@ -289,7 +290,8 @@ class ModelInfo(_message.Message):
     max_num_encoder_input_tokens: int
     encoder_cache_size: int
     pixel_dtype: str
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ..., max_loras: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., kv_role: _Optional[_Union[KVRole, str]] = ..., kv_layout: _Optional[str] = ..., kv_layers: _Optional[_Iterable[_Union[KVCacheLayer, _Mapping]]] = ..., kv_capacity_tokens: _Optional[int] = ..., accepts_images: _Optional[bool] = ..., max_num_encoder_input_tokens: _Optional[int] = ..., encoder_cache_size: _Optional[int] = ..., pixel_dtype: _Optional[str] = ...) -> None: ...
+    bidirectional_images: bool
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ..., max_loras: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., kv_role: _Optional[_Union[KVRole, str]] = ..., kv_layout: _Optional[str] = ..., kv_layers: _Optional[_Iterable[_Union[KVCacheLayer, _Mapping]]] = ..., kv_capacity_tokens: _Optional[int] = ..., accepts_images: _Optional[bool] = ..., max_num_encoder_input_tokens: _Optional[int] = ..., encoder_cache_size: _Optional[int] = ..., pixel_dtype: _Optional[str] = ..., bidirectional_images: _Optional[bool] = ...) -> None: ...
 
 class KVCacheLayer(_message.Message):
     __slots__ = ("attention", "sliding_window", "sinks", "kv_bytes_per_token")

@@ -65,9 +65,12 @@ class MediaProcessor:
         processor_class = _processor_class(config["model_type"])
         kwargs = {"video_processor": None} if "video_processor" in \
             processor_class.get_attributes() else {}  # fmt: skip
+        if "mm_tokens_per_image" in config:  # Gemma 3's fixed count a placeholder expands to
+            kwargs["image_seq_length"] = config["mm_tokens_per_image"]
         self.processor = processor_class(image_processor=self.image_processor,
                                          tokenizer=tokenizer, **kwargs)  # fmt: skip
-        self.image_token_id = config["image_token_id"]
+        self.image_token_id = config.get("image_token_id", config.get("image_token_index"))
+        self.patch_size = config["vision_config"].get("patch_size", 14)
         self.max_pixels = max_pixels
         Image.MAX_IMAGE_PIXELS = None  # max_pixels is checked before decoding
         settings = json.dumps(self.image_processor.to_dict(), sort_keys=True, default=str)
@@ -88,16 +91,13 @@ class MediaProcessor:
             raise RequestRejected(f"the prompt's image placeholders and its {len(images)} "
                                   f"images do not match: {e}", "messages") from None  # fmt: skip
         token_ids = out["input_ids"][0].tolist()
-        grids = out["image_grid_thw"].tolist()
-        pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
+        pixels, grids = self._per_image(out)
         ranges = self._placeholder_ranges(token_ids)
         if len(ranges) != len(grids):
             raise RequestRejected(f"{len(ranges)} image placeholders for {len(grids)} images",
                                   "messages")  # fmt: skip
-        media, data, row = [], [], 0
-        for (offset, length), grid, key in zip(ranges, grids, keys, strict=True):
-            rows = pixels[row : row + int(np.prod(grid))]
-            row += len(rows)
+        media, data = [], []
+        for (offset, length), rows, grid, key in zip(ranges, pixels, grids, keys, strict=True):
             media.append(generation_pb2.MediaPlaceholder(hash=key, offset=offset, length=length,
                                                          grid=grid))  # fmt: skip
             data.append(
@@ -114,6 +114,18 @@ class MediaProcessor:
                                   f"than the {MAX_MEDIA_BYTES >> 20} MiB a request carries; "
                                   "send smaller images", where[-1])  # fmt: skip
         return Processed(token_ids, media, data)
+
+    def _per_image(self, out) -> tuple[list[np.ndarray], list[list[int]]]:
+        """Each image's pixels and patch grid (temporal, height, width): Qwen-VL's
+        patches of all images in one array, by their grids; or one fixed-size image
+        a row (Gemma 3's)."""
+        pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
+        if "image_grid_thw" not in out:
+            p = self.patch_size
+            return list(pixels), [[1, x.shape[-2] // p, x.shape[-1] // p] for x in pixels]
+        grids = out["image_grid_thw"].tolist()
+        cuts = np.cumsum([int(np.prod(g)) for g in grids])[:-1]
+        return np.split(pixels, cuts), grids
 
     def _open(self, data: bytes, where: str):
         from PIL import Image, UnidentifiedImageError

@@ -50,6 +50,8 @@ class SchedulerConfig:
     # computes a step, and those its cache holds (encoder_cache.py).
     max_num_encoder_input_tokens: int = 0
     encoder_cache_size: int = 0
+    # An image's tokens attend both ways (Gemma 3): a chunk never cuts an image.
+    whole_images: bool = False
 
     def __post_init__(self) -> None:
         if min(self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len) < 1:

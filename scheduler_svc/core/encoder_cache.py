@@ -11,6 +11,7 @@ encoder_frees; this accounting is the one place that decides (docs/multimodal.md
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from flagstop.scheduler_svc.core.config import SchedulerConfig
 from flagstop.scheduler_svc.core.limits import RequestRejected
 from flagstop.scheduler_svc.core.media import MediaPlaceholder
 from flagstop.scheduler_svc.core.request import Request
@@ -49,6 +50,10 @@ class NoEncoder:
 class EncoderCache:
     capacity: int  # embedding tokens the executor's cache holds
     budget: int  # embedding tokens the encoder computes a step
+    # The most tokens a chunk holds, where a chunk may not cut an image (0: it may):
+    # Gemma 3's image tokens attend to each other both ways, so an image's tokens
+    # still to compute go in one chunk.
+    whole_items_within: int = 0
     num_free: int = 0
     # Every entry: its tokens; those no request needs, oldest first (evictable).
     entries: dict[bytes, int] = field(default_factory=dict)
@@ -74,6 +79,11 @@ class EncoderCache:
                     f"an image of {item.length} embedding tokens exceeds the encoder's "
                     f"{limit} a step (--max-num-encoder-input-tokens, "
                     "--encoder-cache-size); send a smaller image")  # fmt: skip
+            if self.whole_items_within and item.length > self.whole_items_within:
+                raise RequestRejected(
+                    f"an image of {item.length} tokens, which this model computes in one "
+                    f"chunk, exceeds a chunk's {self.whole_items_within} tokens "
+                    "(--max-num-batched-tokens, --long-prefill-token-threshold)")  # fmt: skip
 
     def chunk(self, request: Request, num_computed: int, num_new: int, step) -> int:
         """num_new cut so that every image the chunk [num_computed, + num_new)
@@ -87,6 +97,8 @@ class EncoderCache:
                 continue
             if item.offset >= end:
                 break
+            if self.whole_items_within and end < item.end:  # it would cut the image
+                return max(item.offset - num_computed, 0)
             if self._use(item.hash, request.request_id):
                 continue
             if item.length > step.encoder_budget or not self._make_room(item.length):
@@ -139,6 +151,15 @@ class EncoderCache:
         return frees
 
 
-def encoder_cache(budget: int, capacity: int) -> EncoderCache | NoEncoder:
+def encoder_cache(config: SchedulerConfig) -> EncoderCache | NoEncoder:
     """The scheduler's encoder component: none for a text-only model (budget 0)."""
-    return EncoderCache(capacity, budget) if budget > 0 else NoEncoder()
+    budget = config.max_num_encoder_input_tokens
+    if budget <= 0:
+        return NoEncoder()
+    whole = 0
+    if config.whole_images:
+        whole = min(
+            config.max_num_batched_tokens,
+            config.long_prefill_token_threshold or config.max_num_batched_tokens,
+        )
+    return EncoderCache(config.encoder_cache_size, budget, whole)

@@ -75,8 +75,7 @@ class Scheduler:
         policy = policy or policy_for(config)
         self.policy_step = PolicyStep(policy, self._policy_view, self._refuse)
         self.drafts = draft_budget(config)
-        self.encoder = encoder_cache(config.max_num_encoder_input_tokens,
-                                     config.encoder_cache_size)  # fmt: skip
+        self.encoder = encoder_cache(config)
         self.transfers = kv_transfers(connector)
         self.block_size = config.block_size  # read per token
         self._new_pool(num_blocks)
@@ -151,8 +150,7 @@ class Scheduler:
         # The new executor starts from an empty batch: nothing of the old to drop.
         self.finished_req_ids = set()
         self.drafts.reset()
-        self.encoder = encoder_cache(self.config.max_num_encoder_input_tokens,
-                                     self.config.encoder_cache_size)  # fmt: skip
+        self.encoder = encoder_cache(self.config)
 
     # -- one step ----------------------------------------------------------------
 

@@ -69,17 +69,25 @@ QWEN_MOE = MoeLayout()
 
 @dataclass(frozen=True, slots=True)
 class VisionLayout:
-    """A vision-language family: where its config keeps the language model's fields,
-    its vision tower (transformers' own module, models/vision.py), and its positions."""
+    """A vision-language family: its image encoder (transformers' own modules,
+    models/vision.py), its positions and how its image tokens attend."""
 
-    # The transformers module and class of the vision tower, built from vision_config.
-    tower_module: str
-    tower_class: str
+    # The tower's transformers class (module.Class), built from vision_config; and the
+    # checkpoint's names of its modules: the tower's, then the projector's.
+    tower: str
+    weights: tuple[str, ...]
+    # A projector after the tower (Gemma 3's), built from the whole model's config
+    # (model_config: its transformers class); "": the tower's output is the embedding.
+    projector: str = ""
+    model_config: str = ""
+    # An image's tokens attend to each other both ways (Gemma 3): a prefill chunk never
+    # cuts an image, and each of its tokens sees the whole image.
+    bidirectional: bool = False
     # Multimodal RoPE (Qwen-VL): each rotary dimension pair turns by one of (temporal,
     # height, width) positions, by the text config's mrope_section (this default when
     # it has none): the sections one after another (Qwen2.5-VL), or interleaved
     # t, h, w, t, h, w ... with the rest temporal (Qwen3-VL).
-    mrope: bool = True
+    mrope: bool = False
     mrope_section: tuple[int, ...] = ()
     mrope_interleaved: bool = False
     # DeepStack (Qwen3-VL): the tower's features of some of its blocks are added to the

@@ -6,12 +6,15 @@ added to the image tokens after the first layers (docs/multimodal.md)."""
 from flagstop.executor.models.families.family import Architecture, VisionLayout
 
 QWEN2_5_VL = VisionLayout(
-    tower_module="transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",
-    tower_class="Qwen2_5_VisionTransformerPretrainedModel",
+    tower="transformers.models.qwen2_5_vl.modeling_qwen2_5_vl."
+    "Qwen2_5_VisionTransformerPretrainedModel",
+    weights=("visual",),
+    mrope=True,
 )
 QWEN3_VL = VisionLayout(
-    tower_module="transformers.models.qwen3_vl.modeling_qwen3_vl",
-    tower_class="Qwen3VLVisionModel",
+    tower="transformers.models.qwen3_vl.modeling_qwen3_vl.Qwen3VLVisionModel",
+    weights=("visual",),
+    mrope=True,
     mrope_section=(24, 20, 20),
     mrope_interleaved=True,
     deepstack=True,
