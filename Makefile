@@ -72,7 +72,7 @@ COMPOSE := $(if $(strip $(PROFILES)),COMPOSE_PROFILES=$(subst $() ,$(comma),$(st
 	$(if $(SPEC),SPEC='$(SPEC)') $(if $(filter-out grpcio,$(GRPC_SERVER)),GRPC_SERVER=$(GRPC_SERVER)) \
 	$(DOCKER_COMPOSE) -f compose/compose.yaml $(if $(GPU),-f compose/compose.gpu.yaml)
 
-.PHONY: venv test test-fast kernels-sm90 lint bench bench-executor bench-kv-tier bench-kv-groups bench-mla bench-recurrent bench-lora bench-replicas bench-structured model proto serve up down logs ps clean
+.PHONY: venv test test-fast kernels-sm90 lint bench bench-executor bench-kv-tier bench-kv-groups bench-mla bench-recurrent bench-lora bench-replicas bench-structured bench-multimodal model proto serve up down logs ps clean
 
 venv: $(STAMP)
 
@@ -234,6 +234,12 @@ bench: $(STAMP)
 # ranks (about 15 minutes).
 bench-lora: $(STAMP)
 	$(PY) bench/lora_bench.py
+
+# Images (docs/multimodal.md): the pixel path by image size, the encoder cache against
+# a cache of one image, the encoder budget against none while decodes run.
+bench-multimodal: $(STAMP)
+	$(PY) bench/multimodal_bench.py
+	$(PY) bench/report.py
 
 # The host tier on a multi-turn workload that outgrows the pool (the small model on
 # the CPU, pool only vs pool + tier), and two colocated replicas against a prefill and a

@@ -207,9 +207,10 @@ class ReplicaSet:
                                   media=media_from_proto(add.media))  # fmt: skip
         views = self._views(replicas)
         # Prompt logprobs come out of a prefill's logits, and a remainder bound for a
-        # decode replica has had its prefill: neither is split (again).
+        # decode replica has had its prefill: neither is split (again). Nor is a prompt
+        # with images: its prefill and decode run on one replica (docs/multimodal.md).
         splittable = not (add.sampling.HasField("prompt_logprobs")
-                          or add.kv_transfer.remote_endpoint)  # fmt: skip
+                          or add.kv_transfer.remote_endpoint or add.media)  # fmt: skip
         name, decode, why = self.chooser.place(
             hashes, len(token_ids), self.model_info.block_size, views, lora_name, splittable
         )

@@ -4,6 +4,8 @@ generate() with the same processor through prefill, chunks that cut an image, pr
 hits with the same image and misses with another, preemption and joins; the
 scheduler's encoder budget and cache; image identity in the block hashes."""
 
+import math
+
 import pytest
 import torch
 
@@ -19,6 +21,7 @@ from flagstop.scheduler_svc.core.media import MediaPlaceholder, media_from_proto
 from flagstop.scheduler_svc.core.request import Request, StopParams
 from flagstop.scheduler_svc.core.scheduler import Scheduler
 from flagstop.scheduler_svc.core.step import Step
+from flagstop.scheduler_svc.core.step_cost import StepCostModel
 from tests.helpers.images import VisionReference, drawn, processor
 from tools.inprocess import Job, run_engine
 from tools.make_vision_model import FAMILIES, write_vision_model
@@ -203,3 +206,27 @@ def test_an_images_hash_keys_every_block_over_it_and_after_it():
     other = chain_hashes(tokens, 4, media=[image(b"two", 9, 6)])
     assert one[:2] == other[:2] == chain_hashes(tokens, 4)[:2]  # before the image
     assert all(x != y for x, y in zip(one[2:], other[2:], strict=True))
+
+
+def test_the_step_cost_model_learns_what_the_encoder_costs():
+    """Steps with images teach the encoder term; a text step's prediction is the same
+    as without it."""
+    model = StepCostModel()
+    truth = StepCostModel(base_s=0.01, s_per_token=2e-5, s_per_context_token=1e-7,
+                          s_per_encoder_token=6e-5)  # fmt: skip
+    for i in range(600):
+        tokens, context = (i * 37) % 2048 + 1, (i * 7919) % 300_000 + 1
+        encoder = (i * 131) % 1024 if i % 3 == 0 else 0
+        model.observe(tokens, context, truth.seconds(tokens, context, encoder), encoder)
+    for tokens, context, encoder in ((512, 64_000, 0), (512, 64_000, 1000), (2048, 1, 256)):
+        assert math.isclose(model.seconds(tokens, context, encoder),
+                            truth.seconds(tokens, context, encoder), rel_tol=0.02)  # fmt: skip
+    assert model.figures()["us_per_encoder_token"] == pytest.approx(60, rel=0.05)
+
+
+def test_a_step_with_images_carries_their_embedding_tokens_to_the_cost_model():
+    scheduler = Scheduler(SchedulerConfig(max_num_encoder_input_tokens=64,
+                                          encoder_cache_size=64), 64)  # fmt: skip
+    scheduler.add_request(request("a", 40, image(b"a", 4, 20), image(b"b", 30, 6)))
+    plan = scheduler.schedule()
+    assert plan.encoder_inputs == [b"a", b"b"] and plan.num_encoder_tokens == 26

@@ -17,7 +17,7 @@ import pytest
 from flagstop.v1 import generation_pb2
 from tests.helpers.images import VisionReference, drawn
 from tests.helpers.metrics import scrape
-from tools.make_vision_model import IMAGE_PART, write_vision_model
+from tools.make_vision_model import FAMILIES, IMAGE_PART, write_vision_model
 from tools.stack import free_port, start_stack
 
 pytestmark = pytest.mark.processes
@@ -99,9 +99,9 @@ def prompt(*parts: str) -> str:
     return f"<s><|user|>\n{''.join(parts)}\n<|assistant|>\n"
 
 
-def chat_tokens(client, content: list, **extra) -> tuple[list[int], object]:
+def chat_tokens(client, content: list, model: str = MODEL, **extra) -> tuple[list[int], object]:
     reply = client.chat.completions.create(
-        model=MODEL,
+        model=model,
         messages=[{"role": "user", "content": content}],
         max_tokens=MAX_TOKENS,
         temperature=0,
@@ -249,16 +249,53 @@ def test_the_encoder_is_accounted_in_models_and_metrics(stack, client):
                for k, v in metrics.items())  # fmt: skip
 
 
-def test_two_tensor_parallel_ranks_read_images_token_exact(vl_model, vl_reference, tmp_path):
-    """The language model split over two ranks, the vision tower on each (replicated):
-    chunks that cut the image, and the same image again (an encoder cache hit)."""
-    tp = start_stack(vl_model, tmp_path, executor_args=["--tensor-parallel-size", "2"],
-                     scheduler_args=["--max-num-batched-tokens", "12"])  # fmt: skip
+@pytest.mark.parametrize("arch", sorted(FAMILIES))
+def test_every_family_on_two_tensor_parallel_ranks_reads_images_token_exact(arch, tmp_path):
+    """Each family through the services, the language model split over two ranks and
+    the vision tower on each (replicated): chunks around (Qwen's: across) the image,
+    and the same image again (no encoder work)."""
+    model_dir = write_vision_model(tmp_path / f"flagstop-tiny-{arch}", arch=arch)
+    reference = VisionReference(model_dir)
+    tp = start_stack(model_dir, tmp_path / "logs", executor_args=["--tensor-parallel-size", "2"],
+                     scheduler_args=["--max-num-batched-tokens", "24"])  # fmt: skip
     try:
         client = openai.OpenAI(base_url=tp.base_url, api_key="none", max_retries=0, timeout=60)
-        text = prompt("What is in ", IMAGE_PART, " this picture?")
-        expected = vl_reference.greedy(text, [drawn(12)], MAX_TOKENS)
+        text = prompt("What is in ", FAMILIES[arch].image_part, " this picture?")
+        expected = reference.greedy(text, [drawn(12)], MAX_TOKENS)
         for _ in range(2):
-            assert chat_tokens(client, ask(data_url(drawn(12))))[0] == expected
+            tokens, _ = chat_tokens(client, ask(data_url(drawn(12))),
+                                    model=f"flagstop-tiny-{arch}")  # fmt: skip
+            assert tokens == expected
+        assert tp.stats().num_encoded_images == 1  # again: a prefix or encoder cache hit
     finally:
         assert set(tp.stop().values()) == {0}
+
+
+def test_the_host_tier_keeps_image_prefixes_by_their_images(vl_model, vl_reference, tmp_path):
+    """A pool of 24 blocks and a host tier: an image prompt's blocks, evicted from the
+    pool by other prompts, load back from the tier for the same image, and never for
+    another image at the same positions (its blocks' hashes differ)."""
+    stack = start_stack(vl_model, tmp_path, executor_args=[
+        "--num-blocks", "24", "--kv-offload-bytes", str(64 << 20)])  # fmt: skip
+    try:
+        client = openai.OpenAI(base_url=stack.base_url, api_key="none", max_retries=0, timeout=60)
+        words = "A continuous batching server keeps the accelerator busy at every step. " * 2
+        content = [{"type": "text", "text": words}, *ask(data_url(drawn(13)))]
+        first, _ = chat_tokens(client, content)
+        for seed in range(3):  # evict it from the pool
+            client.completions.create(model=MODEL, prompt=[0] + [3 + (seed * 7 + i) % 500
+                                      for i in range(150)], max_tokens=4)  # fmt: skip
+        before = stack.stats().external_prefix_cache_hits
+        other = [{"type": "text", "text": words}, *ask(data_url(drawn(14)))]
+        text = prompt(words, "What is in ", IMAGE_PART, " this picture?")
+        assert chat_tokens(client, other)[0] == vl_reference.greedy(text, [drawn(14)], MAX_TOKENS)
+        loaded_for_other = stack.stats().external_prefix_cache_hits - before
+        assert loaded_for_other > 0  # the text before the image: the same blocks
+        assert chat_tokens(client, content)[0] == first
+        # Its text blocks are in the pool again (the other request's); the blocks over
+        # and after its image come from the tier.
+        loaded_again = stack.stats().external_prefix_cache_hits - before - loaded_for_other
+        assert loaded_again >= 16
+        stack.wait_idle()
+    finally:
+        assert set(stack.stop().values()) == {0}

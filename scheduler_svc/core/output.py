@@ -86,6 +86,8 @@ class SchedulerOutput:
     # into the encoder cache), and cached embeddings to drop (encoder_cache.py).
     encoder_inputs: list[bytes] = field(default_factory=list)
     encoder_frees: list[bytes] = field(default_factory=list)
+    # Scheduler-side only: their embedding tokens (the step-cost model's last term).
+    num_encoder_tokens: int = 0
 
     @property
     def polls_only(self) -> bool:

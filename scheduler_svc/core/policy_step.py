@@ -90,7 +90,8 @@ class PolicyStep:
 
     def measured(self, plan: SchedulerOutput, seconds: float) -> None:
         """A step the executor timed: the step-cost model learns from it."""
-        self.cost.observe(plan.total_num_scheduled_tokens, plan.num_context_tokens, seconds)
+        self.cost.observe(plan.total_num_scheduled_tokens, plan.num_context_tokens, seconds,
+                          plan.num_encoder_tokens)  # fmt: skip
 
     def take_shed(self) -> list[tuple[Request, str]]:
         """The requests shed since the last call, and why (the shell tells their

@@ -123,4 +123,5 @@ class Step:
             num_draft_slots=self.num_draft_slots,
             trimmed_blocks=trimmed_blocks,
             encoder_inputs=[m.hash for m in self.encoder_inputs],
+            num_encoder_tokens=sum(m.length for m in self.encoder_inputs),
         )
