@@ -71,7 +71,7 @@ class ExecutorConfig(BaseModel):
     media_store_bytes: PositiveInt = 1 << 30
     """a vision-language model: the host bytes of images' pixels kept from their
     PrepareMedia to their encoder step (the most recent; a request whose image left
-    before its encoder step fails, naming this flag)"""
+    before its encoder step fails, the log naming this flag)"""
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     """share of the GPU's memory for weights, activations and the KV cache (CUDA)"""
     max_num_seqs: PositiveInt = 256

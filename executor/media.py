@@ -7,6 +7,7 @@ the plan's images, then gives the forward its positions and the embeddings of th
 placeholder tokens the step computes, sliced from the cache. A text-only model's
 component, TextOnly, does nothing."""
 
+import logging
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from flagstop.executor.step_inputs import StepInputs
 from flagstop.scheduler_svc.core.media import MediaPlaceholder
 from flagstop.scheduler_svc.core.output import SchedulerOutput
 
+log = logging.getLogger("flagstop.executor")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -65,8 +67,6 @@ class RequestMedia:
 
 class TextOnly:
     """A text-only model's media component: nothing to encode, plain positions."""
-
-    num_cached_embeddings = 0
 
     def put(self, key: bytes, pixels: Pixels) -> None:
         raise MediaError("this model reads no images; serve a vision-language model")
@@ -120,14 +120,10 @@ class Images:
         self.embeddings: dict[bytes, torch.Tensor] = {}
         self.requests: dict[str, RequestMedia] = {}
 
-    @property
-    def num_cached_embeddings(self) -> int:
-        return sum(len(e) for e in self.embeddings.values())
-
     def put(self, key: bytes, pixels: Pixels) -> None:
         """An image's pixels, until an encoder step needs them; the store keeps the
         most recent --media-store-bytes (a request whose image left it before its
-        encoder step fails, with a message naming the flag)."""
+        encoder step fails, the log naming the flag)."""
         if (old := self.pixels.pop(key, None)) is not None:
             self.num_pixel_bytes -= old.nbytes
         self.pixels[key] = pixels
@@ -147,9 +143,11 @@ class Images:
             self.embeddings.pop(key, None)
         for key in plan.encoder_inputs:
             pixels = self.pixels.get(key)
-            if pixels is not None:
-                self.embeddings[key] = self.tower.encode(pixels.values.to(self.device),
-                                                         pixels.grid)  # fmt: skip
+            if pixels is None:  # its requests' rows fail when their chunk reaches it
+                log.error("image %s left the pixel store before its encoder step: its "
+                          "requests fail (raise --media-store-bytes)", key.hex()[:12])  # fmt: skip
+                continue
+            self.embeddings[key] = self.tower.encode(pixels.values.to(self.device), pixels.grid)
 
     def _request(self, media: tuple[MediaPlaceholder, ...], num_prompt_tokens: int):
         if not self.layout.mrope:

@@ -45,6 +45,15 @@ log = logging.getLogger("flagstop.router")
 REBALANCE_INTERVAL_S = 0.2
 
 
+def splittable(add: scheduler_pb2.AddRequest) -> bool:
+    """Whether --pd-threshold may split the request between a prefill and a decode
+    replica. Prompt logprobs come out of a prefill's logits, and a remainder bound for
+    a decode replica has had its prefill: neither is split (again). Nor is a prompt
+    with images: its prefill and decode run on one replica (docs/multimodal.md)."""
+    return not (add.sampling.HasField("prompt_logprobs") or add.kv_transfer.remote_endpoint
+                or add.media)  # fmt: skip
+
+
 class ReplicaSet:
     def __init__(
         self,
@@ -206,13 +215,8 @@ class ReplicaSet:
                                   parent_hash=lora_root(add.lora_id),
                                   media=media_from_proto(add.media))  # fmt: skip
         views = self._views(replicas)
-        # Prompt logprobs come out of a prefill's logits, and a remainder bound for a
-        # decode replica has had its prefill: neither is split (again). Nor is a prompt
-        # with images: its prefill and decode run on one replica (docs/multimodal.md).
-        splittable = not (add.sampling.HasField("prompt_logprobs")
-                          or add.kv_transfer.remote_endpoint or add.media)  # fmt: skip
         name, decode, why = self.chooser.place(
-            hashes, len(token_ids), self.model_info.block_size, views, lora_name, splittable
+            hashes, len(token_ids), self.model_info.block_size, views, lora_name, splittable(add)
         )
         if decode is not None or add.kv_transfer.do_remote_decode:
             add = self._marked(add, decode is not None)

@@ -230,3 +230,30 @@ def test_a_step_with_images_carries_their_embedding_tokens_to_the_cost_model():
     scheduler.add_request(request("a", 40, image(b"a", 4, 20), image(b"b", 30, 6)))
     plan = scheduler.schedule()
     assert plan.encoder_inputs == [b"a", b"b"] and plan.num_encoder_tokens == 26
+
+
+def test_a_prompt_with_images_is_never_split_between_prefill_and_decode_replicas():
+    from flagstop.router.replicas import splittable
+    from flagstop.v1 import generation_pb2, scheduler_pb2
+
+    text = scheduler_pb2.AddRequest(request_id="a", prompt_token_ids=range(40))
+    assert splittable(text)
+    with_image = scheduler_pb2.AddRequest(
+        request_id="b",
+        prompt_token_ids=range(40),
+        media=[generation_pb2.MediaPlaceholder(hash=b"x", offset=3, length=8, grid=[1, 4, 8])],
+    )
+    assert not splittable(with_image)
+
+
+def test_an_image_gone_from_the_pixel_store_fails_its_request_alone(vl_model, vl_reference):
+    """A store that keeps one image: the first request's pixels are gone when its
+    encoder step comes; it ends with an error, the other request is token-exact."""
+    config_ = ExecutorConfig(model=str(vl_model), num_blocks=256, block_size=4,
+                             max_num_seqs=8, media_store_bytes=1)  # fmt: skip
+    small = ModelRunner(config_)
+    text = ASK.format(image_part(vl_model))
+    lost, kept = job(vl_model, small, text, [drawn(20)]), job(vl_model, small, text, [drawn(21)])
+    run = run_engine(small, [lost, kept], config(vl_model))
+    assert run.outputs[0] in ([], [-1])
+    assert run.outputs[1] == vl_reference.greedy(text, [drawn(21)], MAX_TOKENS)

@@ -226,6 +226,7 @@ def test_fetch_failures_and_too_many_images_are_400s(stack, client, image_server
              (ask(f"{image_server}/missing.gif"), "HTTP 404"),
              (ask(f"{image_server}/page"), "not an image"),
              (ask(f"file://{image_server}/x.png"), "allowed"),
+             (ask(f"http://127.0.0.1:{free_port()}/closed.png"), "failed"),
              (ask(data_url(drawn(1))) * 3, "--limit-mm-per-prompt")]  # fmt: skip
     for content, message in cases:
         with pytest.raises(openai.BadRequestError, match=message):
@@ -299,3 +300,46 @@ def test_the_host_tier_keeps_image_prefixes_by_their_images(vl_model, vl_referen
         stack.wait_idle()
     finally:
         assert set(stack.stop().values()) == {0}
+
+
+def test_a_killed_executor_is_sent_the_images_of_the_requests_it_had(stack, vl_reference):
+    """kill -9 of the executor mid-stream: the new one gets the pixels of every request
+    still in flight before its first step, and the stream goes on token-exact."""
+    text = prompt("What is in ", IMAGE_PART, " this picture?")
+    request = generation_pb2.GenerateRequest(
+        prompt=text.removeprefix("<s>"), images=[generation_pb2.ImageInput(data=drawn(15))],
+        max_tokens=300, temperature=0, ignore_eos=True)  # fmt: skip
+    tokens: list[int] = []
+
+    def stream():
+        for chunk in stack.generation().Generate(request, timeout=120):
+            tokens.extend(chunk.token_ids)
+
+    with ThreadPoolExecutor(1) as pool:
+        done = pool.submit(stream)
+        deadline = time.monotonic() + 30
+        while len(tokens) < 5:
+            assert time.monotonic() < deadline, "the stream did not start"
+            time.sleep(0.005)
+        stack.kill("executor")
+        stack.restart("executor")
+        done.result(timeout=120)
+    assert tokens == vl_reference.greedy(text, [drawn(15)], 300)
+    stack.wait_idle(30)
+
+
+def test_grpc_images_that_are_refused_name_their_field(stack):
+    import grpc
+
+    bad = generation_pb2.GenerateRequest(
+        prompt=f"Look: {IMAGE_PART}", max_tokens=4, images=[generation_pb2.ImageInput(data=b"junk")]
+    )
+    with pytest.raises(grpc.RpcError) as refused:
+        list(stack.generation().Generate(bad, timeout=30))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "images[0]" in refused.value.details()
+    ids = generation_pb2.GenerateRequest(
+        prompt_token_ids=[1, 2, 3], max_tokens=4, images=[generation_pb2.ImageInput(data=drawn(1))]
+    )
+    with pytest.raises(grpc.RpcError, match="text prompt"):
+        list(stack.generation().Generate(ids, timeout=30))
