@@ -20,6 +20,9 @@ from flagstop.scheduler_svc.telemetry import SchedulerTelemetry
 from flagstop.v1 import scheduler_pb2
 
 log = logging.getLogger("flagstop.scheduler")
+# What the executor answers for a request it will not run as asked.
+REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
+MEDIA_RETRY_S = 0.2
 
 
 def request_error(request_id: str, code: grpc.StatusCode, message: str):
@@ -72,15 +75,17 @@ class Intake:
 
     async def _prepare_then_admit(self, conn: RouterConnection, add: scheduler_pb2.AddRequest):
         """Pixels or a grammar the executor refuses end the request with
-        INVALID_ARGUMENT; an executor that does not answer (lost, restarting) gets the
-        pixels again when it is back (ExecutorLink._restore_media) and leaves the
-        compile to the request's first step."""
+        INVALID_ARGUMENT. Pixels an executor did not answer for (lost, restarting) are
+        sent again until one takes them (the request is admitted only then: a new
+        executor gets the pixels of the requests already admitted,
+        ExecutorLink._restore_media), within --executor-timeout; a grammar's compile
+        is left to the request's first step."""
         error = None
         try:
             if add.media_data:
-                await self._prepare(self.link.prepare_media(add.media_data), add, "images")
+                await self._send_media(add)
             if add.sampling.HasField("structured_outputs"):
-                await self._prepare(self.link.prepare_grammar(add), add, "grammar")
+                await self._compile(add)
         except grpc.aio.AioRpcError as e:
             error = request_error(add.request_id, e.code(), e.details())
         finally:
@@ -92,15 +97,28 @@ class Intake:
             conn.send_errors([error])
         self.link.wakeup.set()
 
-    @staticmethod
-    async def _prepare(call, add: scheduler_pb2.AddRequest, what: str) -> None:
+    async def _send_media(self, add: scheduler_pb2.AddRequest) -> None:
+        """Raises AioRpcError: a refusal, or no executor within --executor-timeout."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.link.settings.executor_timeout
+        while True:
+            try:
+                return await self.link.prepare_media(add.media_data)
+            except grpc.aio.AioRpcError as e:
+                if e.code() in REFUSALS or loop.time() > deadline:
+                    raise
+                log.warning("images of %s not taken (%s): sent again", add.request_id,
+                            e.code())  # fmt: skip
+                await asyncio.sleep(MEDIA_RETRY_S)
+
+    async def _compile(self, add: scheduler_pb2.AddRequest) -> None:
         """Raises AioRpcError for a refusal; the executor's absence is logged."""
         try:
-            await call
+            await self.link.prepare_grammar(add)
         except grpc.aio.AioRpcError as e:
-            if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+            if e.code() in REFUSALS:
                 raise
-            log.warning("%s of %s not prepared ahead: %s", what, add.request_id, e.code())
+            log.warning("grammar of %s not compiled ahead: %s", add.request_id, e.code())
 
     def cancel(self, request_ids) -> None:
         for request_id in request_ids:

@@ -297,29 +297,31 @@ def test_make_serve_arch_granite_serves_it_token_for_token_as_transformers(tmp_p
         served.stop()
 
 
-def test_make_serve_arch_qwen2_5_vl_reads_an_image_token_for_token(tmp_path):
-    """The README's image quickstart: `make serve ARCH=qwen2_5_vl` writes the
-    vision-language checkpoint and serves it; the openai SDK's chat with an image (a
-    data: URL) is transformers' greedy continuation on the same weights and processor."""
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "gemma3_vl"])
+def test_make_serve_arch_vision_reads_an_image_token_for_token(tmp_path, arch):
+    """The README's image quickstart: `make serve ARCH=qwen2_5_vl` (and the other
+    vision-language families) writes the checkpoint and serves it; the openai SDK's
+    chat with an image (a data: URL) is transformers' greedy continuation on the same
+    weights and processor."""
     from tests.helpers.images import VisionReference, drawn
-    from tools.make_vision_model import IMAGE_PART
+    from tools.make_vision_model import FAMILIES
 
-    served = Served(tmp_path, "ARCH=qwen2_5_vl")
+    served = Served(tmp_path, f"ARCH={arch}")
     try:
         served.wait_ready()
         image = drawn(3)
         client = openai.OpenAI(base_url=f"{served.http}/v1", api_key="none", max_retries=0)
         url = "data:image/png;base64," + base64.b64encode(image).decode()
         reply = client.chat.completions.create(
-            model="flagstop-tiny-qwen2_5_vl", max_tokens=10, temperature=0, logprobs=True,
+            model=f"flagstop-tiny-{arch}", max_tokens=10, temperature=0, logprobs=True,
             messages=[{"role": "user", "content": [
                 {"type": "text", "text": "Describe "},
                 {"type": "image_url", "image_url": {"url": url}}]}],
             extra_body={"return_tokens_as_token_ids": True})  # fmt: skip
         served_ids = [int(t.token.removeprefix("token_id:"))
                       for t in reply.choices[0].logprobs.content]  # fmt: skip
-        reference = VisionReference(ROOT / "models" / "flagstop-tiny-qwen2_5_vl")
-        text = f"<s><|user|>\nDescribe {IMAGE_PART}\n<|assistant|>\n"
+        reference = VisionReference(ROOT / "models" / f"flagstop-tiny-{arch}")
+        text = f"<s><|user|>\nDescribe {FAMILIES[arch].image_part}\n<|assistant|>\n"
         assert served_ids == reference.greedy(text, [image], 10)
     finally:
         served.stop()

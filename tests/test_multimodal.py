@@ -102,6 +102,21 @@ def test_image_prompts_equal_generate_whole_and_in_chunks_cutting_images(
         assert out == vl_reference.greedy(text, images, MAX_TOKENS)
 
 
+def test_requests_join_and_leave_a_running_batch_token_exact(vl_model, vl_reference, runner):
+    """Two seats for six requests of different lengths: each leaves at its own
+    max_tokens and the next joins the batch mid-decode of the others, images and all."""
+    image = image_part(vl_model)
+    cases = [*prompts(vl_model), (ASK.format(image), [drawn(7, 120, 120)]),
+             (TWO.format(image, image), [drawn(8), drawn(1)])]  # fmt: skip
+    lengths = [3, 11, 6, 14, 2, 9]
+    jobs = [job(vl_model, runner, text, images) for text, images in cases]
+    for j, n in zip(jobs, lengths, strict=True):
+        j.max_tokens = n
+    run = run_engine(runner, jobs, config(vl_model, 64, max_num_seqs=2))
+    for (text, images), n, out in zip(cases, lengths, run.outputs, strict=True):
+        assert out == vl_reference.greedy(text, images, n)
+
+
 def test_same_image_hits_the_prefix_cache_and_another_misses(vl_model, vl_reference, runner):
     text = ASK.format(image_part(vl_model))
     first = job(vl_model, runner, text, [drawn(5)])
