@@ -180,13 +180,19 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
         if self.group is not None:
             self.group.reset()
         log.info("scheduler stream %d opened", generation)
-        async for step in request_iterator:
-            if generation != self.generation:
-                await context.abort(grpc.StatusCode.ABORTED, "a newer scheduler stream took over")
-            if step.heartbeat:
-                yield executor_pb2.StepResult(step_id=step.step_id, heartbeat=True)
-                continue
-            yield await self._step(step, context)
+        try:
+            async for step in request_iterator:
+                if generation != self.generation:
+                    await context.abort(grpc.StatusCode.ABORTED,
+                                        "a newer scheduler stream took over")  # fmt: skip
+                if step.heartbeat:
+                    yield executor_pb2.StepResult(step_id=step.step_id, heartbeat=True)
+                    continue
+                yield await self._step(step, context)
+        except asyncio.CancelledError:
+            # The scheduler left while this process stops (both drained on one Ctrl-C):
+            # the stream ends here, not as a traceback of grpc's.
+            log.info("scheduler stream %d ended", generation)
 
     async def _step(self, step: executor_pb2.StepRequest, context) -> executor_pb2.StepResult:
         if self.group is not None:

@@ -159,3 +159,89 @@ def test_only_full_known_blocks_are_cached():
     req.num_computed_tokens = 7
     kv.allocate_slots(req, 1)
     assert len(kv.pool.cached_blocks) == 2
+
+
+# -- retention (docs/sessions.md) ----------------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def cached_pool(n: int, share: float = 1.0):
+    """A pool of n blocks, all cached and in use, and its clock."""
+    clock = Clock()
+    pool = BlockPool(n, retention_share=share, clock=clock)
+    blocks = pool.get_new_blocks(n)
+    for block in blocks:
+        pool.cache_block(block, bytes([block.block_id]))
+    return pool, blocks, clock
+
+
+def test_retained_blocks_are_evicted_after_ordinary_ones_lowest_priority_first():
+    pool, (a, b, c, d, e), _ = cached_pool(5)
+    pool.retain([a], priority=50, expires_at=100.0)
+    pool.retain([b, c], priority=10, expires_at=100.0)
+    pool.free_blocks([a, b, c, d, e])  # retention never keeps a block from being free
+    assert pool.num_free_blocks == 5 and ids(pool.free_queue) == [3, 4]
+    assert ids(pool.get_new_blocks(5)) == [3, 4, 1, 2, 0]
+    assert pool.retention_stats.num_evicted == 3
+
+
+def test_an_expired_retention_is_ordinary_and_evicted_first():
+    pool, (a, b, c), clock = cached_pool(3)
+    pool.retain([a], priority=90, expires_at=10.0)
+    pool.retain([b], priority=5, expires_at=1000.0)
+    pool.free_blocks([c, a, b])
+    clock.now = 11.0
+    assert ids(pool.get_new_blocks(2)) == [0, 2]  # a expired: before c, the oldest freed
+    assert pool.retention_stats.num_expired == 1 and pool.blocks[1].priority == 5
+
+
+def test_a_retained_hit_revives_the_block_and_is_counted():
+    pool, (a, b), clock = cached_pool(2)
+    pool.retain([a], priority=1, expires_at=5.0)
+    pool.free_blocks([a, b])
+    pool.touch([a])
+    assert pool.retention_stats.num_hits == 1 and pool.num_free_blocks == 1
+    pool.free_blocks([a])  # still retained: back to its priority's queue
+    assert pool.retained.num_free_blocks == 1
+    clock.now = 6.0
+    pool.touch([a])
+    pool.free_blocks([a])  # freed after its expiry: ordinary
+    assert pool.retained.num_free_blocks == 0 and a.priority == 0
+
+
+def test_the_bound_keeps_retained_blocks_from_pinning_the_pool():
+    pool, blocks, _ = cached_pool(8, share=0.25)
+    pool.retain(blocks[:6], priority=1, expires_at=100.0)
+    pool.retain(blocks[6:], priority=9, expires_at=100.0)
+    pool.free_blocks(blocks)
+    assert pool.retained.num_free_blocks == pool.max_retained == 2
+    assert {b.block_id for level in pool.retained.levels.values() for b in level} == {6, 7}
+    assert pool.retention_stats.num_expired == 6  # demoted, the lowest first
+
+
+def test_a_session_prefix_survives_filler_that_evicts_it_under_lru():
+    """A prompt's retained blocks are still cached after other prompts cycle the
+    whole pool through; without retention they are gone."""
+    from flagstop.scheduler_svc.core.request import Retention
+
+    def run(retention):
+        kv = KVCacheManager(12, 4, retention_share=0.5, clock=Clock())
+        session = Request("s", "o", list(range(1, 17)), StopParams(1), retention=retention)
+        admit(kv, session)
+        kv.free("s", retention=session.retention)
+        for i in range(3):  # filler: 8 blocks each time, what retention leaves of the pool
+            admit(kv, request(f"f{i}", [100 + i] * 32))
+            kv.free(f"f{i}")
+        again = request("t", [*range(1, 17), 7])
+        kv.update_block_hashes(again)
+        return len(kv.get_computed_blocks(again))
+
+    assert run(Retention(priority=10, ttl_s=60.0, num_tokens=16)) == 4
+    assert run(None) == 0

@@ -27,7 +27,7 @@ from flagstop.scheduler_svc.core.kv_groups import (
     KVLayer,
     kv_cache_groups,
 )
-from flagstop.scheduler_svc.core.request import FinishReason, Request, StopParams
+from flagstop.scheduler_svc.core.request import FinishReason, Request, Retention, StopParams
 from flagstop.scheduler_svc.core.scheduler import Scheduler
 from tests.helpers.fake_kv_tier import FakeTierWorker, FlakyHostTier, prefill_side_blocks
 from tests.helpers.hash_model import Driver, HashModelExecutor, reference_tokens
@@ -35,6 +35,8 @@ from tests.helpers.scheduler_invariants import check_idle, check_invariants
 
 VOCAB, EOS, BLOCK_SIZE, MAX_MODEL_LEN = 24, frozenset({0}), 4, 64
 PREFIXES = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21, 22, 23, 1, 2, 3, 4]]
+# A request's retention, (priority, ttl seconds) of its prompt, or none.
+RETENTIONS = [None, None, (1, 4.0), (60, 50.0)]
 _FULL, _WINDOW = KVLayer(), lambda w: KVLayer(SLIDING_ATTENTION, w)
 _LINEAR = KVLayer(LINEAR_ATTENTION)
 LAYOUTS = {
@@ -107,11 +109,14 @@ class SchedulerMachine(RuleBasedStateMachine):
             ]
         ),
         window=st.sampled_from([2, 4, 5, 9]),
+        # Retention (docs/sessions.md): the bound on retained free blocks.
+        retention_share=st.sampled_from([0.0, 0.25, 1.0]),
         seed=st.integers(0, 2**16),
     )
     def setup(self, num_blocks, budget, max_num_seqs, chunked, caching, threshold, policy, depth,
               num_spec, draft_error_rate, max_loras, tier_slots, max_delay, fail_rate,
-              defer_rate, delayed_free_rate, kv_role, layout, window, seed):  # fmt: skip
+              defer_rate, delayed_free_rate, kv_role, layout, window, retention_share,
+              seed):  # fmt: skip
         self.groups = kv_cache_groups(LAYOUTS[layout](window))
         if layout != "full":  # disaggregation with window groups is refused at start-up
             kv_role = ""
@@ -127,7 +132,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             policy=policy,
             num_speculative_tokens=num_spec,
             max_loras=max_loras,
+            retention_share=retention_share,
         )
+        self.now = 0.0  # the scheduler's clock: retentions expire on it
         self.rng, self.connector = random.Random(seed), None
         self.tier_slots, self.fail_rate, self.max_delay = tier_slots, fail_rate, max_delay
         self.draft_error_rate = draft_error_rate
@@ -141,7 +148,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.connector = FlakyHostTier(tier_slots, BLOCK_SIZE, self.rng, defer_rate,
                                            delayed_free_rate, len(self.groups))  # fmt: skip
         self.scheduler = RecordingScheduler(self.config, num_blocks, connector=self.connector,
-                                            kv_groups=self.groups)  # fmt: skip
+                                            kv_groups=self.groups,
+                                            clock=lambda: self.now)  # fmt: skip
         self.admission_order = self.scheduler.admission_order
         self.driver = Driver(self.scheduler, None, depth, self.check_plan)
         self._new_executor()
@@ -175,6 +183,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.scheduler.reset_executor(num_host_blocks=self.tier_slots)
         self._new_executor()
 
+    @rule(seconds=st.sampled_from([0.5, 5.0, 100.0]))
+    def pass_time(self, seconds):
+        self.now += seconds
+
     def check_plan(self, plan) -> None:
         assert plan.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
         assert len(self.scheduler.running) <= self.config.max_num_seqs
@@ -190,30 +202,32 @@ class SchedulerMachine(RuleBasedStateMachine):
         priority=st.integers(0, 2),
         adapter=st.sampled_from(["", "", "a", "b", "c"]),
         disaggregated=st.booleans(),
+        retention=st.sampled_from(RETENTIONS),
     )
     def add(
         self, prefix, prefix_len, suffix, max_tokens, min_tokens, ignore_eos, stop_token, priority,
-        adapter, disaggregated,
+        adapter, disaggregated, retention,
     ):  # fmt: skip
         # An empty suffix sends a shared prefix alone: identical prompts, some block-aligned.
         prompt = (PREFIXES[prefix][:prefix_len] if prefix is not None else []) + suffix
         self._add(prompt, max_tokens, min_tokens, ignore_eos, stop_token, priority, adapter,
-                  disaggregated)  # fmt: skip
+                  disaggregated, retention)  # fmt: skip
 
     @precondition(lambda self: self.turns)
     @rule(
         data=st.data(),
         suffix=st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=6),
         max_tokens=st.integers(1, 8),
+        retention=st.sampled_from(RETENTIONS),
     )
-    def follow_up(self, data, suffix, max_tokens):
+    def follow_up(self, data, suffix, max_tokens, retention):
         # The next turn of a conversation: its prompt is the last turn's prompt and
         # answer, whose blocks the pool may have evicted and the tier may hold.
         prompt, adapter = data.draw(st.sampled_from(self.turns))
-        self._add(prompt + suffix, max_tokens, 0, True, None, 0, adapter)
+        self._add(prompt + suffix, max_tokens, 0, True, None, 0, adapter, retention=retention)
 
     def _add(self, prompt, max_tokens, min_tokens, ignore_eos, stop_token, priority, adapter,
-             disaggregated=False):  # fmt: skip
+             disaggregated=False, retention=None):  # fmt: skip
         if not prompt:
             return
         stop = StopParams(
@@ -226,7 +240,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         adapter = adapter if self.config.max_loras else ""
         request = Request(rid, f"router-{priority % 2}", prompt, stop, EOS, priority,
                           float(len(self.arrival_order)), lora_name=adapter,
-                          lora_id=adapter and f"files-of-{adapter}")  # fmt: skip
+                          lora_id=adapter and f"files-of-{adapter}",
+                          retention=retention and Retention(*retention, len(prompt)))  # fmt: skip
         expected = reference_tokens(prompt, stop, EOS, VOCAB, MAX_MODEL_LEN)
         if disaggregated and self.kv_role == "prefill":
             request.do_remote_decode = True  # it ends with its first token

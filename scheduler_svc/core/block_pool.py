@@ -1,5 +1,14 @@
-from collections.abc import Iterable
-from dataclasses import dataclass
+"""The KV blocks: reference counts, the content-addressed prefix cache, and the free
+blocks in eviction order. A cached block may carry a retention (docs/sessions.md): a
+priority and an expiry, set when a request that asked for it frees the block. A free
+retained block is evicted only after every ordinary free block, lowest priority first
+(least recently freed first within one), and becomes ordinary when it expires or when
+retained free blocks pass the bound (a share of the pool: no one pins the pool, and
+retention never blocks an admission, the retained blocks being free)."""
+
+import heapq
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True, eq=False)
@@ -9,6 +18,9 @@ class KVCacheBlock:
     # Set while the block holds a full, cached block of tokens; kept after the block is
     # freed (lazy eviction) so that a later request can still hit it.
     block_hash: bytes | None = None
+    # Its retention: a priority (0: none) until expires_at (the pool's clock).
+    priority: int = 0
+    expires_at: float = 0.0
     # Intrusive links of the free queue: O(1) removal from its middle without
     # allocating a node per operation.
     prev_free: "KVCacheBlock | None" = None
@@ -72,16 +84,73 @@ class FreeBlockQueue:
             block = block.next_free
 
 
+@dataclass(slots=True)
+class RetentionStats:
+    num_retained: int = 0  # blocks given a retention (or a longer one)
+    num_hits: int = 0  # prefix hits on free retained blocks
+    num_evicted: int = 0  # retained blocks evicted while still retained
+    num_expired: int = 0  # retentions that ran out (or were demoted by the bound)
+
+
+@dataclass(slots=True)
+class RetainedBlocks:
+    """The free retained blocks: a queue per priority, least recently freed first, and
+    their expiries (a heap; entries of blocks no longer there are skipped)."""
+
+    levels: dict[int, FreeBlockQueue] = field(default_factory=dict)
+    expiries: list[tuple[float, int, KVCacheBlock]] = field(default_factory=list)
+    num_free_blocks: int = 0
+
+    def add(self, block: KVCacheBlock) -> None:
+        level = self.levels.get(block.priority)
+        if level is None:
+            level = self.levels[block.priority] = FreeBlockQueue([])
+            self.levels = dict(sorted(self.levels.items()))  # lowest priority first
+        level.append(block)
+        heapq.heappush(self.expiries, (block.expires_at, block.block_id, block))
+        self.num_free_blocks += 1
+        if len(self.expiries) > 4 * self.num_free_blocks + 64:  # mostly stale entries
+            self.expiries = [(b.expires_at, b.block_id, b) for q in self.levels.values()
+                             for b in q]  # fmt: skip
+            heapq.heapify(self.expiries)
+
+    def remove(self, block: KVCacheBlock) -> None:
+        self.levels[block.priority].remove(block)
+        self.num_free_blocks -= 1
+
+    def lowest(self) -> KVCacheBlock | None:
+        """The block to evict first: the lowest priority's least recently freed."""
+        for level in self.levels.values():
+            if level.num_free_blocks:
+                return next(iter(level))
+        return None
+
+    def expired(self, now: float) -> list[KVCacheBlock]:
+        """The free retained blocks whose retention ran out (taken out of here)."""
+        out = []
+        while self.expiries and self.expiries[0][0] <= now:
+            expires_at, _, block = heapq.heappop(self.expiries)
+            free_here = block.priority and block.ref_cnt == 0 and block.prev_free is not None
+            if free_here and block.expires_at == expires_at:
+                self.remove(block)
+                out.append(block)
+        return out
+
+
 class BlockPool:
     """Fixed-size KV blocks with reference counts and a content-addressed prefix cache."""
 
-    __slots__ = ("blocks", "cached_blocks", "free_queue", "null_block", "num_blocks",
-                 "num_usable_blocks")  # fmt: skip
+    __slots__ = ("blocks", "cached_blocks", "clock", "free_queue", "max_retained",
+                 "null_block", "num_blocks", "num_usable_blocks", "retained",
+                 "retention_stats")  # fmt: skip
 
-    def __init__(self, num_blocks: int, null_block: bool = False) -> None:
+    def __init__(self, num_blocks: int, null_block: bool = False,
+                 retention_share: float = 0.0, clock: Callable[[], float] = lambda: 0.0,
+                 ) -> None:  # fmt: skip
         """null_block: block 0 is set aside, never allocated nor freed: a window
         group's table holds it where a block left the window (its positions are
-        never read), as vLLM's does."""
+        never read), as vLLM's does. retention_share: the most of the pool that free
+        retained blocks may hold (0: no retention); clock: the time expiries are in."""
         if num_blocks < 1 + null_block:
             raise ValueError(f"num_blocks must be >= {1 + null_block}, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -90,23 +159,68 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks[int(null_block) :])
         self.num_usable_blocks = num_blocks - null_block
         self.cached_blocks: dict[bytes, KVCacheBlock] = {}
+        self.max_retained = int(retention_share * self.num_usable_blocks)
+        self.clock = clock
+        self.retained = RetainedBlocks()
+        self.retention_stats = RetentionStats()
 
     @property
     def num_free_blocks(self) -> int:
-        return self.free_queue.num_free_blocks
+        """Free blocks, retained ones included: any of them can be given out."""
+        return self.free_queue.num_free_blocks + self.retained.num_free_blocks
 
     def usage(self) -> float:
-        return 1.0 - self.free_queue.num_free_blocks / self.num_usable_blocks
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
+        if n > self.num_free_blocks:
+            raise ValueError(f"asked for {n} blocks, {self.num_free_blocks} free")
         if n > self.free_queue.num_free_blocks:
-            raise ValueError(f"asked for {n} blocks, {self.free_queue.num_free_blocks} free")
-        blocks = [self.free_queue.popleft() for _ in range(n)]
+            self._expire()
+        blocks = [self._next_free() for _ in range(n)]
         for block in blocks:
             if block.block_hash is not None:
                 self.uncache(block)  # evicted: its contents are about to change
             block.ref_cnt = 1
         return blocks
+
+    def _next_free(self) -> KVCacheBlock:
+        """An ordinary free block, else the retained one to evict first."""
+        if self.free_queue.num_free_blocks:
+            return self.free_queue.popleft()
+        block = self.retained.lowest()
+        assert block is not None
+        self.retained.remove(block)
+        self.retention_stats.num_evicted += 1
+        block.priority = 0
+        return block
+
+    def _expire(self) -> None:
+        """Retentions that ran out: their blocks join the ordinary ones, to be
+        evicted first (they were kept past their LRU turn)."""
+        expired = self.retained.expired(self.clock())
+        for block in expired:
+            block.priority = 0
+        if expired:
+            self.retention_stats.num_expired += len(expired)
+            self.free_queue.prepend(expired)
+
+    def retain(self, blocks: Iterable[KVCacheBlock], priority: int, expires_at: float) -> None:
+        """Give cached blocks a retention (a block keeps the higher priority and the
+        later expiry of two); they are retained once freed."""
+        for block in blocks:
+            if block.block_hash is None:
+                continue
+            if priority > block.priority or expires_at > block.expires_at:
+                self.retention_stats.num_retained += 1
+            if block.ref_cnt == 0 and block.priority:  # free and retained: moves level
+                self.retained.remove(block)
+                block.priority = max(block.priority, priority)
+                block.expires_at = max(block.expires_at, expires_at)
+                self.retained.add(block)
+                continue
+            block.priority = max(block.priority, priority)
+            block.expires_at = max(block.expires_at, expires_at)
 
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         return self.cached_blocks.get(block_hash)
@@ -115,7 +229,11 @@ class BlockPool:
         """Take a reference on prefix-cache hits, reviving freed ones from the queue."""
         for block in blocks:
             if block.ref_cnt == 0:
-                self.free_queue.remove(block)
+                if block.priority:
+                    self.retained.remove(block)
+                    self.retention_stats.num_hits += 1
+                else:
+                    self.free_queue.remove(block)
             block.ref_cnt += 1
 
     def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> bool:
@@ -133,19 +251,37 @@ class BlockPool:
         (evicted last) and the others the head, in order: reusing a block without a
         hash evicts no prefix (vLLM's free-queue order; on bench/scheduler_bench.py's
         memory-bound run it took recomputed tokens from 4,584 to 3,897)."""
-        unhashed = []
+        unhashed, now = [], None
         for block in ordered_blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 if block.block_hash is None:
+                    block.priority = 0
                     unhashed.append(block)
+                elif block.priority and block.expires_at > (now := now or self.clock()):
+                    self.retained.add(block)
                 else:
+                    block.priority = 0
                     self.free_queue.append(block)
         if unhashed:
             self.free_queue.prepend(unhashed)
+        if self.retained.num_free_blocks > self.max_retained:
+            self._demote(self.retained.num_free_blocks - self.max_retained)
+
+    def _demote(self, n: int) -> None:
+        """Past the bound: the n retained blocks that would be evicted first become
+        ordinary (joining the ordinary ones as most recently freed)."""
+        for _ in range(n):
+            block = self.retained.lowest()
+            assert block is not None
+            self.retained.remove(block)
+            block.priority = 0
+            self.free_queue.append(block)
+        self.retention_stats.num_expired += n
 
     def uncache(self, block: KVCacheBlock) -> None:
         """The block's contents are not what its hash says: no later request may hit it."""
         assert block.block_hash is not None
         del self.cached_blocks[block.block_hash]
         block.block_hash = None
+        block.priority = 0

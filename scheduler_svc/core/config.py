@@ -12,6 +12,10 @@ FAIR_RESERVE = 1 / 32
 # Mooncake's, for 0.6 % of Azure's output throughput (bench/slo_bench.py). More gains
 # little (first 2,000 Azure requests: 1/20 2.44x, 1/10 2.35x, 3/10 2.27x).
 FAIR_HOLD = 1 / 20
+# Retained prefixes may hold half the pool when free: a session's turns hit while the
+# other half still turns over for everyone else (bench/session_bench.py).
+RETENTION_SHARE = 0.5
+MAX_RETENTION_S = 3600.0  # Anthropic's longest ttl, "1h"
 
 
 @dataclass(slots=True, frozen=True)
@@ -52,6 +56,10 @@ class SchedulerConfig:
     encoder_cache_size: int = 0
     # An image's tokens attend both ways (Gemma 3): a chunk never cuts an image.
     whole_images: bool = False
+    # Sessions (docs/sessions.md): the most of the pool free retained blocks may hold
+    # (past it the lowest retained become ordinary), and the longest retention.
+    retention_share: float = RETENTION_SHARE
+    max_retention_s: float = MAX_RETENTION_S
 
     def __post_init__(self) -> None:
         if min(self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len) < 1:
@@ -66,6 +74,8 @@ class SchedulerConfig:
             raise ValueError("max_num_encoder_input_tokens and encoder_cache_size must be >= 0")
         if self.max_loras < 0:
             raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
+        if not 0 <= self.retention_share <= 1 or self.max_retention_s < 0:
+            raise ValueError("retention_share must be in [0, 1] and max_retention_s >= 0")
         if not 0 <= self.fair_reserve < 1:
             raise ValueError(f"fair_reserve must be in [0, 1), got {self.fair_reserve}")
         if not 0 <= self.fair_hold <= 1:

@@ -1,12 +1,12 @@
 import hashlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from flagstop.scheduler_svc.core.block_pool import BlockPool, KVCacheBlock
 from flagstop.scheduler_svc.core.kv_groups import KVCacheGroup, group_key, kv_cache_groups
 from flagstop.scheduler_svc.core.media import MediaPlaceholder
-from flagstop.scheduler_svc.core.request import Request
+from flagstop.scheduler_svc.core.request import Request, Retention
 from flagstop.utils import cdiv
 
 
@@ -90,8 +90,10 @@ class KVCacheManager:
 
     def __init__(
         self, num_blocks: int, block_size: int, enable_caching: bool = True,
-        groups: Sequence[KVCacheGroup] | None = None,
+        groups: Sequence[KVCacheGroup] | None = None, retention_share: float = 0.0,
+        clock: Callable[[], float] = lambda: 0.0,
     ) -> None:  # fmt: skip
+        """retention_share, clock: the pool's (block_pool.py: retained blocks)."""
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.groups = list(groups or kv_cache_groups([]))
@@ -100,7 +102,7 @@ class KVCacheManager:
         # window of 2: kv_groups.py): the only ones that skip blocks.
         self.window_groups = [(g, x.window) for g, x in enumerate(self.groups) if x.window]
         self.full_groups = [g for g, x in enumerate(self.groups) if not x.window]
-        self.pool = BlockPool(num_blocks, null_block=bool(self.window_groups))
+        self.pool = BlockPool(num_blocks, bool(self.window_groups), retention_share, clock)
         # A group's cached blocks are keyed by its hashes and its index: the same tokens
         # are different KV in each group's layers.
         self.group_keys = [group_key(g) for g in range(self.num_groups)]
@@ -218,7 +220,7 @@ class KVCacheManager:
         # Hits sitting in the free queue (ref 0) are taken from the same free pool.
         null = self.pool.null_block
         num_revived = sum(b.ref_cnt == 0 and b is not null for g in hits for b in g) if hits else 0
-        if num_needed * self.num_groups + num_revived > self.pool.free_queue.num_free_blocks:
+        if num_needed * self.num_groups + num_revived > self.pool.num_free_blocks:
             return None
         if state is None:
             state = self.req_blocks[request.request_id] = self._new_state()
@@ -269,7 +271,7 @@ class KVCacheManager:
         if hits:
             null = self.pool.null_block
             num_needed -= sum(b.ref_cnt > 0 and b is not null for g in hits.groups for b in g)
-        return num_needed <= self.pool.free_queue.num_free_blocks
+        return num_needed <= self.pool.num_free_blocks
 
     def _new_state(self) -> _RequestBlocks:
         skipped = [0] * len(self.window_groups) if self.window_groups else None
@@ -353,16 +355,20 @@ class KVCacheManager:
         if (state := self.req_blocks.pop(request_id, None)) is not None:
             self.req_blocks[key] = state
 
-    def free(self, request_id: str, num_valid_tokens: int | None = None) -> None:
+    def free(self, request_id: str, num_valid_tokens: int | None = None,
+             retention: Retention | None = None) -> None:  # fmt: skip
         """The blocks of a request (or held under that key). num_valid_tokens: a
         preemption victim's tokens whose KV is (or will be, by a step in flight)
         computed. Its blocks cached past them were cached by this very step for tokens
         the step no longer computes: they are uncached, else a later hit would read KV
-        that was never written."""
+        that was never written. retention: its prefix's (the cached blocks of its first
+        retention.num_tokens), which the pool keeps past their LRU turn."""
         state = self.req_blocks.pop(request_id, None)
         if state is None:
             return
         null = self.pool.null_block
+        if retention is not None:
+            self._retain(state.blocks, retention, num_valid_tokens)
         for blocks in state.blocks:
             if num_valid_tokens is not None:
                 for block in blocks[num_valid_tokens // self.block_size :]:
@@ -371,6 +377,17 @@ class KVCacheManager:
             # Tail blocks first: they join the free queue ahead of the prefix blocks
             # and are evicted first, so shared prefixes stay cached longest.
             self.pool.free_blocks(b for b in reversed(blocks) if b is not null)
+
+    def _retain(self, blocks: list[list[KVCacheBlock]], retention: Retention,
+                num_valid_tokens: int | None) -> None:  # fmt: skip
+        num_tokens = retention.num_tokens
+        if num_valid_tokens is not None:
+            num_tokens = min(num_tokens, num_valid_tokens)
+        expires_at = self.pool.clock() + retention.ttl_s
+        null = self.pool.null_block
+        for group in blocks:
+            kept = (b for b in group[: num_tokens // self.block_size] if b is not null)
+            self.pool.retain(kept, retention.priority, expires_at)
 
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block tables, position-major."""

@@ -79,6 +79,17 @@ FINISH_REASON = {
 SPEC_PRIOR_ACCEPTANCE = 0.8
 
 
+@dataclass(frozen=True, slots=True)
+class Retention:
+    """What a request asks of its prefix's KV once it ends (docs/sessions.md): keep
+    the cached blocks of its first num_tokens past their LRU turn, at a priority
+    (1-100: higher is evicted later), for ttl_s seconds (the scheduler's clock)."""
+
+    priority: int
+    ttl_s: float
+    num_tokens: int
+
+
 @dataclass(slots=True, frozen=True)
 class StopParams:
     # None: until the engine's max_model_len.
@@ -128,6 +139,8 @@ class Request:
     media: tuple[MediaPlaceholder, ...] = ()
     # Opaque to the core: their pixels, which a new executor is sent again.
     media_data: Any = ()
+    # Its prefix's retention once it ends (None: ordinary LRU).
+    retention: Retention | None = None
     status: RequestStatus = RequestStatus.WAITING
     all_token_ids: list[int] = field(init=False)
     num_prompt_tokens: int = field(init=False)

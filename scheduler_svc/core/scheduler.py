@@ -78,6 +78,7 @@ class Scheduler:
         self.encoder = encoder_cache(config)
         self.transfers = kv_transfers(connector)
         self.block_size = config.block_size  # read per token
+        self.clock = clock
         self._new_pool(num_blocks)
         self.requests: dict[str, Request] = {}
         self.waiting = policy.new_waiting_queue()
@@ -87,14 +88,13 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.step_id = 0
         self.num_preemptions = 0
-        self.clock = clock
 
     def _new_pool(self, num_blocks: int) -> None:
         """An empty pool of num_blocks, and the longest sequence it holds (the model's
         limit or the whole pool)."""
         config = self.config
         self.kv = KVCacheManager(num_blocks, config.block_size, not config.no_prefix_caching,
-                                 self.kv_groups)  # fmt: skip
+                                 self.kv_groups, config.retention_share, self.clock)  # fmt: skip
         self.transfers.watch(self.kv)
         self.kv_capacity_tokens = self.kv.max_num_tokens(config.max_num_batched_tokens)
         self.max_model_len = min(config.max_model_len, self.kv_capacity_tokens)
@@ -278,7 +278,7 @@ class Scheduler:
     def _preempt(self, request: Request, step: Step) -> None:
         # Recompute, not swap: the blocks go back now and the request later
         # recomputes prompt + outputs (cheap while its prefix stays cached).
-        self.kv.free(request.request_id, request.num_computed_tokens)
+        self.kv.free(request.request_id, request.num_computed_tokens, request.retention)
         self.drafts.forget(request.request_id)
         self.encoder.free(request)
         request.status = PREEMPTED
@@ -321,12 +321,14 @@ class Scheduler:
                 skipped.append(self.waiting.pop())
                 continue
             hits, num_cached, num_external = found
-            if num_external:
-                if not self.transfers.start_load(self.kv, request, hits, num_cached,
-                                                 num_external):  # fmt: skip
-                    break
+            if num_external and self.transfers.start_load(self.kv, request, hits, num_cached,
+                                                          num_external):  # fmt: skip
                 self.waiting.pop()
                 continue
+            if num_external and not self._idle():
+                break  # its load waits for blocks that running requests will free
+            # (A load takes the whole prompt's blocks in every group, a window group's
+            # too: one the idle pool cannot hold is computed instead.)
             num_new = self._num_prefill_tokens(request, num_cached, step)
             if (
                 num_new is None
@@ -339,6 +341,11 @@ class Scheduler:
             self._admit(request, num_cached, num_new, step)
         for request in reversed(skipped):
             self.waiting.prepend(request)
+
+    def _idle(self) -> bool:
+        """Nothing holds blocks that it will free: no request running or loading."""
+        transfers = self.transfers
+        return not (self.running or transfers.loading or transfers.loaded)
 
     def _has_room(self, step: Step) -> bool:
         return (step.token_budget > 0 and step.prefill_budget > 0
@@ -507,7 +514,7 @@ class Scheduler:
             self.finished_req_ids.add(request.request_id)
         request.status = status
         if not self.transfers.finish(self.kv, request, was_loading):
-            self.kv.free(request.request_id)
+            self.kv.free(request.request_id, retention=request.retention)
         self.encoder.free(request)
         del self.requests[request.request_id]
         return was_running

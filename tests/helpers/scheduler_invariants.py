@@ -24,8 +24,14 @@ def check_invariants(scheduler: Scheduler) -> None:
         assert n <= 1 or block.block_hash is not None, f"uncached block {block.block_id} shared"
         in_queue = block.prev_free is not None
         assert in_queue == (n == 0), f"block {block.block_id}: free-queue membership wrong"
-    free_ids = [b.block_id for b in pool.free_queue]
+    retained = [b for level in pool.retained.levels.values() for b in level]
+    free_ids = [b.block_id for b in (*pool.free_queue, *retained)]
     assert len(free_ids) == pool.num_free_blocks == pool.num_usable_blocks - len(owners)
+    # Retention: a free retained block is cached and in its priority's queue, never
+    # more of them than the bound; an ordinary free block has no retention.
+    assert all(b.block_hash is not None and b.priority > 0 for b in retained)
+    assert all(b.priority == 0 for b in pool.free_queue)
+    assert len(retained) <= pool.max_retained, "retained blocks past the bound"
     for block_hash, block in pool.cached_blocks.items():
         assert block.block_hash == block_hash
     _check_queues(scheduler)
