@@ -174,11 +174,14 @@ class RouterEngine:
         if media is not None:
             add.media.extend(media.media)
             add.media_data.extend(media.media_data)
+        add.cache_salt = request.cache_salt
+        clamped = self._retention(request, add)
         if request.HasField("max_tokens"):
             add.max_tokens = request.max_tokens
         if request.HasField("num_speculative_tokens"):
             add.num_speculative_tokens = request.num_speculative_tokens
         pending = Pending(request_id, request, token_ids, trace, add)
+        pending.retention_clamped_s = clamped
         if request.HasField("logprobs"):
             pending.logprobs = []
         replica, queued = self.replicas.place(pending, add, self.replicas.routable())
@@ -186,6 +189,19 @@ class RouterEngine:
         replica.admission.push(queued)
         replica.flush.set()
         return pending
+
+    def _retention(self, request: generation_pb2.GenerateRequest,
+                   add: scheduler_pb2.AddRequest) -> float | None:  # fmt: skip
+        """The prompt's retention, its ttl clamped to --max-cache-ttl-s: the ttl it
+        was clamped to (the APIs say so in a header), or None."""
+        if not request.HasField("retention") or request.retention.priority <= 0:
+            return None
+        add.retention.CopyFrom(request.retention)
+        limit = self.settings.max_cache_ttl_s
+        if add.retention.ttl_s <= limit:
+            return None
+        add.retention.ttl_s = limit
+        return limit
 
     def release(self, pending: Pending) -> None:
         """The client stream ended: done, cancelled, past its deadline or stopped by a

@@ -76,6 +76,8 @@ class Pending:
     sent: bool = False  # released to the scheduler
     finished: bool = False  # the scheduler holds nothing of it any more
     num_cached_tokens: int = 0  # prefix-cache hits, told when it finishes
+    # Its retention's ttl, where --max-cache-ttl-s cut it (the APIs' header says so).
+    retention_clamped_s: float | None = None
     # With prompt_logprobs: prompt tokens 1.. as their chunks arrive.
     prompt_logprobs: list[generation_pb2.TokenLogprob | None] | None = None
 

@@ -35,7 +35,7 @@ from flagstop.router.routing import (
 from flagstop.router.settings import RouterSettings
 from flagstop.router.telemetry import ROUTED, export_model
 from flagstop.router.validation import ModelLimits
-from flagstop.scheduler_svc.core.kv_cache_manager import chain_hashes, lora_root
+from flagstop.scheduler_svc.core.kv_cache_manager import chain_hashes, prefix_root
 from flagstop.scheduler_svc.core.media import media_from_proto
 from flagstop.server import TLSConfig
 from flagstop.settings import config_from
@@ -212,7 +212,7 @@ class ReplicaSet:
         token_ids, hashes = add.prompt_token_ids, []
         if self.settings.routing == "prefix":
             hashes = chain_hashes(list(token_ids), self.model_info.block_size,
-                                  parent_hash=lora_root(add.lora_id),
+                                  parent_hash=prefix_root(add.lora_id, add.cache_salt),
                                   media=media_from_proto(add.media))  # fmt: skip
         views = self._views(replicas)
         name, decode, why = self.chooser.place(

@@ -15,7 +15,7 @@ A LoRA request (prefix and least-loaded routing) goes, as the Gateway API Infere
 Extension's LoRA affinity does, first to the replicas where its adapter runs already
 (warm: in a slot) unless they are far busier than the least loaded, then to those
 with a slot free for one more adapter, then anywhere; among them by the rule above.
-Its block hashes start from its adapter's root (kv_cache_manager.lora_root), so the
+Its block hashes start from its adapter's root (kv_cache_manager.prefix_root), so the
 prefix index never mixes two adapters' blocks either.
 
 With prefill/decode disaggregation (replicas of --kv-role prefill and decode), a

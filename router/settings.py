@@ -83,6 +83,10 @@ class RouterSettings(ServiceSettings):
     """an http(s) image URL's fetch, whole, at most"""
     allowed_local_media_path: Path | None = None
     """file:// image URLs are read under this directory only; unset: never"""
+    max_cache_ttl_s: PositiveFloat = 3600.0
+    """the longest a request may ask its prompt's KV kept (prompt_cache_retention,
+    cache_control's ttl, gRPC's retention): a longer one is cut to it, and the reply's
+    x-flagstop-cache-ttl header says so (docs/sessions.md)"""
     scheduler: str = "127.0.0.1:50052"
     """the replicas' schedulers, comma-separated: HOST:PORT, or dns:NAME:PORT for every
     address a name resolves to (a Kubernetes headless Service). SIGHUP reads the list

@@ -12,7 +12,7 @@ from flagstop.scheduler_svc.core.kv_groups import KVLayer
 from flagstop.scheduler_svc.core.media import media_from_proto, media_to_proto
 from flagstop.scheduler_svc.core.objectives import NO_OBJECTIVES, Objectives, seconds_of
 from flagstop.scheduler_svc.core.output import SchedulerOutput, StepOutcome
-from flagstop.scheduler_svc.core.request import Request, StopParams
+from flagstop.scheduler_svc.core.request import Request, Retention, StopParams
 from flagstop.v1 import executor_pb2, generation_pb2, scheduler_pb2
 
 
@@ -64,7 +64,18 @@ def request_from_proto(
         if add.kv_transfer.remote_endpoint else None,
         media=media_from_proto(add.media),
         media_data=add.media_data,
+        retention=retention_from_proto(add),
+        cache_salt=add.cache_salt,
     )  # fmt: skip
+
+
+def retention_from_proto(add: scheduler_pb2.AddRequest) -> Retention | None:
+    """Its prompt's retention (num_tokens 0: the whole prompt), or None."""
+    if not add.HasField("retention") or add.retention.priority <= 0:
+        return None
+    r = add.retention
+    num_tokens = r.num_tokens or len(add.prompt_token_ids)
+    return Retention(min(r.priority, 100), max(0.0, r.ttl_s), num_tokens)
 
 
 def objectives_from_proto(add: scheduler_pb2.AddRequest, fallback: Objectives) -> Objectives:

@@ -276,6 +276,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         config = self.scheduler.config
         reply.model.max_num_encoder_input_tokens = config.max_num_encoder_input_tokens
         reply.model.encoder_cache_size = config.encoder_cache_size
+        reply.model.retention_share = config.retention_share
+        reply.model.max_retention_s = config.max_retention_s
         return reply
 
     async def GetStats(self, request, context) -> scheduler_pb2.GetStatsResponse:

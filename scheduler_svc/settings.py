@@ -87,6 +87,12 @@ class SchedulerSettings(ServiceSettings):
     """a vision-language model: the image embedding tokens the executor's encoder cache
     holds (images a running request still needs, then the most recent others);
     default: --max-num-encoder-input-tokens"""
+    retention_share: float = Field(CORE.retention_share, ge=0, le=1)
+    """sessions (docs/sessions.md): the most of the KV pool that free retained blocks
+    (prompt_cache_retention, cache_control, gRPC retention) may hold; past it the
+    lowest retained become ordinary; 0: no retention"""
+    max_retention_s: NonNegativeFloat = CORE.max_retention_s
+    """the longest a request's prompt is retained here (a longer ttl is cut)"""
     speculative_disable_batch_size: PositiveInt = CORE.speculative_disable_batch_size
     """speculative decoding: from this many decodes in a step on, none drafts"""
     speculative_min_gain: float = Field(CORE.speculative_min_gain, gt=0, le=1)

@@ -111,6 +111,21 @@ ENCODER_COUNTS = {
                                   "Images a prefill chunk found in the encoder cache",
                                   ["model_name"]),
 }  # fmt: skip
+RETAINED_BLOCKS = Gauge("flagstop:kv_retained_blocks",
+                        "Free KV blocks kept by a session's retention, by priority",
+                        ["model_name", "priority"])  # fmt: skip
+RETENTION_COUNTS = {
+    "num_retentions": Counter("flagstop:kv_retentions", "Blocks given a retention",
+                              ["model_name"]),
+    "retention_hits": Counter("flagstop:kv_retention_hits",
+                              "Prefix hits on free retained blocks", ["model_name"]),
+    "retained_evictions": Counter("flagstop:kv_retained_evictions",
+                                  "Retained blocks evicted while retained (the pool full)",
+                                  ["model_name"]),
+    "retention_expiries": Counter("flagstop:kv_retention_expiries",
+                                  "Retentions that ran out or were demoted by the bound",
+                                  ["model_name"]),
+}  # fmt: skip
 KV_GROUPS_INFO = Gauge(
     "flagstop:kv_cache_groups_info", "KV cache groups, KV bytes per token, tokens a sequence",
     ["model_name", "groups", "kv_bytes_per_token", "capacity_tokens"],
@@ -155,7 +170,7 @@ class SchedulerTelemetry:
         self.metrics: tuple = ()  # this model's labelled metrics, looked up once
         self.last_lora: tuple[str, str, str] | None = None
         self.last_policy = dict.fromkeys(POLICY_COUNTS, 0)
-        self.last_encoder: dict[str, int] = {}  # the encoder counts exported so far
+        self.last_encoder: dict[str, int] = {}  # the encoder and retention counts exported
         # The core's KV connector, whose metrics exist only where there is one.
         self.kv_connector: KVConnector | None = None
 
@@ -309,6 +324,7 @@ class SchedulerTelemetry:
         self._export_policy(stats)
         if stats.encoder_cache_size:
             self._export_encoder(stats)
+        self._export_retention(scheduler, stats)
         self._export_service(scheduler.policy_step.policy)
         if self.kv_connector is not None:
             self._export_connector(self.kv_connector, stats)
@@ -330,6 +346,16 @@ class SchedulerTelemetry:
             value = getattr(stats, field)
             counter.labels(name).inc(max(0, value - last.get(field, 0)))
             last[field] = value
+
+    def _export_retention(self, scheduler: Scheduler, stats) -> None:
+        name, last = self._model_name, self.last_encoder
+        for priority, level in scheduler.kv.pool.retained.levels.items():
+            RETAINED_BLOCKS.labels(name, str(priority)).set(level.num_free_blocks)
+        for field, counter in RETENTION_COUNTS.items():
+            value = getattr(stats, field)
+            if value != last.get(field, 0):
+                counter.labels(name).inc(max(0, value - last.get(field, 0)))
+                last[field] = value
 
     def _export_service(self, policy) -> None:
         for tenant, service in policy.service_by_tenant().items():

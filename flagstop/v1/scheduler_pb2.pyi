@@ -35,7 +35,7 @@ class DescribeSchedulerResponse(_message.Message):
     def __init__(self, model: _Optional[_Union[_generation_pb2.ModelInfo, _Mapping]] = ...) -> None: ...
 
 class AddRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "max_tokens", "min_tokens", "ignore_eos", "stop_token_ids", "priority", "arrival_time", "traceparent", "labels", "num_speculative_tokens", "lora_name", "kv_transfer", "lora_id", "slo_ttft_ms", "slo_tpot_ms", "tenant", "request_class", "media", "media_data")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "max_tokens", "min_tokens", "ignore_eos", "stop_token_ids", "priority", "arrival_time", "traceparent", "labels", "num_speculative_tokens", "lora_name", "kv_transfer", "lora_id", "slo_ttft_ms", "slo_tpot_ms", "tenant", "request_class", "media", "media_data", "retention", "cache_salt")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,8 @@ class AddRequest(_message.Message):
     REQUEST_CLASS_FIELD_NUMBER: _ClassVar[int]
     MEDIA_FIELD_NUMBER: _ClassVar[int]
     MEDIA_DATA_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _executor_pb2.SamplingParams
@@ -85,7 +87,9 @@ class AddRequest(_message.Message):
     request_class: str
     media: _containers.RepeatedCompositeFieldContainer[_generation_pb2.MediaPlaceholder]
     media_data: _containers.RepeatedCompositeFieldContainer[_generation_pb2.MediaData]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_executor_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., arrival_time: _Optional[float] = ..., traceparent: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., num_speculative_tokens: _Optional[int] = ..., lora_name: _Optional[str] = ..., kv_transfer: _Optional[_Union[KVTransferParams, _Mapping]] = ..., lora_id: _Optional[str] = ..., slo_ttft_ms: _Optional[float] = ..., slo_tpot_ms: _Optional[float] = ..., tenant: _Optional[str] = ..., request_class: _Optional[str] = ..., media: _Optional[_Iterable[_Union[_generation_pb2.MediaPlaceholder, _Mapping]]] = ..., media_data: _Optional[_Iterable[_Union[_generation_pb2.MediaData, _Mapping]]] = ...) -> None: ...
+    retention: _generation_pb2.Retention
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_executor_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., arrival_time: _Optional[float] = ..., traceparent: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., num_speculative_tokens: _Optional[int] = ..., lora_name: _Optional[str] = ..., kv_transfer: _Optional[_Union[KVTransferParams, _Mapping]] = ..., lora_id: _Optional[str] = ..., slo_ttft_ms: _Optional[float] = ..., slo_tpot_ms: _Optional[float] = ..., tenant: _Optional[str] = ..., request_class: _Optional[str] = ..., media: _Optional[_Iterable[_Union[_generation_pb2.MediaPlaceholder, _Mapping]]] = ..., media_data: _Optional[_Iterable[_Union[_generation_pb2.MediaData, _Mapping]]] = ..., retention: _Optional[_Union[_generation_pb2.Retention, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class KVTransferParams(_message.Message):
     __slots__ = ("do_remote_decode", "remote_endpoint", "remote_engine_id", "transfer_id", "remote_block_ids", "num_remote_tokens")
@@ -187,7 +191,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("step_id", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "executor_connected", "remote_policy_active", "remote_policy_failures", "num_routers", "num_loading", "external_prefix_cache_queries", "external_prefix_cache_hits", "num_host_blocks", "num_host_cached_blocks", "num_kv_leases", "policy", "num_shed", "num_ignored_decisions", "shadow_policy", "shadow_decisions", "shadow_agreed", "shadow_would_shed", "num_held_steps", "encoder_cache_used_tokens", "encoder_cache_size", "num_encoded_images", "num_encoded_tokens", "encoder_cache_hits")
+    __slots__ = ("step_id", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "executor_connected", "remote_policy_active", "remote_policy_failures", "num_routers", "num_loading", "external_prefix_cache_queries", "external_prefix_cache_hits", "num_host_blocks", "num_host_cached_blocks", "num_kv_leases", "policy", "num_shed", "num_ignored_decisions", "shadow_policy", "shadow_decisions", "shadow_agreed", "shadow_would_shed", "num_held_steps", "encoder_cache_used_tokens", "encoder_cache_size", "num_encoded_images", "num_encoded_tokens", "encoder_cache_hits", "num_retained_blocks", "num_retentions", "retention_hits", "retained_evictions", "retention_expiries")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +224,11 @@ class GetStatsResponse(_message.Message):
     NUM_ENCODED_IMAGES_FIELD_NUMBER: _ClassVar[int]
     NUM_ENCODED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ENCODER_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RETAINED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RETENTIONS_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_HITS_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_EXPIRIES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     num_running: int
     num_waiting: int
@@ -252,7 +261,12 @@ class GetStatsResponse(_message.Message):
     num_encoded_images: int
     num_encoded_tokens: int
     encoder_cache_hits: int
-    def __init__(self, step_id: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., executor_connected: _Optional[bool] = ..., remote_policy_active: _Optional[bool] = ..., remote_policy_failures: _Optional[int] = ..., num_routers: _Optional[int] = ..., num_loading: _Optional[int] = ..., external_prefix_cache_queries: _Optional[int] = ..., external_prefix_cache_hits: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., num_host_cached_blocks: _Optional[int] = ..., num_kv_leases: _Optional[int] = ..., policy: _Optional[str] = ..., num_shed: _Optional[int] = ..., num_ignored_decisions: _Optional[int] = ..., shadow_policy: _Optional[str] = ..., shadow_decisions: _Optional[int] = ..., shadow_agreed: _Optional[int] = ..., shadow_would_shed: _Optional[int] = ..., num_held_steps: _Optional[int] = ..., encoder_cache_used_tokens: _Optional[int] = ..., encoder_cache_size: _Optional[int] = ..., num_encoded_images: _Optional[int] = ..., num_encoded_tokens: _Optional[int] = ..., encoder_cache_hits: _Optional[int] = ...) -> None: ...
+    num_retained_blocks: int
+    num_retentions: int
+    retention_hits: int
+    retained_evictions: int
+    retention_expiries: int
+    def __init__(self, step_id: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., executor_connected: _Optional[bool] = ..., remote_policy_active: _Optional[bool] = ..., remote_policy_failures: _Optional[int] = ..., num_routers: _Optional[int] = ..., num_loading: _Optional[int] = ..., external_prefix_cache_queries: _Optional[int] = ..., external_prefix_cache_hits: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., num_host_cached_blocks: _Optional[int] = ..., num_kv_leases: _Optional[int] = ..., policy: _Optional[str] = ..., num_shed: _Optional[int] = ..., num_ignored_decisions: _Optional[int] = ..., shadow_policy: _Optional[str] = ..., shadow_decisions: _Optional[int] = ..., shadow_agreed: _Optional[int] = ..., shadow_would_shed: _Optional[int] = ..., num_held_steps: _Optional[int] = ..., encoder_cache_used_tokens: _Optional[int] = ..., encoder_cache_size: _Optional[int] = ..., num_encoded_images: _Optional[int] = ..., num_encoded_tokens: _Optional[int] = ..., encoder_cache_hits: _Optional[int] = ..., num_retained_blocks: _Optional[int] = ..., num_retentions: _Optional[int] = ..., retention_hits: _Optional[int] = ..., retained_evictions: _Optional[int] = ..., retention_expiries: _Optional[int] = ...) -> None: ...
 
 class SetPolicyRequest(_message.Message):
     __slots__ = ("policy", "policy_addr", "shadow")

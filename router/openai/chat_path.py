@@ -39,6 +39,10 @@ class ChatPath:
         waits = self.reasoning.constraint_waits(prompt, in_reasoning)
         budget = self._budget(body, prompt)
         requests = [body.choice_request(prompt.token_ids, j) for j in range(body.n)]
+        if body.retention is not None:
+            retention = self._retention(body)
+            for request in requests:
+                request.retention.CopyFrom(retention)
         for request in requests:
             constrained = request.HasField("structured_outputs")
             if waits and (constrained or budget):
@@ -47,6 +51,21 @@ class ChatPath:
                 request.structured_outputs.force_after_within = budget
                 request.structured_outputs.open_token_ids.extend(self.reasoning.opening(prompt))
         return requests
+
+    def _retention(self, body: ChatCompletionRequest) -> generation_pb2.Retention:
+        """The retention hint with its breakpoint in tokens: the prompt rendered
+        through that message (no generation prompt), as long as it is (0: all)."""
+        hint = body.retention
+        assert hint is not None
+        num_tokens = 0
+        if hint.through_message is not None and hint.through_message + 1 < len(body.messages):
+            messages = [m.as_template_input() for m in body.messages[: hint.through_message + 1]]
+            options = body.template_options(self.settings.default_chat_template_kwargs)
+            options |= {"add_generation_prompt": False, "continue_final_message": False}
+            text = self.chat.render_text(messages, body.template_tools(), **options)
+            num_tokens = len(self.chat.encode(text))
+        return generation_pb2.Retention(priority=hint.priority, ttl_s=hint.ttl_s,
+                                        num_tokens=num_tokens)  # fmt: skip
 
     def _budget(self, body: ChatCompletionRequest, prompt: Rendered) -> int:
         """thinking_token_budget, where there is a reasoning to end (0: none). Without

@@ -182,8 +182,18 @@ class TemplateParams(BaseModel):
                 "template": self.chat_template, "variables": variables}  # fmt: skip
 
 
+class RetentionHint(BaseModel):
+    """flagstop's chat extension (what Anthropic's cache_control becomes): keep the
+    prompt's KV through message through_message (None: all of it) for ttl_s."""
+
+    ttl_s: float = Field(gt=0)
+    priority: int = Field(50, ge=1, le=100)
+    through_message: int | None = Field(None, ge=0)
+
+
 class ChatCompletionRequest(TemplateParams, OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    retention: RetentionHint | None = None
     max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: Int32 | None = None

@@ -52,8 +52,8 @@ def anthropic_error(failure: "OpenAIError") -> dict[str, Any]:
     return {"type": ANTHROPIC_TYPE.get(failure.status, "api_error"), "message": failure.message}
 
 
-def json_response(body, status: int = 200) -> Response:
-    return Response(orjson.dumps(body), status, media_type="application/json")
+def json_response(body, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(body), status, headers, media_type="application/json")
 
 
 def error_response(status: int, message: str, param: str | None = None, code=None) -> Response:

@@ -40,6 +40,15 @@ def chat_path(chat: ChatTemplate, settings: RouterSettings, tokenizer) -> ChatPa
     return ChatPath(chat, settings, tokenizer)
 
 
+CACHE_TTL_HEADER = "x-flagstop-cache-ttl"
+
+
+def cache_ttl_header(pendings: list[Pending]) -> dict[str, str]:
+    """A retention cut to --max-cache-ttl-s is said, never silent: the ttl it got."""
+    clamped = [p.retention_clamped_s for p in pendings if p.retention_clamped_s is not None]
+    return {CACHE_TTL_HEADER: f"{min(clamped):g}; clamped"} if clamped else {}
+
+
 class OpenAIFront:
     """The routes' logic: requests to GenerateRequests, chunks to the API's shapes."""
 
@@ -148,13 +157,15 @@ class OpenAIFront:
         choices = self.choices(body, pendings, make)
         builder.usage.prompt_tokens = sum(len(c.prompt_token_ids) for c in choices
                                           if c.counts_prompt)  # fmt: skip
+        headers = cache_ttl_header(pendings)
         if body.stream:
             chunks = await self.started(http, merged(self.engine, pendings), pendings)
             stream = self.stream(builder, choices, pendings, body.include_usage, chunks)
             return StreamingResponse(stream, media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})  # fmt: skip
+                                     headers={"Cache-Control": "no-cache", **headers})  # fmt: skip
         await until_disconnected(http, self.collect(builder, choices, pendings))
-        return Response(orjson.dumps(builder.response(choices)), media_type="application/json")
+        return Response(orjson.dumps(builder.response(choices)), media_type="application/json",
+                        headers=headers)  # fmt: skip
 
     async def collect(
         self, builder: ResponseBuilder, choices: list[Choice], pendings: list[Pending]

@@ -29,7 +29,7 @@ from flagstop.router.openai.errors import (
     internal_error,
     json_response,
 )
-from flagstop.router.openai.front import Front, until_disconnected
+from flagstop.router.openai.front import Front, cache_ttl_header, until_disconnected
 from flagstop.router.openai.messages_request import MessagesRequest
 from flagstop.router.openai.sse import json_line
 from flagstop.router.pending import RequestFailed
@@ -63,14 +63,23 @@ async def count_tokens(body: CountTokensRequest, front: Front) -> Response:
 async def messages(body: MessagesRequest, http: Request, front: Front) -> Response:
     front.check_model(body.model)
     builder, choice, pending = await front.start_one(http, as_chat(body), "chat")
-    events = MessageEvents(body.model, builder)
+    events = MessageEvents(body.model, builder, retained_tokens(pending))
     if body.stream:
         chunks = await front.started(http, front.engine.stream(pending), [pending])
         return StreamingResponse(stream(front.engine, choice, pending, events, chunks),
                                  media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})  # fmt: skip
+                                 headers={"Cache-Control": "no-cache",
+                                          **cache_ttl_header([pending])})  # fmt: skip
     await until_disconnected(http, collect(front.engine, choice, pending, events))
-    return json_response(events.message(choice))
+    return json_response(events.message(choice), headers=cache_ttl_header([pending]))
+
+
+def retained_tokens(pending) -> int:
+    """The prompt tokens its cache_control keeps (0: none)."""
+    add = pending.add
+    if not add.HasField("retention"):
+        return 0
+    return add.retention.num_tokens or len(add.prompt_token_ids)
 
 
 STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens"}
@@ -81,21 +90,39 @@ class MessageEvents:
     builder's deltas come (one block open at a time), each change an event. The whole
     message is made of the same blocks (collect): it is the stream, folded."""
 
-    def __init__(self, model: str, builder: ResponseBuilder) -> None:
+    def __init__(self, model: str, builder: ResponseBuilder, retained: int = 0) -> None:
+        """retained: the prompt tokens its cache_control keeps."""
         self.id, self.model, self.builder = f"msg_{uuid.uuid4().hex}", model, builder
+        self.retained = retained
         self.blocks: list[dict[str, Any]] = []
         self.open_kind = ""  # the open block's: thinking, text, or a call's index
 
     def message(self, choice: Choice | None) -> dict[str, Any]:
-        usage = self.builder.usage
         reason, sequence = _stop_reason(choice) if choice else (None, None)
         content = [_finished(block) for block in self.blocks] if choice else []
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
-                "content": content, "stop_reason": reason, "stop_sequence": sequence,
-                "usage": {"input_tokens": usage.prompt_tokens,
-                          "output_tokens": usage.completion_tokens,
-                          "cache_read_input_tokens": usage.cached_tokens,
-                          "cache_creation_input_tokens": 0}}  # fmt: skip
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            "stop_reason": reason,
+            "stop_sequence": sequence,
+            "usage": self.usage(),
+        }
+
+    def usage(self) -> dict[str, int]:
+        """Anthropic's split of the prompt: read from the cache, written to it (the
+        marked prefix past what was read), and the rest."""
+        usage = self.builder.usage
+        read = usage.cached_tokens
+        created = max(0, min(self.retained, usage.prompt_tokens) - read)
+        return {
+            "input_tokens": usage.prompt_tokens - read - created,
+            "output_tokens": usage.completion_tokens,
+            "cache_read_input_tokens": read,
+            "cache_creation_input_tokens": created,
+        }
 
     def opening(self) -> list[bytes]:
         return [event("message_start", message=self.message(None))]

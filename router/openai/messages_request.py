@@ -141,6 +141,8 @@ class MessagesRequest(EncodableText):
             if output.format is not None:
                 body["response_format"] = {"type": "json_schema", "json_schema": {
                     "name": "output", "schema": output.format.schema_, "strict": True}}  # fmt: skip
+        if (retention := self._retention()) is not None:
+            body["retention"] = retention
         if self.messages[-1].role == "assistant" and "continue_final_message" not in (
             self.model_extra or {}
         ):  # Anthropic's prefill: the reply continues a last assistant message
@@ -174,6 +176,42 @@ class MessagesRequest(EncodableText):
         for i, message in enumerate(self.messages):
             messages += _chat_messages(message, f"messages.{i}")
         return messages
+
+    def _retention(self) -> dict[str, Any] | None:
+        """cache_control's breakpoints as chat's retention (docs/sessions.md): the
+        prompt through the last marked block (the chat message it ends up in: a mark
+        on the tools or the system prompt keeps the system message, or the first one),
+        kept for the longest ttl marked ("5m" unless "1h")."""
+        marks: list[tuple[int, str]] = []  # (chat message index, ttl)
+        if self.tools and any(_marked(t) for t in self.tools):
+            marks.append((0, _ttl(next(t for t in self.tools if _marked(t)))))
+        system = self.system if isinstance(self.system, list) else []
+        marks += [(0, _ttl(b)) for b in system if _marked(b)]
+        index = int(bool(self.system)) - 1
+        for message in self.messages:
+            index += len(_chat_messages(message, "")) if isinstance(message.content, list) else 1
+            if isinstance(message.content, list):
+                marks += [(index, _ttl(b)) for b in message.content if _marked(b)]
+        if not marks:
+            return None
+        ttl_s = max(TTLS[ttl] for _, ttl in marks)
+        return {"ttl_s": ttl_s, "through_message": max(i for i, _ in marks)}
+
+
+# cache_control's ttl: Anthropic's two, "5m" the default.
+TTLS = {"5m": 300.0, "1h": 3600.0}
+
+
+def _marked(part: BaseModel) -> bool:
+    control = (part.model_extra or {}).get("cache_control")
+    return isinstance(control, dict) and control.get("type") == "ephemeral"
+
+
+def _ttl(part: BaseModel) -> str:
+    ttl = (part.model_extra or {})["cache_control"].get("ttl", "5m")
+    if ttl not in TTLS:
+        raise ValueError(f'cache_control.ttl {ttl!r}: "5m" or "1h"')
+    return ttl
 
 
 def _chat_messages(message: Message, where: str) -> list[dict[str, Any]]:

@@ -40,7 +40,10 @@ def model_cards(front: OpenAIFront) -> dict[str, dict]:
     base = {"id": info.model_name, "object": "model", "created": 0, "owned_by": "flagstop",
             "root": info.model_name, "parent": None,
             "max_model_len": info.max_model_len, **kv_cache_card(info),
-            **encoder_card(front.engine)}  # fmt: skip
+            **encoder_card(front.engine),
+            "retention": {"share": round(info.retention_share, 4),
+                          "max_ttl_s": min(info.max_retention_s,
+                                           front.engine.settings.max_cache_ttl_s)}}  # fmt: skip
     cards = {info.model_name: base}
     for name, adapter in sorted(front.engine.replicas.adapters().items()):
         cards[name] = {**base, "id": name, "root": adapter.path, "parent": info.model_name}

@@ -122,6 +122,11 @@ class StructuredOutputsParams(BaseModel):
     grammar: str | None = None
 
 
+# prompt_cache_retention's: OpenAI's in-memory retention lasts minutes (5-10), its
+# extended one 24 hours; a retained prompt's priority (docs/sessions.md: 1-100).
+IN_MEMORY_TTL_S, DAY_S, RETAINED_PRIORITY = 600.0, 86_400.0, 50
+
+
 class OpenAIRequest(EncodableText):
     """What completions and chat share."""
 
@@ -150,6 +155,13 @@ class OpenAIRequest(EncodableText):
     tenant: str = ""
     request_class: str = ""
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
+    # Sessions (docs/sessions.md): vLLM's cache_salt (requests share cached KV only
+    # under the same salt), OpenAI's prompt_cache_key (a session's turns to one
+    # replica) and prompt_cache_retention (keep this prompt's KV: "in_memory" for
+    # IN_MEMORY_TTL_S, "24h" clamped to the router's --max-cache-ttl-s).
+    cache_salt: str | None = Field(None, max_length=256)
+    prompt_cache_key: str | None = Field(None, max_length=256)
+    prompt_cache_retention: Literal["in_memory", "in-memory", "24h"] | None = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its
     # older guided_* fields; at most one constraint.
     response_format: ResponseFormat | None = None
@@ -270,6 +282,12 @@ class OpenAIRequest(EncodableText):
             request.prompt_logprobs = self.prompt_logprobs
         if self.num_speculative_tokens is not None:
             request.num_speculative_tokens = self.num_speculative_tokens
+        if self.cache_salt:
+            request.cache_salt = self.cache_salt
+        if self.prompt_cache_retention is not None:
+            ttl_s = DAY_S if self.prompt_cache_retention == "24h" else IN_MEMORY_TTL_S
+            request.retention.CopyFrom(generation_pb2.Retention(priority=RETAINED_PRIORITY,
+                                                                ttl_s=ttl_s))  # fmt: skip
         return request
 
 

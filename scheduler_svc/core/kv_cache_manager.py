@@ -16,12 +16,16 @@ def hash_block(parent_hash: bytes, token_ids: list[int], extra: bytes = b"") -> 
     return hashlib.sha256(parent_hash + array("q", token_ids).tobytes() + extra).digest()
 
 
-def lora_root(lora_id: str) -> bytes:
+def prefix_root(lora_id: str, cache_salt: str = "") -> bytes:
     """The parent of a request's first block hash: its adapter's identity (the digest
     of its files, never its name), so that the same tokens under two adapters, under
     one and the base model, or under a name before and after it was loaded again from
-    other files, never share KV."""
-    return hashlib.sha256(b"lora:" + lora_id.encode()).digest() if lora_id else b""
+    other files, never share KV; and its cache salt (vLLM's cache_salt, or the one the
+    router enforces for a tenant: docs/sessions.md), so that requests under two salts
+    never share KV either."""
+    root = hashlib.sha256(b"lora:" + lora_id.encode()).digest() if lora_id else b""
+    return hashlib.sha256(root + b"salt:" + cache_salt.encode()).digest() if cache_salt \
+        else root  # fmt: skip
 
 
 def chain_hashes(
@@ -118,7 +122,8 @@ class KVCacheManager:
             return
         hashes = request.block_hashes
         hashes += chain_hashes(request.all_token_ids, self.block_size, len(hashes),
-                               hashes[-1] if hashes else lora_root(request.lora_id),
+                               hashes[-1] if hashes else prefix_root(request.lora_id,
+                                                                     request.cache_salt),
                                request.media)  # fmt: skip
 
     # -- prefix hits ---------------------------------------------------------------

@@ -139,8 +139,10 @@ class Request:
     media: tuple[MediaPlaceholder, ...] = ()
     # Opaque to the core: their pixels, which a new executor is sent again.
     media_data: Any = ()
-    # Its prefix's retention once it ends (None: ordinary LRU).
+    # Its prefix's retention once it ends (None: ordinary LRU), and the salt its block
+    # hashes start from ("": shared with every request of its adapter).
     retention: Retention | None = None
+    cache_salt: str = ""
     status: RequestStatus = RequestStatus.WAITING
     all_token_ids: list[int] = field(init=False)
     num_prompt_tokens: int = field(init=False)

@@ -49,6 +49,7 @@ from flagstop.scheduler_svc.core.request import (
     WAITING_FOR_REMOTE_KVS,
     Request,
     RequestStatus,
+    Retention,
 )
 from flagstop.scheduler_svc.core.speculative import draft_budget
 from flagstop.scheduler_svc.core.stats import LoadFigures, SchedulerStats, make_load, make_stats
@@ -107,6 +108,13 @@ class Scheduler:
         config = self.config
         check_admissible(request, config.max_model_len, self.kv_capacity_tokens, config.max_loras)
         self.encoder.check(request)
+        if (retention := request.retention) is not None and (
+            retention.ttl_s > config.max_retention_s or not config.retention_share
+        ):  # the router clamped it already (and said so); a direct client's is clamped here
+            request.retention = Retention(retention.priority,
+                                          min(retention.ttl_s, config.max_retention_s),
+                                          retention.num_tokens) \
+                if config.retention_share else None  # fmt: skip
         request.set_limits(self.max_model_len)
         self.transfers.on_add(request)
         self.kv.update_block_hashes(request)

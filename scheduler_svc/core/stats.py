@@ -55,6 +55,11 @@ class SchedulerStats:
     num_encoded_images: int
     num_encoded_tokens: int
     encoder_cache_hits: int
+    num_retained_blocks: int
+    num_retentions: int
+    retention_hits: int
+    retained_evictions: int
+    retention_expiries: int
 
     def as_fields(self) -> dict:
         return asdict(self)
@@ -90,6 +95,7 @@ def make_stats(scheduler: Core) -> SchedulerStats:
     shadow = decisions.shadow
     prefix, external = scheduler.kv.prefix_stats, transfers.external_stats
     encoder = scheduler.encoder
+    retention = pool.retention_stats
     return SchedulerStats(
         step_id=scheduler.step_id, num_running=len(scheduler.running),
         num_waiting=len(scheduler.waiting) + len(transfers.loaded),
@@ -109,4 +115,7 @@ def make_stats(scheduler: Core) -> SchedulerStats:
         num_encoded_images=encoder.stats.num_encoded_items,
         num_encoded_tokens=encoder.stats.num_encoded_tokens,
         encoder_cache_hits=encoder.stats.num_cache_hits,
+        num_retained_blocks=pool.retained.num_free_blocks,
+        num_retentions=retention.num_retained, retention_hits=retention.num_hits,
+        retained_evictions=retention.num_evicted, retention_expiries=retention.num_expired,
     )  # fmt: skip

@@ -1,0 +1,117 @@
+"""Agent sessions on a real stack (docs/sessions.md): a session's prompt kept past
+filler traffic that evicts it under LRU (prompt_cache_retention, Anthropic's
+cache_control), a ttl past --max-cache-ttl-s cut and said in a header, and salted
+tenants that never hit each other's blocks; every signal a cached-token count."""
+
+import random
+
+import httpx
+import openai
+import pytest
+
+from tools.stack import start_stack
+
+pytestmark = pytest.mark.processes
+
+MODEL = "flagstop-tiny"
+
+
+@pytest.fixture(scope="module")
+def stack(model_dir, tmp_path_factory):
+    # 40 blocks of 16 (640 tokens), half of which retained blocks may hold.
+    stack = start_stack(model_dir, tmp_path_factory.mktemp("logs"),
+                        executor_args=["--num-blocks", "40"],
+                        router_args=["--max-cache-ttl-s", "1800"])  # fmt: skip
+    yield stack
+    assert set(stack.stop().values()) == {0}
+
+
+@pytest.fixture(scope="module")
+def client(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.base_url, api_key="none", max_retries=0, timeout=60)
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [0] + [rng.randrange(3, 500) for _ in range(n)]
+
+
+def cached(client, prompt: list[int], **extra) -> int:
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2,
+                                      temperature=0, extra_body=extra)  # fmt: skip
+    return reply.usage.prompt_tokens_details.cached_tokens
+
+
+def flush(client, seed: int) -> None:
+    """Filler that cycles the whole pool through (LRU evicts every older prefix)."""
+    for i in range(6):
+        cached(client, tokens(seed * 100 + i, 150))
+
+
+def test_a_retained_session_prefix_survives_filler_and_an_ordinary_one_does_not(client):
+    session, plain = tokens(1, 200), tokens(2, 200)
+    cached(client, session, prompt_cache_retention="in_memory")
+    cached(client, plain)
+    flush(client, 3)
+    assert cached(client, [*session, 7, 8]) >= 192  # its 12 full blocks
+    assert cached(client, [*plain, 7, 8]) == 0
+
+
+def test_a_ttl_past_the_operators_limit_is_cut_and_said(stack):
+    body = {"model": MODEL, "prompt": tokens(4, 20), "max_tokens": 1,
+            "prompt_cache_retention": "24h"}  # fmt: skip
+    reply = httpx.post(f"{stack.base_url}/completions", json=body, timeout=60)
+    assert reply.status_code == 200
+    assert reply.headers["x-flagstop-cache-ttl"] == "1800; clamped"
+    body["prompt_cache_retention"] = "in_memory"
+    reply = httpx.post(f"{stack.base_url}/completions", json=body, timeout=60)
+    assert "x-flagstop-cache-ttl" not in reply.headers
+
+
+def test_tenants_under_different_salts_never_share_blocks(client):
+    prompt = tokens(5, 100)
+    cached(client, prompt, cache_salt="tenant-a")
+    assert cached(client, [*prompt, 9], cache_salt="tenant-b") == 0
+    assert cached(client, [*prompt, 9]) == 0  # unsalted: another tenant too
+    assert cached(client, [*prompt, 9], cache_salt="tenant-a") >= 96
+
+
+def test_anthropic_cache_control_keeps_the_marked_prefix(stack, client):
+    system = "You are a careful assistant. " * 12
+    body = {"model": MODEL, "max_tokens": 2, "temperature": 0,
+            "system": [{"type": "text", "text": system,
+                        "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
+            "messages": [{"role": "user", "content": "Hello there"}]}  # fmt: skip
+    first = httpx.post(f"{stack.base_url}/messages", json=body, timeout=60).json()
+    assert "usage" in first, first
+    flush(client, 6)
+    body["messages"] = [{"role": "user", "content": "Another question entirely"}]
+    again = httpx.post(f"{stack.base_url}/messages", json=body, timeout=60).json()
+    assert first["usage"]["cache_read_input_tokens"] == 0
+    created = first["usage"]["cache_creation_input_tokens"]
+    assert 16 * 5 < created < first["usage"]["input_tokens"] + created  # the system prompt
+    read = again["usage"]["cache_read_input_tokens"]
+    assert read >= created // 16 * 16 - 16  # its blocks, kept through the filler
+    assert again["usage"]["cache_creation_input_tokens"] == max(0, created - read)
+
+
+def test_grpc_retention_and_the_accounting(stack, client):
+    from flagstop.v1 import generation_pb2
+    from tests.helpers.metrics import scrape
+    from tools.stack import generate
+
+    session = tokens(7, 120)
+    before = stack.stats()
+    retention = generation_pb2.Retention(priority=80, ttl_s=600.0)
+    generate(stack, prompt_token_ids=session, max_tokens=2, retention=retention)
+    flush(client, 8)
+    _, _, last = generate(stack, prompt_token_ids=[*session, 5], max_tokens=2)
+    assert last.usage.cached_tokens >= 112
+    after = stack.stats()
+    assert after.num_retentions > before.num_retentions
+    assert after.retention_hits > before.retention_hits
+    metrics = scrape(stack.metrics_ports["scheduler"])
+    assert any(k.startswith("flagstop:kv_retention_hits_total") and v > 0
+               for k, v in metrics.items())  # fmt: skip
+    [card] = httpx.get(f"{stack.base_url}/models", timeout=10).json()["data"]
+    assert card["retention"] == {"share": 0.5, "max_ttl_s": 1800.0}
