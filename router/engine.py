@@ -40,6 +40,9 @@ REQUEST_FINISH_TRANSFER = scheduler_pb2.REQUEST_FINISH_TRANSFER
 RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 
 
+SESSION_HEADER = "x-session-id"  # a session's key (docs/sessions.md)
+
+
 class RouterEngine:
     def __init__(
         self, tokenizer, settings: RouterSettings, health: Health, telemetry: Telemetry
@@ -176,6 +179,9 @@ class RouterEngine:
             add.media_data.extend(media.media_data)
         add.cache_salt = request.cache_salt
         clamped = self._retention(request, add)
+        if not request.session_id:  # the header says it where the body does not
+            request.session_id = next((v for k, v in metadata if k.lower() == SESSION_HEADER
+                                       and isinstance(v, str)), "")  # fmt: skip
         if request.HasField("max_tokens"):
             add.max_tokens = request.max_tokens
         if request.HasField("num_speculative_tokens"):

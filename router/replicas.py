@@ -16,7 +16,7 @@ that KV. Either half lost goes on as any lost request does."""
 import asyncio
 import contextlib
 import logging
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 
 import grpc
@@ -54,6 +54,27 @@ def splittable(add: scheduler_pb2.AddRequest) -> bool:
                 or add.media)  # fmt: skip
 
 
+# Sessions remembered by the router, the least recently routed forgotten first.
+MAX_SESSIONS = 100_000
+
+
+class SessionReplicas:
+    """Each session's replica (docs/sessions.md): where its last turn went."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.replica_of: OrderedDict[str, str] = OrderedDict()
+
+    def get(self, session: str) -> str | None:
+        return self.replica_of.get(session)
+
+    def remember(self, session: str, replica: str) -> None:
+        self.replica_of[session] = replica
+        self.replica_of.move_to_end(session)
+        if len(self.replica_of) > self.capacity:
+            self.replica_of.popitem(last=False)
+
+
 class ReplicaSet:
     def __init__(
         self,
@@ -73,6 +94,7 @@ class ReplicaSet:
         self.kv_layout = ""  # the disaggregated replicas' (prefill and decode roles)
         self.by_address: dict[str, Replica] = {}
         self.leaving: list[Replica] = []  # left the scheduler list, requests not moved yet
+        self.sessions = SessionReplicas(MAX_SESSIONS)
         self.chooser = ReplicaChooser(
             config_from(settings, RoutingConfig), PrefixIndex(settings.prefix_index_blocks)
         )
@@ -218,6 +240,11 @@ class ReplicaSet:
         name, decode, why = self.chooser.place(
             hashes, len(token_ids), self.model_info.block_size, views, lora_name, splittable(add)
         )
+        session = pending.request.session_id
+        if session and decode is None and (held := self.sessions.get(session)) in by_name:
+            name, why = held, "session"  # its blocks are there (prefix routing's fallback)
+        if session:
+            self.sessions.remember(session, name)
         if decode is not None or add.kv_transfer.do_remote_decode:
             add = self._marked(add, decode is not None)
         replica = by_name[name]

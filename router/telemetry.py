@@ -38,7 +38,7 @@ SLO = Counter("flagstop:slo_requests", "Finished requests by whether they met th
 ROUTED = Counter(
     "flagstop:routed_requests",
     "Requests sent to each replica, and why (prefix, least-cached, least-loaded, "
-    "round-robin, moved, lora-warm, lora-room)",
+    "round-robin, moved, lora-warm, lora-room, session)",
     ["replica", "reason"],
 )
 

@@ -115,3 +115,40 @@ def test_grpc_retention_and_the_accounting(stack, client):
                for k, v in metrics.items())  # fmt: skip
     [card] = httpx.get(f"{stack.base_url}/models", timeout=10).json()["data"]
     assert card["retention"] == {"share": 0.5, "max_ttl_s": 1800.0}
+
+
+def test_a_sessions_turns_stay_on_one_replica_and_move_when_it_is_lost(model_dir, tmp_path):
+    """Turns under one prompt_cache_key (or x-session-id) go where the last one went,
+    though each starts with other text (no prefix to route by); with that replica
+    killed, the next turn goes to the other and the session goes on from there."""
+    from tests.helpers.metrics import scrape
+    from tools.stack import start_replicas
+
+    stack = start_replicas(model_dir, tmp_path, 2)
+    try:
+        client = openai.OpenAI(base_url=stack.base_url, api_key="none", max_retries=0,
+                               timeout=60)  # fmt: skip
+
+        def turn(i: int, **extra) -> None:
+            client.completions.create(model=MODEL, prompt=tokens(100 + i, 40), max_tokens=2,
+                                      extra_body=extra)  # fmt: skip
+
+        def routed() -> dict[str, float]:
+            metrics = scrape(stack.metrics_ports["router"])
+            series = "flagstop:routed_requests_total"
+            return {k: v for k, v in metrics.items() if k.startswith(series) and "session" in k}
+
+        turn(0, prompt_cache_key="agent-1")
+        for i in range(1, 5):
+            turn(i, prompt_cache_key="agent-1")
+        [(series, count)] = routed().items()
+        assert count == 4
+        held = "scheduler-0" if stack.addresses["scheduler-0"] in series else "scheduler-1"
+        stack.kill(held.replace("scheduler", "executor"))
+        stack.kill(held)
+        for i in range(5, 8):
+            turn(i, prompt_cache_key="agent-1")
+        moved = {k: v for k, v in routed().items() if k != series}
+        assert sum(moved.values()) >= 2  # the other replica holds the session now
+    finally:
+        stack.stop(10)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x66lagstop/v1/generation.proto\x12\x0b\x66lagstop.v1\"5\n\x0bLoRAAdapter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\n\n\x02id\x18\x03 \x01(\t\"T\n\x16LoadLoRAAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\x12\x14\n\x0cload_inplace\x18\x03 \x01(\x08\"D\n\x17LoadLoRAAdapterResponse\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0f\n\x07modules\x18\x02 \x03(\t\x12\n\n\x02id\x18\x03 \x01(\t\"-\n\x18UnloadLoRAAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"\x1b\n\x19UnloadLoRAAdapterResponse\"\xd6\x08\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x08 \x01(\x05\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x10\n\x08priority\x18\x0c \x01(\x05\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x04\x88\x01\x01\x12\x38\n\x06labels\x18\x0e \x03(\x0b\x32(.flagstop.v1.GenerateRequest.LabelsEntry\x12:\n\x12structured_outputs\x18\x0f \x01(\x0b\x32\x1e.flagstop.v1.StructuredOutputs\x12\x1f\n\x12repetition_penalty\x18\x10 \x01(\x02H\x05\x88\x01\x01\x12\x19\n\x11\x66requency_penalty\x18\x11 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x12 \x01(\x02\x12\r\n\x05min_p\x18\x13 \x01(\x02\x12?\n\nlogit_bias\x18\x14 \x03(\x0b\x32+.flagstop.v1.GenerateRequest.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x15 \x01(\x05H\x06\x88\x01\x01\x12#\n\x16num_speculative_tokens\x18\x16 \x01(\x05H\x07\x88\x01\x01\x12\x11\n\tlora_name\x18\x17 \x01(\t\x12\x18\n\x0bslo_ttft_ms\x18\x18 \x01(\x01H\x08\x88\x01\x01\x12\x18\n\x0bslo_tpot_ms\x18\x19 \x01(\x01H\t\x88\x01\x01\x12\x0e\n\x06tenant\x18\x1a \x01(\t\x12\x15\n\rrequest_class\x18\x1b \x01(\t\x12\'\n\x06images\x18\x1c \x03(\x0b\x32\x17.flagstop.v1.ImageInput\x12)\n\tretention\x18\x1d \x01(\x0b\x32\x16.flagstop.v1.Retention\x12\x12\n\ncache_salt\x18\x1e \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobsB\x19\n\x17_num_speculative_tokensB\x0e\n\x0c_slo_ttft_msB\x0e\n\x0c_slo_tpot_ms\"@\n\tRetention\x12\x10\n\x08priority\x18\x01 \x01(\x05\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\x12\x12\n\nnum_tokens\x18\x03 \x01(\x05\"\'\n\nImageInput\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0b\n\x03url\x18\x02 \x01(\t\"N\n\x10MediaPlaceholder\x12\x0c\n\x04hash\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x05\x12\x0e\n\x06length\x18\x03 \x01(\x05\x12\x0c\n\x04grid\x18\x04 \x03(\x05\"[\n\tMediaData\x12\x0c\n\x04hash\x18\x01 \x01(\x0c\x12\x14\n\x0cpixel_values\x18\x02 \x01(\x0c\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0c\n\x04grid\x18\x05 \x03(\x05\"\x99\x02\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x14.flagstop.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x0e\n\x06strict\x18\x06 \x01(\x08\x12\x17\n\x0f\x61\x66ter_token_ids\x18\x08 \x03(\x05\x12\x1a\n\x12\x66orce_after_within\x18\t \x01(\x05\x12\x16\n\x0eopen_token_ids\x18\n \x03(\x05\x12%\n\x1dnum_prompt_tokens_constrained\x18\x07 \x01(\x05\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.flagstop.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xfe\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.flagstop.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x04 \x01(\t\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.flagstop.v1.Usage\x12+\n\x08logprobs\x18\x06 \x03(\x0b\x32\x19.flagstop.v1.TokenLogprob\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.flagstop.v1.TokenLogprob\"\x15\n\x13GetModelInfoRequest\"\xa8\x04\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x12\n\nnum_blocks\x18\x06 \x01(\x05\x12/\n\rlora_adapters\x18\x07 \x03(\x0b\x32\x18.flagstop.v1.LoRAAdapter\x12\x11\n\tmax_loras\x18\x08 \x01(\x05\x12\x17\n\x0fnum_host_blocks\x18\t \x01(\x05\x12$\n\x07kv_role\x18\n \x01(\x0e\x32\x13.flagstop.v1.KVRole\x12\x11\n\tkv_layout\x18\x0b \x01(\t\x12,\n\tkv_layers\x18\x0c \x03(\x0b\x32\x19.flagstop.v1.KVCacheLayer\x12\x1a\n\x12kv_capacity_tokens\x18\r \x01(\x03\x12\x16\n\x0e\x61\x63\x63\x65pts_images\x18\x0e \x01(\x08\x12$\n\x1cmax_num_encoder_input_tokens\x18\x0f \x01(\x05\x12\x1a\n\x12\x65ncoder_cache_size\x18\x10 \x01(\x05\x12\x13\n\x0bpixel_dtype\x18\x11 \x01(\t\x12\x1c\n\x14\x62idirectional_images\x18\x12 \x01(\x08\x12\x17\n\x0fretention_share\x18\x13 \x01(\x02\x12\x17\n\x0fmax_retention_s\x18\x14 \x01(\x01\"d\n\x0cKVCacheLayer\x12\x11\n\tattention\x18\x01 \x01(\t\x12\x16\n\x0esliding_window\x18\x02 \x01(\x05\x12\r\n\x05sinks\x18\x03 \x01(\x08\x12\x1a\n\x12kv_bytes_per_token\x18\x04 \x01(\x03\"=\n\x14GetModelInfoResponse\x12%\n\x05model\x18\x01 \x01(\x0b\x32\x16.flagstop.v1.ModelInfo*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02*C\n\x06KVRole\x12\x10\n\x0cKV_ROLE_BOTH\x10\x00\x12\x13\n\x0fKV_ROLE_PREFILL\x10\x01\x12\x12\n\x0eKV_ROLE_DECODE\x10\x02\x32\xee\x02\n\nGeneration\x12I\n\x08Generate\x12\x1c.flagstop.v1.GenerateRequest\x1a\x1d.flagstop.v1.GenerateResponse0\x01\x12S\n\x0cGetModelInfo\x12 .flagstop.v1.GetModelInfoRequest\x1a!.flagstop.v1.GetModelInfoResponse\x12\\\n\x0fLoadLoRAAdapter\x12#.flagstop.v1.LoadLoRAAdapterRequest\x1a$.flagstop.v1.LoadLoRAAdapterResponse\x12\x62\n\x11UnloadLoRAAdapter\x12%.flagstop.v1.UnloadLoRAAdapterRequest\x1a&.flagstop.v1.UnloadLoRAAdapterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x66lagstop/v1/generation.proto\x12\x0b\x66lagstop.v1\"5\n\x0bLoRAAdapter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\n\n\x02id\x18\x03 \x01(\t\"T\n\x16LoadLoRAAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\x12\x14\n\x0cload_inplace\x18\x03 \x01(\x08\"D\n\x17LoadLoRAAdapterResponse\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0f\n\x07modules\x18\x02 \x03(\t\x12\n\n\x02id\x18\x03 \x01(\t\"-\n\x18UnloadLoRAAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"\x1b\n\x19UnloadLoRAAdapterResponse\"\xea\x08\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x08 \x01(\x05\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x10\n\x08priority\x18\x0c \x01(\x05\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x04\x88\x01\x01\x12\x38\n\x06labels\x18\x0e \x03(\x0b\x32(.flagstop.v1.GenerateRequest.LabelsEntry\x12:\n\x12structured_outputs\x18\x0f \x01(\x0b\x32\x1e.flagstop.v1.StructuredOutputs\x12\x1f\n\x12repetition_penalty\x18\x10 \x01(\x02H\x05\x88\x01\x01\x12\x19\n\x11\x66requency_penalty\x18\x11 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x12 \x01(\x02\x12\r\n\x05min_p\x18\x13 \x01(\x02\x12?\n\nlogit_bias\x18\x14 \x03(\x0b\x32+.flagstop.v1.GenerateRequest.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x15 \x01(\x05H\x06\x88\x01\x01\x12#\n\x16num_speculative_tokens\x18\x16 \x01(\x05H\x07\x88\x01\x01\x12\x11\n\tlora_name\x18\x17 \x01(\t\x12\x18\n\x0bslo_ttft_ms\x18\x18 \x01(\x01H\x08\x88\x01\x01\x12\x18\n\x0bslo_tpot_ms\x18\x19 \x01(\x01H\t\x88\x01\x01\x12\x0e\n\x06tenant\x18\x1a \x01(\t\x12\x15\n\rrequest_class\x18\x1b \x01(\t\x12\'\n\x06images\x18\x1c \x03(\x0b\x32\x17.flagstop.v1.ImageInput\x12)\n\tretention\x18\x1d \x01(\x0b\x32\x16.flagstop.v1.Retention\x12\x12\n\ncache_salt\x18\x1e \x01(\t\x12\x12\n\nsession_id\x18\x1f \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobsB\x19\n\x17_num_speculative_tokensB\x0e\n\x0c_slo_ttft_msB\x0e\n\x0c_slo_tpot_ms\"@\n\tRetention\x12\x10\n\x08priority\x18\x01 \x01(\x05\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\x12\x12\n\nnum_tokens\x18\x03 \x01(\x05\"\'\n\nImageInput\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0b\n\x03url\x18\x02 \x01(\t\"N\n\x10MediaPlaceholder\x12\x0c\n\x04hash\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x05\x12\x0e\n\x06length\x18\x03 \x01(\x05\x12\x0c\n\x04grid\x18\x04 \x03(\x05\"[\n\tMediaData\x12\x0c\n\x04hash\x18\x01 \x01(\x0c\x12\x14\n\x0cpixel_values\x18\x02 \x01(\x0c\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0c\n\x04grid\x18\x05 \x03(\x05\"\x99\x02\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x14.flagstop.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x0e\n\x06strict\x18\x06 \x01(\x08\x12\x17\n\x0f\x61\x66ter_token_ids\x18\x08 \x03(\x05\x12\x1a\n\x12\x66orce_after_within\x18\t \x01(\x05\x12\x16\n\x0eopen_token_ids\x18\n \x03(\x05\x12%\n\x1dnum_prompt_tokens_constrained\x18\x07 \x01(\x05\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.flagstop.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xfe\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.flagstop.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x04 \x01(\t\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.flagstop.v1.Usage\x12+\n\x08logprobs\x18\x06 \x03(\x0b\x32\x19.flagstop.v1.TokenLogprob\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.flagstop.v1.TokenLogprob\"\x15\n\x13GetModelInfoRequest\"\xa8\x04\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x12\n\nnum_blocks\x18\x06 \x01(\x05\x12/\n\rlora_adapters\x18\x07 \x03(\x0b\x32\x18.flagstop.v1.LoRAAdapter\x12\x11\n\tmax_loras\x18\x08 \x01(\x05\x12\x17\n\x0fnum_host_blocks\x18\t \x01(\x05\x12$\n\x07kv_role\x18\n \x01(\x0e\x32\x13.flagstop.v1.KVRole\x12\x11\n\tkv_layout\x18\x0b \x01(\t\x12,\n\tkv_layers\x18\x0c \x03(\x0b\x32\x19.flagstop.v1.KVCacheLayer\x12\x1a\n\x12kv_capacity_tokens\x18\r \x01(\x03\x12\x16\n\x0e\x61\x63\x63\x65pts_images\x18\x0e \x01(\x08\x12$\n\x1cmax_num_encoder_input_tokens\x18\x0f \x01(\x05\x12\x1a\n\x12\x65ncoder_cache_size\x18\x10 \x01(\x05\x12\x13\n\x0bpixel_dtype\x18\x11 \x01(\t\x12\x1c\n\x14\x62idirectional_images\x18\x12 \x01(\x08\x12\x17\n\x0fretention_share\x18\x13 \x01(\x02\x12\x17\n\x0fmax_retention_s\x18\x14 \x01(\x01\"d\n\x0cKVCacheLayer\x12\x11\n\tattention\x18\x01 \x01(\t\x12\x16\n\x0esliding_window\x18\x02 \x01(\x05\x12\r\n\x05sinks\x18\x03 \x01(\x08\x12\x1a\n\x12kv_bytes_per_token\x18\x04 \x01(\x03\"=\n\x14GetModelInfoResponse\x12%\n\x05model\x18\x01 \x01(\x0b\x32\x16.flagstop.v1.ModelInfo*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02*C\n\x06KVRole\x12\x10\n\x0cKV_ROLE_BOTH\x10\x00\x12\x13\n\x0fKV_ROLE_PREFILL\x10\x01\x12\x12\n\x0eKV_ROLE_DECODE\x10\x02\x32\xee\x02\n\nGeneration\x12I\n\x08Generate\x12\x1c.flagstop.v1.GenerateRequest\x1a\x1d.flagstop.v1.GenerateResponse0\x01\x12S\n\x0cGetModelInfo\x12 .flagstop.v1.GetModelInfoRequest\x1a!.flagstop.v1.GetModelInfoResponse\x12\\\n\x0fLoadLoRAAdapter\x12#.flagstop.v1.LoadLoRAAdapterRequest\x1a$.flagstop.v1.LoadLoRAAdapterResponse\x12\x62\n\x11UnloadLoRAAdapter\x12%.flagstop.v1.UnloadLoRAAdapterRequest\x1a&.flagstop.v1.UnloadLoRAAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,10 +35,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST_LABELSENTRY']._serialized_options = b'8\001'
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=3257
-  _globals['_FINISHREASON']._serialized_end=3352
-  _globals['_KVROLE']._serialized_start=3354
-  _globals['_KVROLE']._serialized_end=3421
+  _globals['_FINISHREASON']._serialized_start=3277
+  _globals['_FINISHREASON']._serialized_end=3372
+  _globals['_KVROLE']._serialized_start=3374
+  _globals['_KVROLE']._serialized_end=3441
   _globals['_LORAADAPTER']._serialized_start=45
   _globals['_LORAADAPTER']._serialized_end=98
   _globals['_LOADLORAADAPTERREQUEST']._serialized_start=100
@@ -50,39 +50,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_start=303
   _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_end=330
   _globals['_GENERATEREQUEST']._serialized_start=333
-  _globals['_GENERATEREQUEST']._serialized_end=1443
-  _globals['_GENERATEREQUEST_LABELSENTRY']._serialized_start=1183
-  _globals['_GENERATEREQUEST_LABELSENTRY']._serialized_end=1228
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=1230
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=1278
-  _globals['_RETENTION']._serialized_start=1445
-  _globals['_RETENTION']._serialized_end=1509
-  _globals['_IMAGEINPUT']._serialized_start=1511
-  _globals['_IMAGEINPUT']._serialized_end=1550
-  _globals['_MEDIAPLACEHOLDER']._serialized_start=1552
-  _globals['_MEDIAPLACEHOLDER']._serialized_end=1630
-  _globals['_MEDIADATA']._serialized_start=1632
-  _globals['_MEDIADATA']._serialized_end=1723
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1726
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=2007
-  _globals['_CHOICES']._serialized_start=2009
-  _globals['_CHOICES']._serialized_end=2035
-  _globals['_TOPLOGPROB']._serialized_start=2037
-  _globals['_TOPLOGPROB']._serialized_end=2084
-  _globals['_TOKENLOGPROB']._serialized_start=2086
-  _globals['_TOKENLOGPROB']._serialized_end=2173
-  _globals['_USAGE']._serialized_start=2175
-  _globals['_USAGE']._serialized_end=2255
-  _globals['_GENERATERESPONSE']._serialized_start=2258
-  _globals['_GENERATERESPONSE']._serialized_end=2512
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2514
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2535
-  _globals['_MODELINFO']._serialized_start=2538
-  _globals['_MODELINFO']._serialized_end=3090
-  _globals['_KVCACHELAYER']._serialized_start=3092
-  _globals['_KVCACHELAYER']._serialized_end=3192
-  _globals['_GETMODELINFORESPONSE']._serialized_start=3194
-  _globals['_GETMODELINFORESPONSE']._serialized_end=3255
-  _globals['_GENERATION']._serialized_start=3424
-  _globals['_GENERATION']._serialized_end=3790
+  _globals['_GENERATEREQUEST']._serialized_end=1463
+  _globals['_GENERATEREQUEST_LABELSENTRY']._serialized_start=1203
+  _globals['_GENERATEREQUEST_LABELSENTRY']._serialized_end=1248
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=1250
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=1298
+  _globals['_RETENTION']._serialized_start=1465
+  _globals['_RETENTION']._serialized_end=1529
+  _globals['_IMAGEINPUT']._serialized_start=1531
+  _globals['_IMAGEINPUT']._serialized_end=1570
+  _globals['_MEDIAPLACEHOLDER']._serialized_start=1572
+  _globals['_MEDIAPLACEHOLDER']._serialized_end=1650
+  _globals['_MEDIADATA']._serialized_start=1652
+  _globals['_MEDIADATA']._serialized_end=1743
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1746
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=2027
+  _globals['_CHOICES']._serialized_start=2029
+  _globals['_CHOICES']._serialized_end=2055
+  _globals['_TOPLOGPROB']._serialized_start=2057
+  _globals['_TOPLOGPROB']._serialized_end=2104
+  _globals['_TOKENLOGPROB']._serialized_start=2106
+  _globals['_TOKENLOGPROB']._serialized_end=2193
+  _globals['_USAGE']._serialized_start=2195
+  _globals['_USAGE']._serialized_end=2275
+  _globals['_GENERATERESPONSE']._serialized_start=2278
+  _globals['_GENERATERESPONSE']._serialized_end=2532
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2534
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2555
+  _globals['_MODELINFO']._serialized_start=2558
+  _globals['_MODELINFO']._serialized_end=3110
+  _globals['_KVCACHELAYER']._serialized_start=3112
+  _globals['_KVCACHELAYER']._serialized_end=3212
+  _globals['_GETMODELINFORESPONSE']._serialized_start=3214
+  _globals['_GETMODELINFORESPONSE']._serialized_end=3275
+  _globals['_GENERATION']._serialized_start=3444
+  _globals['_GENERATION']._serialized_end=3810
 # @@protoc_insertion_point(module_scope)

@@ -284,6 +284,8 @@ class OpenAIRequest(EncodableText):
             request.num_speculative_tokens = self.num_speculative_tokens
         if self.cache_salt:
             request.cache_salt = self.cache_salt
+        if self.prompt_cache_key:
+            request.session_id = self.prompt_cache_key
         if self.prompt_cache_retention is not None:
             ttl_s = DAY_S if self.prompt_cache_retention == "24h" else IN_MEMORY_TTL_S
             request.retention.CopyFrom(generation_pb2.Retention(priority=RETAINED_PRIORITY,
