@@ -150,7 +150,7 @@ def sdk_fields(params) -> set[str]:
 REFUSED = {
     "responses": {"previous_response_id": "resp_1", "background": True, "conversation": "c",
                   "prompt": {"id": "p"}, "max_tool_calls": 2, "prompt_cache_options": {"ttl": "1h"},
-                  "prompt_cache_retention": "24h", "context_management": [{"type": "x"}],
+                  "context_management": [{"type": "x"}],
                   "moderation": {"x": 1}, "image": {"x": 1}, "access_programs": {"x": 1},
                   "service_tier": "flex", "truncation": "auto", "include": ["reasoning.x"],
                   "stream_options": {"include_obfuscation": True}},

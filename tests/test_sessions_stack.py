@@ -152,3 +152,39 @@ def test_a_sessions_turns_stay_on_one_replica_and_move_when_it_is_lost(model_dir
         assert sum(moved.values()) >= 2  # the other replica holds the session now
     finally:
         stack.stop(10)
+
+
+def test_responses_and_messages_pass_retention_and_the_session_through():
+    """Responses' prompt_cache_key and prompt_cache_retention, and Messages' own
+    cache_control, reach the engine's request as chat's do."""
+    from flagstop.router.openai.chat_request import as_chat
+    from flagstop.router.openai.messages_request import MessagesRequest
+    from flagstop.router.openai.responses_request import ResponsesRequest
+
+    chat = as_chat(ResponsesRequest(model="m", input="hi", prompt_cache_key="agent-7",
+                                    prompt_cache_retention="24h"))  # fmt: skip
+    request = chat.choice_request([5, 6], 0)
+    assert request.session_id == "agent-7" and request.retention.ttl_s == 86_400
+    chat = as_chat(MessagesRequest(model="m", max_tokens=4, cache_control={"type": "ephemeral",
+                   "ttl": "1h"}, messages=[{"role": "user", "content": "hi"}]))  # fmt: skip
+    assert chat.retention.ttl_s == 3600 and chat.retention.through_message == 0
+
+
+def test_a_short_retention_expires_and_a_long_one_holds(stack, client):
+    """Two sessions retained on gRPC, one for a second and one for ten minutes: past
+    the second, filler evicts the first (its retention ran out) and not the other."""
+    import time
+
+    from flagstop.v1 import generation_pb2
+    from tools.stack import generate
+
+    brief, long = tokens(11, 120), tokens(12, 120)
+    for prompt, ttl_s in ((brief, 1.0), (long, 600.0)):
+        retention = generation_pb2.Retention(priority=50, ttl_s=ttl_s)
+        generate(stack, prompt_token_ids=prompt, max_tokens=2, retention=retention)
+    time.sleep(1.5)
+    before = stack.stats().retention_expiries
+    flush(client, 13)
+    assert stack.stats().retention_expiries > before
+    assert generate(stack, prompt_token_ids=[*brief, 5], max_tokens=1)[2].usage.cached_tokens == 0
+    assert generate(stack, prompt_token_ids=[*long, 5], max_tokens=1)[2].usage.cached_tokens >= 112

@@ -112,13 +112,16 @@ class MessageEvents:
         }
 
     def usage(self) -> dict[str, int]:
-        """Anthropic's split of the prompt: read from the cache, written to it (the
-        marked prefix past what was read), and the rest."""
+        """With cache_control, Anthropic's split of the prompt: read from the cache,
+        written to it (the marked prefix past what was read), and the rest. Without,
+        input_tokens is the whole prompt (Anthropic caches nothing unmarked; flagstop's
+        own prefix hits are told in cache_read_input_tokens all the same)."""
         usage = self.builder.usage
         read = usage.cached_tokens
         created = max(0, min(self.retained, usage.prompt_tokens) - read)
+        uncached = usage.prompt_tokens - read - created if self.retained else usage.prompt_tokens
         return {
-            "input_tokens": usage.prompt_tokens - read - created,
+            "input_tokens": uncached,
             "output_tokens": usage.completion_tokens,
             "cache_read_input_tokens": read,
             "cache_creation_input_tokens": created,

@@ -71,8 +71,8 @@ class OutputConfig(BaseModel):
 
 
 class CacheControl(BaseModel):
-    """Accepted: flagstop's prefix cache keeps every prefix it computed, marked or not,
-    for as long as its LRU and host tier hold it (docs/kv_tiers.md)."""
+    """The request's own cache_control: its whole prompt retained (docs/sessions.md),
+    as a mark on its last block would."""
 
     type: Literal["ephemeral"]
     ttl: str | None = None
@@ -180,9 +180,15 @@ class MessagesRequest(EncodableText):
     def _retention(self) -> dict[str, Any] | None:
         """cache_control's breakpoints as chat's retention (docs/sessions.md): the
         prompt through the last marked block (the chat message it ends up in: a mark
-        on the tools or the system prompt keeps the system message, or the first one),
-        kept for the longest ttl marked ("5m" unless "1h")."""
+        on the tools or the system prompt keeps the system message, or the first one;
+        the request's own cache_control, the whole prompt), kept for the longest ttl
+        marked ("5m" unless "1h")."""
         marks: list[tuple[int, str]] = []  # (chat message index, ttl)
+        if self.cache_control is not None:  # the request's own: its whole prompt
+            ttl = getattr(self.cache_control, "ttl", None) or "5m"
+            if ttl not in TTLS:
+                raise ValueError(f'cache_control.ttl {ttl!r}: "5m" or "1h"')
+            marks.append((len(self._messages()) - 1, ttl))
         if self.tools and any(_marked(t) for t in self.tools):
             marks.append((0, _ttl(next(t for t in self.tools if _marked(t)))))
         system = self.system if isinstance(self.system, list) else []

@@ -132,9 +132,9 @@ class ResponsesRequest(EncodableText):
     truncation: Literal["disabled", "auto"] | None = None
     user: str | None = None  # the scheduling policy's user label (as chat's)
     safety_identifier: str | None = None  # the same label, OpenAI's newer name
-    # Accepted: every prefix is cached without a key (and routed by its blocks).
+    # Sessions (docs/sessions.md): passed to chat as they are.
     prompt_cache_key: str | None = None
-    prompt_cache_retention: Literal["in_memory", "24h"] | None = None  # 24h refused
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     stream_options: StreamOptions | None = None
     # Known, not implemented: refused unless neutral.
@@ -173,6 +173,8 @@ class ResponsesRequest(EncodableText):
         if self.reasoning is not None and self.reasoning.effort is not None:
             body["reasoning_effort"] = self.reasoning.effort
         body["user"] = self.safety_identifier or self.user
+        body["prompt_cache_key"] = self.prompt_cache_key
+        body["prompt_cache_retention"] = self.prompt_cache_retention
         body = {k: v for k, v in body.items() if v is not None}
         return {**body, **chat_extras(self.model_extra, REFUSED_CHAT_FIELDS, body)}
 
@@ -196,11 +198,6 @@ class ResponsesRequest(EncodableText):
         ):  # fmt: skip
             if getattr(self, name):
                 raise ValueError(f"{name}: flagstop has no {why}; leave it unset")
-        if self.prompt_cache_retention == "24h":
-            raise ValueError(
-                'prompt_cache_retention "24h" is not supported: the prefix '
-                'cache keeps what its memory holds; leave it unset or "in_memory"'
-            )
         if self.service_tier not in (None, "auto", "default"):
             raise ValueError(f"service_tier {self.service_tier!r} is not supported: flagstop "
                              'serves one tier; leave it unset, "auto" or "default"')  # fmt: skip

@@ -175,7 +175,7 @@ class BlockPool:
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
         if n > self.num_free_blocks:
             raise ValueError(f"asked for {n} blocks, {self.num_free_blocks} free")
-        if n > self.free_queue.num_free_blocks:
+        if self.retained.expiries:  # expired retentions go first: ordinary, least recent
             self._expire()
         blocks = [self._next_free() for _ in range(n)]
         for block in blocks:
@@ -197,7 +197,8 @@ class BlockPool:
 
     def _expire(self) -> None:
         """Retentions that ran out: their blocks join the ordinary ones, to be
-        evicted first (they were kept past their LRU turn)."""
+        evicted first (they were kept past their LRU turn). Checked at each
+        allocation: an expired block is evicted by the next one, as LRU would have."""
         expired = self.retained.expired(self.clock())
         for block in expired:
             block.priority = 0
