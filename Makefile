@@ -72,7 +72,7 @@ COMPOSE := $(if $(strip $(PROFILES)),COMPOSE_PROFILES=$(subst $() ,$(comma),$(st
 	$(if $(SPEC),SPEC='$(SPEC)') $(if $(filter-out grpcio,$(GRPC_SERVER)),GRPC_SERVER=$(GRPC_SERVER)) \
 	$(DOCKER_COMPOSE) -f compose/compose.yaml $(if $(GPU),-f compose/compose.gpu.yaml)
 
-.PHONY: venv test test-fast kernels-sm90 lint bench bench-executor bench-kv-tier bench-kv-groups bench-mla bench-recurrent bench-lora bench-replicas bench-structured bench-multimodal model proto serve up down logs ps clean
+.PHONY: venv test test-fast kernels-sm90 lint bench bench-executor bench-kv-tier bench-kv-groups bench-mla bench-recurrent bench-lora bench-replicas bench-structured bench-multimodal bench-sessions model proto serve up down logs ps clean
 
 venv: $(STAMP)
 
@@ -239,6 +239,12 @@ bench-lora: $(STAMP)
 # a cache of one image, the encoder budget against none while decodes run.
 bench-multimodal: $(STAMP)
 	$(PY) bench/multimodal_bench.py
+	$(PY) bench/report.py
+
+# Agent sessions beside other traffic (docs/sessions.md): retention against plain LRU,
+# by replay, on the executor simulator and on the CPU.
+bench-sessions: $(STAMP)
+	$(PY) bench/session_bench.py
 	$(PY) bench/report.py
 
 # The host tier on a multi-turn workload that outgrows the pool (the small model on

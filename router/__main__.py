@@ -8,7 +8,7 @@ import sys
 
 from flagstop import logs
 from flagstop.health import Health
-from flagstop.router.auth import ApiKeyCheck, BearerKey
+from flagstop.router.auth import ApiKeyCheck, ApiKeys
 from flagstop.router.chat import ChatTemplate
 from flagstop.router.engine import RouterEngine
 from flagstop.router.openai.app import HttpServer, create_app
@@ -37,22 +37,18 @@ async def serve(settings: RouterSettings) -> None:
         chat = ChatTemplate(tokenizer, settings.chat_template)
     except (OSError, ValueError) as e:
         raise StartupError(f"cannot load the tokenizer of {settings.model}: {e}") from None
-    key = BearerKey(settings.api_key.get_secret_value()) if settings.api_key else None
+    keys = ApiKeys.from_settings(settings)
     server = new_server(
         settings.port, settings.host, TLSConfig.from_settings(settings),
         require_client_cert=settings.tls_require_client_cert,
         max_receive_bytes=settings.max_request_bytes,
-        interceptors=(ApiKeyCheck(key),) if key else (), reuse_port=settings.reuse_port,
+        interceptors=(ApiKeyCheck(keys),) if keys.required else (), reuse_port=settings.reuse_port,
         kind=settings.grpc_server,
     )  # fmt: skip
     health = Health(server, [SERVICE_NAME])
-    engine = RouterEngine(tokenizer, settings, health, Telemetry("flagstop-router"))
+    engine = RouterEngine(tokenizer, settings, health, Telemetry("flagstop-router"), keys)
     add_to_server(GenerationService(engine), server)
-    http = (
-        HttpServer(create_app(engine, settings, chat, key), settings)
-        if settings.http_port
-        else None
-    )
+    http = HttpServer(create_app(engine, settings, chat), settings) if settings.http_port else None
     start_metrics_server(settings.metrics_port, settings.host)
     freeze_startup_heap()
     await server.start()  # live, not ready until the scheduler has described itself

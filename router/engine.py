@@ -19,6 +19,7 @@ import grpc
 from flagstop.adapters import already_loaded, name_refusal
 from flagstop.health import Health
 from flagstop.router.admission import AdmissionBudget
+from flagstop.router.auth import NO_KEYS, ApiKeys, tenant_salt
 from flagstop.router.detokenizer import StopStringMatcher, new_detokenizer
 from flagstop.router.media.inputs import ImageRef, router_media
 from flagstop.router.media.processor import Processed
@@ -45,9 +46,12 @@ SESSION_HEADER = "x-session-id"  # a session's key (docs/sessions.md)
 
 class RouterEngine:
     def __init__(
-        self, tokenizer, settings: RouterSettings, health: Health, telemetry: Telemetry
-    ) -> None:
+        self, tokenizer, settings: RouterSettings, health: Health, telemetry: Telemetry,
+        keys: ApiKeys = NO_KEYS,
+    ) -> None:  # fmt: skip
+        """keys: the API keys the fronts check; a tenant's binds its requests."""
         self.tokenizer = tokenizer
+        self.keys = keys
         self.tracer = telemetry.tracer
         self.settings = settings
         self.health = health
@@ -155,8 +159,9 @@ class RouterEngine:
             sampling = validate(request, token_ids, limits)
         except RequestRejected as e:
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.param) from None
+        key_tenant = self.keys.tenant_of(metadata)  # a tenant's key binds its requests
         try:
-            objectives = self.objectives.resolve(request, metadata)
+            objectives = self.objectives.resolve(request, metadata, key_tenant)
         except RequestRejected as e:
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.param) from None
         queues = (r.admission for r in self.replicas)
@@ -174,14 +179,18 @@ class RouterEngine:
             request_class=objectives.request_class, slo_ttft_ms=ms_of(objectives.ttft_s),
             slo_tpot_ms=ms_of(objectives.tpot_s),
         )  # fmt: skip
+        if key_tenant:
+            add.labels["tenant"] = key_tenant
         if media is not None:
             add.media.extend(media.media)
             add.media_data.extend(media.media_data)
-        add.cache_salt = request.cache_salt
+        add.cache_salt = (tenant_salt(key_tenant, request.cache_salt) if key_tenant
+                          else request.cache_salt)  # fmt: skip
         clamped = self._retention(request, add)
         if not request.session_id:  # the header says it where the body does not
             request.session_id = next((v for k, v in metadata if k.lower() == SESSION_HEADER
                                        and isinstance(v, str)), "")  # fmt: skip
+        add.session_id = request.session_id
         if request.HasField("max_tokens"):
             add.max_tokens = request.max_tokens
         if request.HasField("num_speculative_tokens"):

@@ -34,12 +34,14 @@ class ObjectiveDefaults:
         self.defaults = {key: target.objectives() for key, target in defaults.items()}
 
     def resolve(
-        self, request: generation_pb2.GenerateRequest, metadata: Iterable[tuple[str, str]]
-    ) -> Objectives:
-        """Raises RequestRejected for a target that is not a positive number."""
+        self, request: generation_pb2.GenerateRequest, metadata: Iterable[tuple[str, str]],
+        key_tenant: str = "",
+    ) -> Objectives:  # fmt: skip
+        """key_tenant: the tenant the request's API key binds, whatever it claims.
+        Raises RequestRejected for a target that is not a positive number."""
         headers = {k.lower(): v for k, v in metadata if isinstance(v, str)}
-        tenant = (request.tenant or headers.get(TENANT_HEADER) or request.labels.get("tenant")
-                  or "")  # fmt: skip
+        tenant = (key_tenant or request.tenant or headers.get(TENANT_HEADER)
+                  or request.labels.get("tenant") or "")  # fmt: skip
         request_class = request.request_class or headers.get(CLASS_HEADER) or ""
         objectives = Objectives(_target(request, "slo_ttft_ms", headers, TTFT_HEADER),
                                 _target(request, "slo_tpot_ms", headers, TPOT_HEADER),

@@ -16,6 +16,7 @@ from pydantic import (
 )
 from pydantic_settings import SettingsConfigDict
 
+from flagstop.router.auth import read_tenant_keys
 from flagstop.router.discovery import parse_targets
 from flagstop.router.objective_defaults import SLOTarget, check_default_keys
 from flagstop.router.routing import Routing
@@ -133,6 +134,11 @@ class RouterSettings(ServiceSettings):
     api_key: SecretStr | None = None
     """require 'authorization: Bearer KEY' (UNAUTHENTICATED otherwise); better set by
     FLAGSTOP_ROUTER_API_KEY than on the command line"""
+    tenant_keys: Path | None = None
+    """a JSON file of tenants' API keys, '{"KEY": "TENANT", ...}', accepted beside
+    --api-key: a key binds its requests to its tenant (their tenant label and
+    objectives, whatever they claim) and to the tenant's own prefix cache, so that
+    two tenants never share a cached block (docs/sessions.md)"""
     tls_require_client_cert: bool = False
     """clients must show a certificate from --tls-ca too"""
     router_id: str = Field(default_factory=lambda: f"router-{uuid.uuid4().hex[:8]}")
@@ -165,6 +171,13 @@ class RouterSettings(ServiceSettings):
     @classmethod
     def _slo_keys(cls, value: dict[str, SLOTarget]) -> dict[str, SLOTarget]:
         return dict(check_default_keys(value))
+
+    @field_validator("tenant_keys")
+    @classmethod
+    def _tenant_keys_readable(cls, value: Path | None) -> Path | None:
+        if value is not None:
+            read_tenant_keys(value)
+        return value
 
     @field_validator("scheduler")
     @classmethod

@@ -60,6 +60,7 @@ def validate(
             value = getattr(request, name)
             raise RequestRejected(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}", name)
     _check_processing(request, limits)
+    _check_salt(request.cache_salt)
     if request.HasField("num_speculative_tokens") and request.num_speculative_tokens < 0:
         raise RequestRejected(
             f"num_speculative_tokens must be >= 0 (0 turns speculation off), got "
@@ -162,3 +163,14 @@ def prompt_ids(request: generation_pb2.GenerateRequest, tokenizer) -> list[int]:
     if request.prompt_token_ids:
         return list(request.prompt_token_ids)
     return tokenizer(request.prompt).input_ids if request.prompt else []
+
+
+MAX_SALT_CHARS = 256
+
+
+def _check_salt(cache_salt: str) -> None:
+    """A cache salt is printable (a tenant's key salts with a control character:
+    router/auth.py) and short (it is hashed into every block's key)."""
+    if len(cache_salt) > MAX_SALT_CHARS or not cache_salt.isprintable():
+        raise RequestRejected(f"cache_salt must be printable and at most {MAX_SALT_CHARS} "
+                              f"characters, got {cache_salt[:40]!r}", "cache_salt")  # fmt: skip

@@ -66,6 +66,7 @@ def request_from_proto(
         media_data=add.media_data,
         retention=retention_from_proto(add),
         cache_salt=add.cache_salt,
+        session_id=add.session_id,
     )  # fmt: skip
 
 

@@ -5,7 +5,7 @@ the view, runs a core policy, and answers."""
 
 from flagstop.scheduler_svc.core.decision import UNLIMITED, PolicyView, StepDecision
 from flagstop.scheduler_svc.core.objectives import Objectives, ms_of, seconds_of
-from flagstop.scheduler_svc.core.request import Request, StopParams
+from flagstop.scheduler_svc.core.request import ALL_TOKENS, Request, Retention, StopParams
 from flagstop.scheduler_svc.core.step_cost import StepCostModel
 from flagstop.v1 import policy_pb2
 
@@ -21,7 +21,23 @@ def describe(request: Request, out: policy_pb2.PolicyRequest) -> policy_pb2.Poli
     objectives = request.objectives
     out.slo_ttft_ms, out.slo_tpot_ms = ms_of(objectives.ttft_s), ms_of(objectives.tpot_s)
     out.tenant, out.request_class = objectives.tenant, objectives.request_class
+    out.session_id = request.session_id
+    if (retention := request.retention) is not None:
+        retention_to_proto(retention, out.retention)
     return out
+
+
+def retention_to_proto(retention: Retention | None, out: policy_pb2.PolicyRetention) -> None:
+    """None: priority 0; every block it cached: num_tokens 0."""
+    if retention is not None:
+        out.priority, out.ttl_s = retention.priority, retention.ttl_s
+        out.num_tokens = 0 if retention.num_tokens >= ALL_TOKENS else retention.num_tokens
+
+
+def retention_from_proto(entry: policy_pb2.PolicyRetention) -> Retention | None:
+    if entry.priority <= 0:
+        return None
+    return Retention(entry.priority, entry.ttl_s, entry.num_tokens or ALL_TOKENS)
 
 
 def describe_cost(cost: StepCostModel, out: policy_pb2.StepCost) -> None:
@@ -31,9 +47,10 @@ def describe_cost(cost: StepCostModel, out: policy_pb2.StepCost) -> None:
 
 def decision_from_proto(decision: policy_pb2.PolicyDecision) -> StepDecision:
     budget = decision.prefill_budget if decision.HasField("prefill_budget") else UNLIMITED
+    retain = {k: retention_from_proto(v) for k, v in decision.retain.items()}
     return StepDecision(list(decision.admission_order), dict(decision.shed),
                         frozenset(decision.defer), budget, dict(decision.chunk_caps),
-                        frozenset(decision.hold))  # fmt: skip
+                        frozenset(decision.hold), retain)  # fmt: skip
 
 
 def check(decision: policy_pb2.PolicyDecision, query: policy_pb2.PolicyQuery) -> str:
@@ -51,6 +68,11 @@ def check(decision: policy_pb2.PolicyDecision, query: policy_pb2.PolicyQuery) ->
         return "nonsense"
     caps = decision.chunk_caps
     if not caps.keys() <= waiting | running or any(v < 0 for v in caps.values()):
+        return "nonsense"
+    retain = decision.retain
+    if not retain.keys() <= waiting | running or any(
+        not 0 <= r.priority <= 100 or not r.ttl_s >= 0 or r.num_tokens < 0 for r in retain.values()
+    ):
         return "nonsense"
     return "nonsense" if decision.prefill_budget < 0 else ""
 
@@ -70,6 +92,8 @@ def request_from_proto(entry: policy_pb2.PolicyRequest) -> Request:
     request.all_token_ids += [0] * entry.output_tokens
     request.num_computed_tokens = entry.computed_tokens
     request.first_token_time = entry.first_token_time
+    request.session_id = entry.session_id
+    request.retention = retention_from_proto(entry.retention)
     return request
 
 
@@ -95,4 +119,6 @@ def decision_to_proto(
                                     hold=sorted(decision.hold))  # fmt: skip
     if decision.prefill_budget != UNLIMITED:
         out.prefill_budget = decision.prefill_budget
+    for request_id, retention in decision.retain.items():
+        retention_to_proto(retention, out.retain[request_id])
     return out

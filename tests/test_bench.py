@@ -1,5 +1,6 @@
 """The benchmark tools' own arithmetic: arrivals, percentiles, slot charts, the charts."""
 
+import itertools
 import math
 import statistics
 from types import SimpleNamespace
@@ -97,3 +98,24 @@ def test_a_row_is_slower_or_faster_only_when_every_round_agrees():
     assert summarize(row([2.0, 2.0, 2.0], [1.9, 2.2, 1.99]))["verdict"] == "even"
     fast = summarize(row([1.0, 1.0, 2.0], [2.0, 3.0, 2.2]))
     assert fast["verdict"] == "faster" and fast["speedup"] == 2.0 and fast["low"] == 1.1
+
+
+def test_the_agent_workload_grows_each_session_within_its_ranges():
+    from bench.session_bench import GAP_MEDIAN_S, SHAPES, agent_sessions
+
+    shape = SHAPES["replay"]
+    turns = agent_sessions(shape)
+    assert turns == agent_sessions(shape) and turns != agent_sessions(shape, seed=1)
+    sessions: dict[str, list] = {}
+    for r in turns:
+        sessions.setdefault(r.session, []).append(r)
+    assert len(sessions) == shape.sessions
+    for session in sessions.values():
+        assert 10 <= len(session) <= 50 and session[0].after_s is None
+        for before, after in itertools.pairwise(session):
+            # The turn before, its answer and a new tool result: a longer prefix.
+            assert after.prompt_tokens > before.prompt_tokens + before.output_tokens
+            assert after.block_hashes[: len(before.block_hashes)] == before.block_hashes
+    gaps = sorted(r.after_s for r in turns if r.after_s is not None)
+    assert statistics.median(gaps) == pytest.approx(GAP_MEDIAN_S, rel=0.2)
+    assert gaps[-1] > 10 * GAP_MEDIAN_S  # a heavy tail: some tool calls take minutes

@@ -1,6 +1,7 @@
 """flagstop-replay: traces in each format load, a replay is deterministic, and the
 report counts what happened (in-process, on a virtual clock)."""
 
+import itertools
 import json
 import random
 
@@ -142,3 +143,61 @@ def test_a_replay_calibrated_on_a_stack_predicts_it(tmp_path, model_dir, capsys)
     assert calibrated["requests"] == len(trace)
     assert within_tolerance(calibrated, real), (calibrated, real)
     assert not within_tolerance(predicted(), real), "the defaults predict it too: no test"
+
+
+def session_trace(ttl_s: float | None) -> list[TraceRequest]:
+    """Four turns of one session, closed loop 2 s apart, each resending the last
+    (equal block ids), beside filler that cycles an 8k-token pool every second."""
+    from flagstop.scheduler_svc.core.request import Retention
+
+    retention = Retention(50, ttl_s) if ttl_s is not None else None
+    turns = [TraceRequest(0.0, 512 * (k + 2), 4, tuple(range(1, k + 3)), session="s",
+                          retention=retention, after_s=None if k == 0 else 2.0)
+             for k in range(4)]  # fmt: skip
+    filler = [TraceRequest(0.1 * i, 2048, 4) for i in range(120)]
+    return turns + filler
+
+
+def session_share(ttl_s: float | None, retention_share: float = 0.5) -> dict:
+    config = replay_config("fcfs", retention_share=retention_share)
+    return report(Replay(session_trace(ttl_s), config, num_blocks=512).run())
+
+
+def test_a_retained_session_hits_through_filler_and_plain_lru_does_not():
+    retained, lru = session_share(300.0), session_share(300.0, retention_share=0.0)
+    # Turns 2-4 find the turn before cached: 1024 + 1536 + 2048 of 7168 prompt tokens.
+    assert retained["session_cached_share"] >= 0.6 and retained["retention_hits"] > 0
+    assert lru["session_cached_share"] < 0.1 and lru["retention_hits"] == 0
+    assert retained["prefill_tokens"] < lru["prefill_tokens"]
+
+
+def test_a_retention_shorter_than_the_gap_runs_out_on_the_virtual_clock():
+    assert session_share(1.0)["session_cached_share"] < 0.1
+    assert session_share(3.0)["session_cached_share"] >= 0.6
+
+
+def test_a_sessions_later_turn_arrives_its_gap_after_the_turn_before_ended():
+    run = Replay(session_trace(300.0), replay_config("fcfs"), num_blocks=512).run()
+    turns = [run.served[f"r{k}"] for k in range(4)]
+    for before, after in itertools.pairwise(turns):
+        assert after.arrival_s == pytest.approx(before.end_s + 2.0)
+
+
+def test_a_recorded_session_and_retention_load_for_the_replay(tmp_path):
+    from flagstop.router.recorder import _session
+    from flagstop.v1 import generation_pb2, scheduler_pb2
+
+    retention = generation_pb2.Retention(priority=50, ttl_s=600)
+    add = scheduler_pb2.AddRequest(session_id="agent-1", retention=retention)
+    record = tmp_path / "record.jsonl"
+    entry = {"arrival_s": 1.0, "prompt_tokens": 40, "output_tokens": 2, **_session(add)}
+    record.write_text(json.dumps(entry) + "\n")
+    [r] = load_trace(record)
+    assert r.session == "agent-1" and (r.retention.priority, r.retention.ttl_s) == (50, 600)
+
+
+def test_the_slo_policy_retains_a_sessions_turns_without_an_ask():
+    config = replay_config("slo", no_shed=True)
+    run = report(Replay(session_trace(None), config, num_blocks=512).run())
+    assert run["session_cached_share"] >= 0.6 and run["retention_hits"] > 0
+    assert session_share(None)["session_cached_share"] < 0.1  # fcfs keeps nothing unasked

@@ -208,3 +208,27 @@ def test_fuzzed_requests_get_a_valid_status_and_leave_the_stack_healthy_and_idle
         scheduler_pb2.GetStatsRequest(), timeout=5
     )
     assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_tenant_keys_bind_their_tenant_and_the_operators_key_binds_none():
+    from flagstop.router.auth import NO_KEYS, ApiKeys
+
+    keys = ApiKeys("operator", {"sk-acme": "acme", "sk-globex": "globex"})
+    assert keys.required and not NO_KEYS.required and NO_KEYS.matches(None)
+    assert keys.matches("Bearer sk-acme") and keys.matches(b"Bearer operator")
+    assert not keys.matches("Bearer sk-acm") and not keys.matches(None)
+    assert keys.tenant_of([("authorization", "Bearer sk-acme")]) == "acme"
+    assert keys.tenant_of([("x-api-key", "sk-globex")]) == "globex"  # Anthropic's header
+    assert keys.tenant_of([("Authorization", "Bearer operator")]) == ""
+    assert keys.tenant_of([]) == "" and NO_KEYS.tenant_of([("x-api-key", "sk-acme")]) == ""
+
+
+printable = st.text(st.characters(codec="utf-8").filter(str.isprintable), max_size=12)
+
+
+@given(printable.filter(bool), printable.filter(bool), printable, printable)
+def test_no_salt_a_client_sends_is_a_tenants_and_tenants_never_share_one(t1, t2, s1, s2):
+    from flagstop.router.auth import tenant_salt
+
+    assert not tenant_salt(t1, s1).isprintable()  # a client's salt must be printable
+    assert (tenant_salt(t1, s1) == tenant_salt(t2, s2)) == (t1 == t2 and s1 == s2)

@@ -77,22 +77,29 @@ def test_tenants_under_different_salts_never_share_blocks(client):
 
 
 def test_anthropic_cache_control_keeps_the_marked_prefix(stack, client):
-    system = "You are a careful assistant. " * 12
-    body = {"model": MODEL, "max_tokens": 2, "temperature": 0,
-            "system": [{"type": "text", "text": system,
-                        "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
-            "messages": [{"role": "user", "content": "Hello there"}]}  # fmt: skip
-    first = httpx.post(f"{stack.base_url}/messages", json=body, timeout=60).json()
-    assert "usage" in first, first
+    """Through the anthropic SDK: the marked system prompt is created, then read back
+    after filler, in Anthropic's usage fields."""
+    import anthropic
+
+    claude = anthropic.Anthropic(base_url=stack.base_url.removesuffix("/v1"), api_key="none",
+                                 max_retries=0, timeout=60)  # fmt: skip
+    system = [{"type": "text", "text": "You are a careful assistant. " * 12,
+               "cache_control": {"type": "ephemeral", "ttl": "1h"}}]  # fmt: skip
+
+    def ask(text: str):
+        messages = [{"role": "user", "content": text}]
+        return claude.messages.create(model=MODEL, max_tokens=2, system=system,
+                                      messages=messages).usage  # fmt: skip
+
+    first = ask("Hello there")
     flush(client, 6)
-    body["messages"] = [{"role": "user", "content": "Another question entirely"}]
-    again = httpx.post(f"{stack.base_url}/messages", json=body, timeout=60).json()
-    assert first["usage"]["cache_read_input_tokens"] == 0
-    created = first["usage"]["cache_creation_input_tokens"]
-    assert 16 * 5 < created < first["usage"]["input_tokens"] + created  # the system prompt
-    read = again["usage"]["cache_read_input_tokens"]
+    again = ask("Another question entirely")
+    assert first.cache_read_input_tokens == 0
+    created = first.cache_creation_input_tokens
+    assert 16 * 5 < created < first.input_tokens + created  # the system prompt
+    read = again.cache_read_input_tokens
     assert read >= created // 16 * 16 - 16  # its blocks, kept through the filler
-    assert again["usage"]["cache_creation_input_tokens"] == max(0, created - read)
+    assert again.cache_creation_input_tokens == max(0, created - read)
 
 
 def test_grpc_retention_and_the_accounting(stack, client):
@@ -188,3 +195,34 @@ def test_a_short_retention_expires_and_a_long_one_holds(stack, client):
     assert stack.stats().retention_expiries > before
     assert generate(stack, prompt_token_ids=[*brief, 5], max_tokens=1)[2].usage.cached_tokens == 0
     assert generate(stack, prompt_token_ids=[*long, 5], max_tokens=1)[2].usage.cached_tokens >= 112
+
+
+def test_tenant_keys_bind_a_cache_and_the_retention_bound_holds(model_dir, tmp_path):
+    """Under --tenant-keys each tenant's key salts its requests: the same prompt under
+    two tenants' keys never hits, whatever cache_salt a client claims, and under its
+    own key always does. A tenant that marks every request retained (priority 100, an
+    hour) never holds more than --retention-share of the pool, and every request of
+    the others is still served."""
+    keys = tmp_path / "keys.json"
+    keys.write_text('{"key-acme": "acme", "key-globex": "globex"}')
+    stack = start_stack(model_dir, tmp_path, executor_args=["--num-blocks", "40"],
+                        router_args=["--tenant-keys", str(keys)])  # fmt: skip
+    try:
+        acme, globex = (openai.OpenAI(base_url=stack.base_url, api_key=key, max_retries=0,
+                                      timeout=60)
+                        for key in ("key-acme", "key-globex"))  # fmt: skip
+        prompt = tokens(21, 100)
+        cached(acme, prompt)
+        assert cached(globex, [*prompt, 9]) == 0
+        assert cached(globex, [*prompt, 9], cache_salt="acme") == 0  # no salt crosses a key
+        assert cached(acme, [*prompt, 9]) >= 96
+        with pytest.raises(openai.AuthenticationError):
+            cached(openai.OpenAI(base_url=stack.base_url, api_key="key-initech",
+                                 max_retries=0), prompt)  # fmt: skip
+        for i in range(8):  # 8 x 10 blocks retained against a bound of 20
+            cached(acme, tokens(30 + i, 160), prompt_cache_retention="24h")
+            assert stack.stats().num_retained_blocks <= 20
+        flush(globex, 31)  # the other tenant's traffic still turns the rest over
+        assert stack.wait_idle().num_retained_blocks <= 20
+    finally:
+        assert set(stack.stop().values()) == {0}

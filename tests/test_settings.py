@@ -184,3 +184,23 @@ def test_the_source_named_is_the_one_whose_value_won(tmp_path, monkeypatch):
     monkeypatch.setenv("FLAGSTOP_SCHEDULER_MAX_NUM_SEQS", "0")
     with pytest.raises(SettingsInvalid, match=r"^FLAGSTOP_SCHEDULER_MAX_NUM_SEQS=0: "):
         SchedulerSettings.load(["--config", str(tmp_path / "s.yaml")])
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (None, "cannot read .* as JSON"),
+        ('["sk-1"]', 'must hold a JSON object {"KEY": "TENANT", ...}'),
+        ('{"sk-1": ""}', "each key must be non-empty and name a tenant"),
+        ('{"sk-1": "a\\u001fb"}', "each key must be non-empty and name a tenant"),
+    ],
+)
+def test_a_bad_tenant_keys_file_is_named_in_one_line(tmp_path, text, expected):
+    keys = tmp_path / "keys.json"
+    if text is not None:
+        keys.write_text(text)
+    with pytest.raises(SettingsInvalid, match=f"--tenant-keys .*{expected}") as refused:
+        RouterSettings.load(["--tenant-keys", str(keys)])
+    assert "\n" not in str(refused.value)
+    keys.write_text('{"sk-1": "acme"}')
+    assert RouterSettings.load(["--tenant-keys", str(keys)]).tenant_keys == keys

@@ -15,7 +15,13 @@ from flagstop.scheduler_svc.core.decision import NO_DECISION, PolicyView, StepDe
 from flagstop.scheduler_svc.core.objectives import NO_OBJECTIVES, Objectives, ms_of, seconds_of
 from flagstop.scheduler_svc.core.output import StepOutcome
 from flagstop.scheduler_svc.core.policy import FCFSPolicy, make_policy
-from flagstop.scheduler_svc.core.request import FINISH_REASON, Request, StopParams
+from flagstop.scheduler_svc.core.request import (
+    ALL_TOKENS,
+    FINISH_REASON,
+    Request,
+    Retention,
+    StopParams,
+)
 from flagstop.scheduler_svc.core.scheduler import Scheduler
 from flagstop.scheduler_svc.core.step_cost import StepCostModel
 from flagstop.v1 import generation_pb2, scheduler_pb2
@@ -467,3 +473,80 @@ def test_objectives_are_seconds_inside_and_milliseconds_on_the_wire():
     assert resolved == Objectives(0.3, 0.05, "", "chat")
     assert resolved.attained(0.29, 0.06) == "missed_tpot"
     assert NO_OBJECTIVES.attained(9.0, 9.0) == "no_target"
+
+
+def finish_all(scheduler: Scheduler, clock: Clock) -> None:
+    for _ in range(200):
+        if not scheduler.has_unfinished_requests():
+            return
+        advance(scheduler, clock, scheduler.schedule())
+    raise AssertionError("requests left unfinished")
+
+
+def test_slo_and_fair_retain_a_sessions_turn_and_not_a_batch_jobs_prefix():
+    """A session's turn keeps every block it cached (its next turn resends prompt and
+    output); a batch request's retention is dropped whatever it asked; a request of
+    neither keeps what it asked (here none)."""
+    for name in ("slo", "fair"):
+        scheduler, clock = engine(make_policy(name))
+        turn, batch, plain = request("turn", 64, 20), request("batch", 64, 4,
+                                     request_class="batch"), request("plain", 64, 4)  # fmt: skip
+        turn.session_id = "agent-1"
+        batch.retention = Retention(80, 600.0, 64)
+        for r in (turn, batch, plain):
+            scheduler.add_request(r)
+        finish_all(scheduler, clock)
+        # The turn's 84 tokens fill 5 blocks, output included; nothing of the others.
+        assert scheduler.kv.pool.retained.num_free_blocks == 5, name
+        check_idle(scheduler)
+
+
+def test_fair_retains_a_lighter_tenants_sessions_at_a_lower_priority():
+    scheduler, _ = engine(make_policy("fair", weights={"gold": 4.0, "free": 1.0}))
+    for tenant in ("gold", "free"):
+        r = request(tenant, 32, 2, tenant=tenant)
+        r.session_id = f"agent-{tenant}"
+        scheduler.add_request(r)
+    decision = scheduler.policy_step.policy.decide(scheduler._policy_view())
+    assert {rid: r.priority for rid, r in decision.retain.items()} == {"gold": 50, "free": 12}
+
+
+def test_a_policys_retention_is_cut_to_the_operators_bound_and_counted_when_unknown():
+    class Retains(FCFSPolicy):
+        def decide(self, view: PolicyView) -> StepDecision:
+            retain = {r.request_id: Retention(100, 7200.0, ALL_TOKENS) for r in view.waiting}
+            return StepDecision(retain={**retain, "nobody": None})
+
+    scheduler, _ = engine(Retains(), max_retention_s=60.0)
+    scheduler.add_request(request("a", 32, 2))
+    scheduler.schedule()
+    assert scheduler.requests["a"].retention == Retention(100, 60.0, ALL_TOKENS)
+    assert scheduler.policy_step.num_ignored_decisions == 1
+    scheduler, _ = engine(Retains(), retention_share=0.0)  # retention off: none at all
+    scheduler.add_request(request("a", 32, 2))
+    scheduler.schedule()
+    assert scheduler.requests["a"].retention is None
+
+
+def test_retention_crosses_the_policy_wire_and_nonsense_is_refused():
+    from flagstop.scheduler_svc.policy_wire import (
+        check,
+        decision_from_proto,
+        decision_to_proto,
+        describe,
+        request_from_proto,
+    )
+    from flagstop.v1 import policy_pb2
+
+    turn = request("a", 32, 2)
+    turn.session_id, turn.retention = "agent-1", Retention(30, 60.0, ALL_TOKENS)
+    seen = request_from_proto(describe(turn, policy_pb2.PolicyRequest()))
+    assert (seen.session_id, seen.retention) == ("agent-1", turn.retention)
+    query = policy_pb2.PolicyQuery(waiting=[policy_pb2.PolicyRequest(request_id="a")])
+    decision = StepDecision(retain={"a": Retention(70, 300.0, 48)})
+    wire = decision_to_proto(decision, [])
+    assert check(wire, query) == "" and decision_from_proto(wire).retain == decision.retain
+    wire = decision_to_proto(StepDecision(retain={"a": None}), [])
+    assert decision_from_proto(wire).retain == {"a": None}
+    for bad in ({"a": Retention(101, 1.0)}, {"a": Retention(5, -1.0)}, {"b": None}):
+        assert check(decision_to_proto(StepDecision(retain=bad), []), query) == "nonsense"

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66lagstop/v1/policy.proto\x12\x0b\x66lagstop.v1\"\x93\x03\n\rPolicyRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\x12\x10\n\x08priority\x18\x03 \x01(\x05\x12\x14\n\x0c\x61rrival_time\x18\x04 \x01(\x01\x12\x36\n\x06labels\x18\x05 \x03(\x0b\x32&.flagstop.v1.PolicyRequest.LabelsEntry\x12\x19\n\x11prefix_hit_blocks\x18\x06 \x01(\x05\x12\x17\n\x0f\x63omputed_tokens\x18\x07 \x01(\x05\x12\x15\n\routput_tokens\x18\x08 \x01(\x05\x12\x12\n\nmax_tokens\x18\t \x01(\x05\x12\x18\n\x10\x66irst_token_time\x18\n \x01(\x01\x12\x13\n\x0bslo_ttft_ms\x18\x0b \x01(\x01\x12\x13\n\x0bslo_tpot_ms\x18\x0c \x01(\x01\x12\x0e\n\x06tenant\x18\r \x01(\t\x12\x15\n\rrequest_class\x18\x0e \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"L\n\x08StepCost\x12\x0e\n\x06\x62\x61se_s\x18\x01 \x01(\x01\x12\x13\n\x0bs_per_token\x18\x02 \x01(\x01\x12\x1b\n\x13s_per_context_token\x18\x03 \x01(\x01\"\xa3\x02\n\x0bPolicyQuery\x12\x10\n\x08query_id\x18\x01 \x01(\x04\x12+\n\x07waiting\x18\x02 \x03(\x0b\x32\x1a.flagstop.v1.PolicyRequest\x12+\n\x07running\x18\x03 \x03(\x0b\x32\x1a.flagstop.v1.PolicyRequest\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x05 \x01(\x05\x12\x0b\n\x03now\x18\x06 \x01(\x01\x12\x14\n\x0ctoken_budget\x18\x07 \x01(\x05\x12\x12\n\nblock_size\x18\x08 \x01(\x05\x12(\n\tstep_cost\x18\t \x01(\x0b\x32\x15.flagstop.v1.StepCost\x12\x14\n\x0cmax_num_seqs\x18\n \x01(\x05\"\xe4\x02\n\x0ePolicyDecision\x12\x17\n\x0f\x61\x64mission_order\x18\x01 \x03(\t\x12\x18\n\x10preemption_order\x18\x02 \x03(\t\x12\x33\n\x04shed\x18\x03 \x03(\x0b\x32%.flagstop.v1.PolicyDecision.ShedEntry\x12\r\n\x05\x64\x65\x66\x65r\x18\x04 \x03(\t\x12\x1b\n\x0eprefill_budget\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12>\n\nchunk_caps\x18\x06 \x03(\x0b\x32*.flagstop.v1.PolicyDecision.ChunkCapsEntry\x12\x0c\n\x04hold\x18\x07 \x03(\t\x1a+\n\tShedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x30\n\x0e\x43hunkCapsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\x42\x11\n\x0f_prefill_budget2P\n\x0fSchedulerPolicy\x12=\n\x04Rank\x12\x18.flagstop.v1.PolicyQuery\x1a\x1b.flagstop.v1.PolicyDecisionb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66lagstop/v1/policy.proto\x12\x0b\x66lagstop.v1\"\xd8\x03\n\rPolicyRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\x12\x10\n\x08priority\x18\x03 \x01(\x05\x12\x14\n\x0c\x61rrival_time\x18\x04 \x01(\x01\x12\x36\n\x06labels\x18\x05 \x03(\x0b\x32&.flagstop.v1.PolicyRequest.LabelsEntry\x12\x19\n\x11prefix_hit_blocks\x18\x06 \x01(\x05\x12\x17\n\x0f\x63omputed_tokens\x18\x07 \x01(\x05\x12\x15\n\routput_tokens\x18\x08 \x01(\x05\x12\x12\n\nmax_tokens\x18\t \x01(\x05\x12\x18\n\x10\x66irst_token_time\x18\n \x01(\x01\x12\x13\n\x0bslo_ttft_ms\x18\x0b \x01(\x01\x12\x13\n\x0bslo_tpot_ms\x18\x0c \x01(\x01\x12\x0e\n\x06tenant\x18\r \x01(\t\x12\x15\n\rrequest_class\x18\x0e \x01(\t\x12\x12\n\nsession_id\x18\x0f \x01(\t\x12/\n\tretention\x18\x10 \x01(\x0b\x32\x1c.flagstop.v1.PolicyRetention\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"F\n\x0fPolicyRetention\x12\x10\n\x08priority\x18\x01 \x01(\x05\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\x12\x12\n\nnum_tokens\x18\x03 \x01(\x05\"L\n\x08StepCost\x12\x0e\n\x06\x62\x61se_s\x18\x01 \x01(\x01\x12\x13\n\x0bs_per_token\x18\x02 \x01(\x01\x12\x1b\n\x13s_per_context_token\x18\x03 \x01(\x01\"\xa3\x02\n\x0bPolicyQuery\x12\x10\n\x08query_id\x18\x01 \x01(\x04\x12+\n\x07waiting\x18\x02 \x03(\x0b\x32\x1a.flagstop.v1.PolicyRequest\x12+\n\x07running\x18\x03 \x03(\x0b\x32\x1a.flagstop.v1.PolicyRequest\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x05 \x01(\x05\x12\x0b\n\x03now\x18\x06 \x01(\x01\x12\x14\n\x0ctoken_budget\x18\x07 \x01(\x05\x12\x12\n\nblock_size\x18\x08 \x01(\x05\x12(\n\tstep_cost\x18\t \x01(\x0b\x32\x15.flagstop.v1.StepCost\x12\x14\n\x0cmax_num_seqs\x18\n \x01(\x05\"\xea\x03\n\x0ePolicyDecision\x12\x17\n\x0f\x61\x64mission_order\x18\x01 \x03(\t\x12\x18\n\x10preemption_order\x18\x02 \x03(\t\x12\x33\n\x04shed\x18\x03 \x03(\x0b\x32%.flagstop.v1.PolicyDecision.ShedEntry\x12\r\n\x05\x64\x65\x66\x65r\x18\x04 \x03(\t\x12\x1b\n\x0eprefill_budget\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12>\n\nchunk_caps\x18\x06 \x03(\x0b\x32*.flagstop.v1.PolicyDecision.ChunkCapsEntry\x12\x0c\n\x04hold\x18\x07 \x03(\t\x12\x37\n\x06retain\x18\x08 \x03(\x0b\x32\'.flagstop.v1.PolicyDecision.RetainEntry\x1a+\n\tShedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x30\n\x0e\x43hunkCapsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\x1aK\n\x0bRetainEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12+\n\x05value\x18\x02 \x01(\x0b\x32\x1c.flagstop.v1.PolicyRetention:\x02\x38\x01\x42\x11\n\x0f_prefill_budget2P\n\x0fSchedulerPolicy\x12=\n\x04Rank\x12\x18.flagstop.v1.PolicyQuery\x1a\x1b.flagstop.v1.PolicyDecisionb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,20 +37,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_POLICYDECISION_SHEDENTRY']._serialized_options = b'8\001'
   _globals['_POLICYDECISION_CHUNKCAPSENTRY']._loaded_options = None
   _globals['_POLICYDECISION_CHUNKCAPSENTRY']._serialized_options = b'8\001'
+  _globals['_POLICYDECISION_RETAINENTRY']._loaded_options = None
+  _globals['_POLICYDECISION_RETAINENTRY']._serialized_options = b'8\001'
   _globals['_POLICYREQUEST']._serialized_start=42
-  _globals['_POLICYREQUEST']._serialized_end=445
-  _globals['_POLICYREQUEST_LABELSENTRY']._serialized_start=400
-  _globals['_POLICYREQUEST_LABELSENTRY']._serialized_end=445
-  _globals['_STEPCOST']._serialized_start=447
-  _globals['_STEPCOST']._serialized_end=523
-  _globals['_POLICYQUERY']._serialized_start=526
-  _globals['_POLICYQUERY']._serialized_end=817
-  _globals['_POLICYDECISION']._serialized_start=820
-  _globals['_POLICYDECISION']._serialized_end=1176
-  _globals['_POLICYDECISION_SHEDENTRY']._serialized_start=1064
-  _globals['_POLICYDECISION_SHEDENTRY']._serialized_end=1107
-  _globals['_POLICYDECISION_CHUNKCAPSENTRY']._serialized_start=1109
-  _globals['_POLICYDECISION_CHUNKCAPSENTRY']._serialized_end=1157
-  _globals['_SCHEDULERPOLICY']._serialized_start=1178
-  _globals['_SCHEDULERPOLICY']._serialized_end=1258
+  _globals['_POLICYREQUEST']._serialized_end=514
+  _globals['_POLICYREQUEST_LABELSENTRY']._serialized_start=469
+  _globals['_POLICYREQUEST_LABELSENTRY']._serialized_end=514
+  _globals['_POLICYRETENTION']._serialized_start=516
+  _globals['_POLICYRETENTION']._serialized_end=586
+  _globals['_STEPCOST']._serialized_start=588
+  _globals['_STEPCOST']._serialized_end=664
+  _globals['_POLICYQUERY']._serialized_start=667
+  _globals['_POLICYQUERY']._serialized_end=958
+  _globals['_POLICYDECISION']._serialized_start=961
+  _globals['_POLICYDECISION']._serialized_end=1451
+  _globals['_POLICYDECISION_SHEDENTRY']._serialized_start=1262
+  _globals['_POLICYDECISION_SHEDENTRY']._serialized_end=1305
+  _globals['_POLICYDECISION_CHUNKCAPSENTRY']._serialized_start=1307
+  _globals['_POLICYDECISION_CHUNKCAPSENTRY']._serialized_end=1355
+  _globals['_POLICYDECISION_RETAINENTRY']._serialized_start=1357
+  _globals['_POLICYDECISION_RETAINENTRY']._serialized_end=1432
+  _globals['_SCHEDULERPOLICY']._serialized_start=1453
+  _globals['_SCHEDULERPOLICY']._serialized_end=1533
 # @@protoc_insertion_point(module_scope)

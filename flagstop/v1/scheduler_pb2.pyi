@@ -35,7 +35,7 @@ class DescribeSchedulerResponse(_message.Message):
     def __init__(self, model: _Optional[_Union[_generation_pb2.ModelInfo, _Mapping]] = ...) -> None: ...
 
 class AddRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "max_tokens", "min_tokens", "ignore_eos", "stop_token_ids", "priority", "arrival_time", "traceparent", "labels", "num_speculative_tokens", "lora_name", "kv_transfer", "lora_id", "slo_ttft_ms", "slo_tpot_ms", "tenant", "request_class", "media", "media_data", "retention", "cache_salt")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "max_tokens", "min_tokens", "ignore_eos", "stop_token_ids", "priority", "arrival_time", "traceparent", "labels", "num_speculative_tokens", "lora_name", "kv_transfer", "lora_id", "slo_ttft_ms", "slo_tpot_ms", "tenant", "request_class", "media", "media_data", "retention", "cache_salt", "session_id")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class AddRequest(_message.Message):
     MEDIA_DATA_FIELD_NUMBER: _ClassVar[int]
     RETENTION_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _executor_pb2.SamplingParams
@@ -89,7 +90,8 @@ class AddRequest(_message.Message):
     media_data: _containers.RepeatedCompositeFieldContainer[_generation_pb2.MediaData]
     retention: _generation_pb2.Retention
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_executor_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., arrival_time: _Optional[float] = ..., traceparent: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., num_speculative_tokens: _Optional[int] = ..., lora_name: _Optional[str] = ..., kv_transfer: _Optional[_Union[KVTransferParams, _Mapping]] = ..., lora_id: _Optional[str] = ..., slo_ttft_ms: _Optional[float] = ..., slo_tpot_ms: _Optional[float] = ..., tenant: _Optional[str] = ..., request_class: _Optional[str] = ..., media: _Optional[_Iterable[_Union[_generation_pb2.MediaPlaceholder, _Mapping]]] = ..., media_data: _Optional[_Iterable[_Union[_generation_pb2.MediaData, _Mapping]]] = ..., retention: _Optional[_Union[_generation_pb2.Retention, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    session_id: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_executor_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., arrival_time: _Optional[float] = ..., traceparent: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., num_speculative_tokens: _Optional[int] = ..., lora_name: _Optional[str] = ..., kv_transfer: _Optional[_Union[KVTransferParams, _Mapping]] = ..., lora_id: _Optional[str] = ..., slo_ttft_ms: _Optional[float] = ..., slo_tpot_ms: _Optional[float] = ..., tenant: _Optional[str] = ..., request_class: _Optional[str] = ..., media: _Optional[_Iterable[_Union[_generation_pb2.MediaPlaceholder, _Mapping]]] = ..., media_data: _Optional[_Iterable[_Union[_generation_pb2.MediaData, _Mapping]]] = ..., retention: _Optional[_Union[_generation_pb2.Retention, _Mapping]] = ..., cache_salt: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class KVTransferParams(_message.Message):
     __slots__ = ("do_remote_decode", "remote_endpoint", "remote_engine_id", "transfer_id", "remote_block_ids", "num_remote_tokens")

@@ -10,7 +10,6 @@ import ssl
 import uvicorn
 from fastapi import FastAPI
 
-from flagstop.router.auth import BearerKey
 from flagstop.router.chat import ChatTemplate
 from flagstop.router.engine import RouterEngine
 from flagstop.router.openai import completions, messages, models, ops, responses, tokenize
@@ -22,12 +21,10 @@ from flagstop.server import StartupError
 from flagstop.telemetry import metrics_registry
 
 
-def create_app(
-    engine: RouterEngine, settings: RouterSettings, chat: ChatTemplate, key: BearerKey | None
-) -> FastAPI:
-    """key: the API key both fronts check (None: none is asked)."""
+def create_app(engine: RouterEngine, settings: RouterSettings, chat: ChatTemplate) -> FastAPI:
+    """Both fronts check the engine's API keys (router/auth.py)."""
     app = FastAPI(title="flagstop", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.front = OpenAIFront(engine, chat, settings, key)
+    app.state.front = OpenAIFront(engine, chat, settings)
     app.state.registry = metrics_registry()
     app.state.engine_registry = engine_registry(engine)
     add_error_handlers(app)

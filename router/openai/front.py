@@ -13,7 +13,7 @@ import orjson
 from fastapi import Depends, Request
 from fastapi.responses import Response, StreamingResponse
 
-from flagstop.router.auth import REFUSAL, BearerKey
+from flagstop.router.auth import REFUSAL
 from flagstop.router.chat import ChatTemplate
 from flagstop.router.engine import RouterEngine
 from flagstop.router.openai.bodies import Choice, ResponseBuilder, TokenTexts
@@ -52,11 +52,8 @@ def cache_ttl_header(pendings: list[Pending]) -> dict[str, str]:
 class OpenAIFront:
     """The routes' logic: requests to GenerateRequests, chunks to the API's shapes."""
 
-    def __init__(
-        self, engine: RouterEngine, chat: ChatTemplate, settings: RouterSettings,
-        key: BearerKey | None,
-    ) -> None:  # fmt: skip
-        self.engine, self.chat, self.settings, self.key = engine, chat, settings, key
+    def __init__(self, engine: RouterEngine, chat: ChatTemplate, settings: RouterSettings) -> None:
+        self.engine, self.chat, self.settings = engine, chat, settings
         self.texts = TokenTexts(engine.tokenizer)
         self.chat_path = chat_path(chat, settings, engine.tokenizer)
 
@@ -296,8 +293,8 @@ def front_of(request: Request) -> OpenAIFront:
 
 def authorized(request: Request) -> None:
     """The /v1 routes' dependency: the API key, when one is set."""
-    key = request.app.state.front.key
-    if key is not None and not key.matches(request.headers.get("authorization")):
+    keys = request.app.state.front.engine.keys
+    if not keys.matches(request.headers.get("authorization")):
         raise OpenAIError(401, REFUSAL, code="invalid_api_key")
 
 

@@ -37,12 +37,9 @@ from flagstop.router.pending import RequestFailed
 
 def authorized_by_key(request: Request) -> None:
     """The API key as x-api-key (Anthropic's clients) or a bearer token."""
-    key = request.app.state.front.key
-    if key is None:
-        return
     headers = request.headers
     given = headers.get("authorization") or f"Bearer {headers.get('x-api-key', '')}"
-    if not key.matches(given):
+    if not request.app.state.front.engine.keys.matches(given):
         raise OpenAIError(401, REFUSAL, code="invalid_api_key")
 
 

@@ -3,13 +3,14 @@
 The loop asks its policy once a step (`decide`) at one seam, before it schedules
 anything; beside the order of the waiting queue the answer may shed requests
 (refused with a reason, the client told to retry later), defer some (not admitted
-this step), cap the step's prefill tokens and each request's chunk. The null
+this step), cap the step's prefill tokens and each request's chunk, and set what
+a request's prefix is kept for once it ends (docs/sessions.md). The null
 answer, NO_DECISION, changes nothing: FCFS and priority give it."""
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from flagstop.scheduler_svc.core.request import Request
+from flagstop.scheduler_svc.core.request import Request, Retention
 from flagstop.scheduler_svc.core.step_cost import StepCostModel
 
 UNLIMITED = 1 << 30
@@ -30,6 +31,9 @@ class StepDecision:
     chunk_caps: dict[str, int] = field(default_factory=dict)
     # Running request ids that sit this step out (they keep their KV blocks).
     hold: frozenset[str] = frozenset()
+    # Request id (waiting or running) -> the retention its prefix gets once it ends
+    # (None: none, whatever it asked): applied once, as the policy decides it.
+    retain: dict[str, Retention | None] = field(default_factory=dict)
 
 
 NO_DECISION = StepDecision()

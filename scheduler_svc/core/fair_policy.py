@@ -37,6 +37,10 @@ Azure replay (bench/slo_bench.py; the floor a heavy batch sets: docs/policy.md).
 The order and the admissions only: the loop admits whatever fits of the rest, so
 the policy never idles the engine while work it may admit waits.
 
+Retention. A session's turn is kept for its next, at a priority in its tenant's
+weight (the pool's bound demotes a lighter tenant's first); a batch request's prefix
+is not (session_retention.py).
+
 The tenant: the request's objectives' tenant, else its `tenant` label."""
 
 import heapq
@@ -48,6 +52,7 @@ from flagstop.scheduler_svc.core.decision import PolicyView, StepDecision
 from flagstop.scheduler_svc.core.output import SchedulerOutput
 from flagstop.scheduler_svc.core.queues import FCFSQueue, RequestQueue
 from flagstop.scheduler_svc.core.request import Request
+from flagstop.scheduler_svc.core.session_retention import SESSION_PRIORITY, session_retention
 
 HOLD_BURST = 2.0  # held steps the bucket saves up (two light requests in a row)
 
@@ -88,17 +93,25 @@ class FairPolicy:
         seats = Counter(tenant_of(r) for r in view.running)
         order = self._order(by_tenant, seats)
         admission_order = [r.request_id for r in order]
+        retain = session_retention(view.waiting, self._session_priority)
         tenants = seats.keys() | by_tenant.keys()
         if len(tenants) < 2:
-            return StepDecision(admission_order)
+            return StepDecision(admission_order, retain=retain)
         blocks = self._blocks_by_tenant(view)
         under = self._under_share(view, tenants, seats, blocks)
         defer = self._held_back(view, order, seats, blocks) if self.reserve else frozenset()
         if not self._takes_a_hold(order, under):
-            return StepDecision(admission_order, defer=defer)
+            return StepDecision(admission_order, defer=defer, retain=retain)
         hold = frozenset(r.request_id for r in view.running if tenant_of(r) not in under)
         defer |= {r.request_id for r in order if tenant_of(r) not in under}
-        return StepDecision(admission_order, defer=defer, hold=hold)
+        return StepDecision(admission_order, defer=defer, hold=hold, retain=retain)
+
+    def _session_priority(self, request: Request) -> int:
+        """A session's retention priority in its tenant's weight: the heaviest tenant's
+        at SESSION_PRIORITY, a lighter one's lower (the pool's bound demotes the lowest
+        first), never below 1."""
+        heaviest = max([1.0, *self.weights.values()])
+        return max(1, round(SESSION_PRIORITY * self.weight(tenant_of(request)) / heaviest))
 
     def _order(self, by_tenant: dict[str, list[Request]], seats: Counter) -> list[Request]:
         counters = self.counters

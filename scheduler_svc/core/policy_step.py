@@ -9,7 +9,8 @@ nothing, so the loop calls the same seams whichever policy runs.
 
 Its collaborators are given, not its host: `view` builds what the policy sees (a
 live getter: the queues change identity between steps), `refuse` finishes a shed
-request in the scheduler's books."""
+request in the scheduler's books, `retain` sets a request's retention within the
+operator's bounds."""
 
 from collections.abc import Callable, Mapping
 
@@ -22,7 +23,7 @@ from flagstop.scheduler_svc.core.decision import (
 from flagstop.scheduler_svc.core.output import SchedulerOutput
 from flagstop.scheduler_svc.core.policy import SchedulingPolicy
 from flagstop.scheduler_svc.core.queues import RequestQueue
-from flagstop.scheduler_svc.core.request import Request
+from flagstop.scheduler_svc.core.request import Request, Retention
 from flagstop.scheduler_svc.core.shadow import NO_SHADOW, NoShadow, Shadow
 from flagstop.scheduler_svc.core.step_cost import StepCostModel
 
@@ -31,12 +32,13 @@ class PolicyStep:
     def __init__(
         self, policy: SchedulingPolicy, view: Callable[[], PolicyView],
         refuse: Callable[[Request], None],
+        retain: Callable[[Request, Retention | None], None],
     ) -> None:  # fmt: skip
         self.policy = policy
         self.shadow: NoShadow | Shadow = NO_SHADOW
         # The executor's step time, fitted from the steps it measured (`measured`).
         self.cost = StepCostModel()
-        self._view, self._refuse = view, refuse
+        self._view, self._refuse, self._retain = view, refuse, retain
         # Shed since the shell last took them: (request, why).
         self.shed: list[tuple[Request, str]] = []
         self.num_shed = 0
@@ -57,6 +59,8 @@ class PolicyStep:
             view.waiting.apply_ranking(decision.admission_order)
         if decision.shed:
             self._shed(decision.shed, view.waiting)
+        if decision.retain:
+            self._set_retention(decision.retain, view)
         caps = {k: v for k, v in decision.chunk_caps.items() if v >= 0}
         self.num_ignored_decisions += (len(decision.chunk_caps) - len(caps)
                                        + (decision.prefill_budget < 0))  # fmt: skip
@@ -82,6 +86,16 @@ class PolicyStep:
         if shed_ids:
             waiting.remove_all(shed_ids)
             self.num_shed += len(shed_ids)
+
+    def _set_retention(self, retain: Mapping[str, Retention | None], view: PolicyView) -> None:
+        """Each named request's retention from now on; unknown ids are ignored, and
+        counted."""
+        by_id = {r.request_id: r for queue in (view.waiting, view.running) for r in queue}
+        for request_id, retention in retain.items():
+            if (request := by_id.get(request_id)) is not None:
+                self._retain(request, retention)
+            else:
+                self.num_ignored_decisions += 1
 
     def observe(self, plan: SchedulerOutput, requests: Mapping[str, Request]) -> None:
         """The step just planned (a fair policy charges the service it gave)."""

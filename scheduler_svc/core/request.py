@@ -87,7 +87,12 @@ class Retention:
 
     priority: int
     ttl_s: float
-    num_tokens: int
+    num_tokens: int = 0
+
+
+# A retention's num_tokens over every block the request cached, its output's too (a
+# session's next turn resends them).
+ALL_TOKENS = 1 << 30
 
 
 @dataclass(slots=True, frozen=True)
@@ -143,6 +148,8 @@ class Request:
     # hashes start from ("": shared with every request of its adapter).
     retention: Retention | None = None
     cache_salt: str = ""
+    # The agent session it is a turn of ("": none): the policy's to read.
+    session_id: str = ""
     status: RequestStatus = RequestStatus.WAITING
     all_token_ids: list[int] = field(init=False)
     num_prompt_tokens: int = field(init=False)

@@ -17,6 +17,7 @@ attribute here."""
 
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 
 from flagstop.scheduler_svc.core.adapter_seats import AdapterSeats
 from flagstop.scheduler_svc.core.config import SchedulerConfig
@@ -74,7 +75,7 @@ class Scheduler:
         self.config = config
         self.kv_groups = kv_groups
         policy = policy or policy_for(config)
-        self.policy_step = PolicyStep(policy, self._policy_view, self._refuse)
+        self.policy_step = PolicyStep(policy, self._policy_view, self._refuse, self._retain)
         self.drafts = draft_budget(config)
         self.encoder = encoder_cache(config)
         self.transfers = kv_transfers(connector)
@@ -108,18 +109,21 @@ class Scheduler:
         config = self.config
         check_admissible(request, config.max_model_len, self.kv_capacity_tokens, config.max_loras)
         self.encoder.check(request)
-        if (retention := request.retention) is not None and (
-            retention.ttl_s > config.max_retention_s or not config.retention_share
-        ):  # the router clamped it already (and said so); a direct client's is clamped here
-            request.retention = Retention(retention.priority,
-                                          min(retention.ttl_s, config.max_retention_s),
-                                          retention.num_tokens) \
-                if config.retention_share else None  # fmt: skip
+        self._retain(request, request.retention)
         request.set_limits(self.max_model_len)
         self.transfers.on_add(request)
         self.kv.update_block_hashes(request)
         self.requests[request.request_id] = request
         self.waiting.add(request)
+
+    def _retain(self, request: Request, retention: Retention | None) -> None:
+        """Its retention from now on, within the operator's bounds: a ttl cut to
+        --max-retention-s (the router cut a client's already, and said so; a direct
+        client's or a policy's is cut here), none where --retention-share is 0."""
+        config = self.config
+        if retention is not None and retention.ttl_s > config.max_retention_s:
+            retention = replace(retention, ttl_s=config.max_retention_s)
+        request.retention = retention if config.retention_share else None
 
     def abort(
         self, request_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED

@@ -11,6 +11,8 @@
   the prediction (the client retries elsewhere or later) instead of being served late
   at the others' expense. A request that already streamed tokens is never shed.
 - Victims: the running request with the least work to recompute.
+- Retention: a session's turn is kept for its next, a batch request's prefix is not
+  (session_retention.py).
 
 A request without a target (after the router's --slo-defaults and the scheduler's
 --default-ttft-ms fallback, core/objectives.py) has no deadline: ordered behind those
@@ -23,6 +25,7 @@ from flagstop.scheduler_svc.core.decision import UNLIMITED, PolicyView, StepDeci
 from flagstop.scheduler_svc.core.output import SchedulerOutput
 from flagstop.scheduler_svc.core.queues import FCFSQueue, RequestQueue
 from flagstop.scheduler_svc.core.request import Request
+from flagstop.scheduler_svc.core.session_retention import session_retention
 
 
 class SLOPolicy:
@@ -62,7 +65,8 @@ class SLOPolicy:
             ahead += remaining[request_id]
             order.append(request_id)
             self.predicted[request_id] = predicted
-        return StepDecision(admission_order=order, shed=shed, prefill_budget=prefill_budget)
+        return StepDecision(admission_order=order, shed=shed, prefill_budget=prefill_budget,
+                            retain=session_retention(view.waiting))  # fmt: skip
 
     @staticmethod
     def _prefill_time(view: PolicyView, prefill_budget: int) -> Callable[[int], float]:
