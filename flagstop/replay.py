@@ -127,7 +127,7 @@ class Arrivals:
         self.followers: dict[str, deque[tuple[int, TraceRequest]]] = {}
         sessions = set()
         for index, r in enumerate(trace):
-            if r.after_s is not None and r.session in sessions:
+            if r.after_s is not None and r.session and r.session in sessions:
                 self.followers.setdefault(r.session, deque()).append((index, r))
             else:
                 heapq.heappush(self.heap, (r.arrival_s, index, r))

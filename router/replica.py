@@ -63,6 +63,7 @@ class Replica:
         # described again when its load reports another adapters version.
         self.adapters: dict[str, generation_pb2.LoRAAdapter] = {}
         self.max_loras = 0
+        self.block_size = self.num_blocks = 0
         self.lora_version = -1
         self.kv_role = 0  # ModelInfo.kv_role: prefill, decode or both (0)
         self.describing: asyncio.Task | None = None  # held: the loop keeps tasks weakly
@@ -151,7 +152,7 @@ class Replica:
     async def _connect(self, stub) -> None:
         info = await stub.Describe(scheduler_pb2.DescribeSchedulerRequest(), timeout=5)
         self.fleet.described(info.model)
-        self.take_adapters(info.model)
+        self.take_model(info.model)
         self.kv_role = info.model.kv_role
         self.described = True
         call = stub.Connect()
@@ -168,9 +169,12 @@ class Replica:
             writer.cancel()
             call.cancel()
 
-    def take_adapters(self, model) -> None:
+    def take_model(self, model) -> None:
+        """What its description says of it: its adapters, and its pool's shape (the
+        fleet's gateway reads vllm:cache_config_info)."""
         self.adapters = {a.name: a for a in model.lora_adapters}
         self.max_loras = model.max_loras
+        self.block_size, self.num_blocks = model.block_size, model.num_blocks
 
     def holds(self, lora_name: str, lora_id: str) -> bool:
         """Whether it can run a request of this adapter (identity "": any of the name)."""
@@ -183,7 +187,7 @@ class Replica:
         """Its adapters changed (loaded or unloaded there, or by another router)."""
         try:
             info = await self.stub.Describe(scheduler_pb2.DescribeSchedulerRequest(), timeout=5)
-            self.take_adapters(info.model)
+            self.take_model(info.model)
         except grpc.aio.AioRpcError as e:
             log.warning("scheduler %s: its adapters not described again: %s", self.address,
                         e.code())  # fmt: skip

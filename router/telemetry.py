@@ -6,7 +6,7 @@ import time
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from flagstop.scheduler_svc.core.objectives import NO_OBJECTIVES, Objectives
 from flagstop.scheduler_svc.core.request import FinishReason
@@ -45,13 +45,17 @@ ROUTED = Counter(
 
 class EngineLoad:
     """The engine's load as a vLLM server shows it beside its request metrics on its one
-    port (aiperf and dashboards scrape :8000/metrics): each replica's last reported
-    running and waiting requests and KV cache usage, labelled by model and engine (the
-    replica's place, vLLM's data-parallel rank label). Read at scrape time, so it costs
-    the step loop nothing."""
+    port (aiperf and dashboards scrape :8000/metrics; so does llm-d's endpoint picker,
+    every 50 ms: docs/llm-d.md): each replica's last reported running and waiting
+    requests, KV cache usage, prefix-cache counters, pool shape and LoRA adapters,
+    labelled by model and engine (the replica's place, vLLM's data-parallel rank
+    label). Read at scrape time, so it costs the step loop nothing."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
+        # Per replica: its last (running, waiting) adapters and when they changed
+        # (vllm:lora_requests_info's value is the last update's time).
+        self.loras: dict[int, tuple[tuple, float]] = {}
 
     def collect(self):
         labels = ["model_name", "engine"]
@@ -61,13 +65,37 @@ class EngineLoad:
                                     labels=labels)  # fmt: skip
         usage = GaugeMetricFamily("vllm:kv_cache_usage_perc",
                                   "Fraction of KV blocks in use (0-1)", labels=labels)  # fmt: skip
+        queries = CounterMetricFamily("vllm:prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache",
+                                      labels=labels)  # fmt: skip
+        hits = CounterMetricFamily("vllm:prefix_cache_hits", "Prompt tokens found cached",
+                                   labels=labels)  # fmt: skip
+        config = GaugeMetricFamily("vllm:cache_config_info", "The KV cache's shape",
+                                   labels=[*labels, "block_size", "num_gpu_blocks"])  # fmt: skip
+        loras = GaugeMetricFamily(
+            "vllm:lora_requests_info", "Running and waiting LoRA adapters (the value: "
+            "when they last changed)", labels=[*labels, "max_lora", "running_lora_adapters",
+                                               "waiting_lora_adapters"])  # fmt: skip
         model = self.engine.model_info.model_name
         for rank, replica in enumerate(self.engine.replicas):
             load, where = replica.reported, [model, str(rank)]
             running.add_metric(where, load.num_running)
             waiting.add_metric(where, load.num_waiting)
             usage.add_metric(where, load.kv_cache_usage)
-        return [running, waiting, usage]
+            queries.add_metric(where, load.prefix_cache_queries)
+            hits.add_metric(where, load.prefix_cache_hits)
+            config.add_metric([*where, str(replica.block_size), str(replica.num_blocks)], 1)
+            if replica.max_loras:
+                adapters = (",".join(load.running_loras), ",".join(load.waiting_loras))
+                loras.add_metric([*where, str(replica.max_loras), *adapters],
+                                 self._lora_updated(rank, adapters))  # fmt: skip
+        return [running, waiting, usage, queries, hits, config, loras]
+
+    def _lora_updated(self, rank: int, adapters: tuple) -> float:
+        last = self.loras.get(rank)
+        if last is None or last[0] != adapters:
+            last = self.loras[rank] = (adapters, time.time())
+        return last[1]
 
 
 def engine_registry(engine) -> CollectorRegistry:

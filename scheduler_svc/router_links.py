@@ -235,6 +235,8 @@ class RouterLinks:
             num_host_cached_blocks=figures.num_host_cached_blocks,
             external_prefix_cache_hits=figures.external_prefix_cache_hits,
             running_loras=figures.running_loras, waiting_loras=figures.waiting_loras,
+            prefix_cache_queries=figures.prefix_cache_queries,
+            prefix_cache_hits=figures.prefix_cache_hits,
         )  # fmt: skip
         if scheduler.config.max_loras:
             self.telemetry.lora_requests(figures.running_loras, figures.waiting_loras,

@@ -17,6 +17,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 import grpc
+import zmq
 
 from flagstop.health import Health
 from flagstop.scheduler_svc.adapter_loads import Adapters
@@ -34,6 +35,12 @@ from flagstop.scheduler_svc.core.scheduler import Scheduler
 from flagstop.scheduler_svc.core_handle import CoreHandle
 from flagstop.scheduler_svc.executor_link import ExecutorLink, ExecutorMismatch, LinkHooks
 from flagstop.scheduler_svc.intake import Intake
+from flagstop.scheduler_svc.kv_event_publisher import (
+    NO_KV_EVENT_PUBLISHER,
+    KVEventPublisher,
+    NoKVEventPublisher,
+    kv_event_publisher,
+)
 from flagstop.scheduler_svc.policy_client import (
     NO_REMOTE_POLICY,
     POLICY_SERVICE,
@@ -61,8 +68,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.core = CoreHandle()
         self.kv_connector: KVConnector | None = None  # the core's, built from Describe
         self.policy_client: RemotePolicyClient | NoRemotePolicy = NO_REMOTE_POLICY
+        # KV events for a fleet's router (docs/llm-d.md), once the model is known.
+        self.kv_publisher: KVEventPublisher | NoKVEventPublisher = NO_KV_EVENT_PUBLISHER
         hooks = LinkHooks(
-            on_step=lambda plan, result, outputs: self.links.dispatch(plan, result, outputs),
+            on_step=lambda plan, result, outputs: (self.links.dispatch(plan, result, outputs),
+                                                   self.kv_publisher.flush()),
             on_shed=lambda shed: self.links.refuse_shed(shed),
             before_schedule=lambda scheduler: self.policy_client.maybe_query(scheduler),
             num_queued_at_routers=lambda: self.links.num_queued,
@@ -100,7 +110,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.core.eos_token_ids = frozenset(info.model.eos_token_ids)
         self.kv_connector = self.telemetry.kv_connector = self._connector(info, config, groups)
         policy = policy_for(config)
-        scheduler = Scheduler(config, info.model.num_blocks, policy, self.kv_connector, groups)
+        self.kv_publisher = self._kv_publisher(info.model.model_name, groups)
+        scheduler = Scheduler(config, info.model.num_blocks, policy, self.kv_connector, groups,
+                              kv_events=self.kv_publisher.log)  # fmt: skip
         self.core.scheduler = scheduler
         self._remote_client(policy, s.policy_addr)
         if s.shadow_policy:
@@ -130,6 +142,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         log.info("executor %s: %s, %d blocks of %d (a sequence of up to %d tokens)%s",
                  s.executor, info.model.model_name, info.model.num_blocks,
                  info.model.block_size, scheduler.kv_capacity_tokens, extras)  # fmt: skip
+
+    def _kv_publisher(self, model: str, groups) -> KVEventPublisher | NoKVEventPublisher:
+        try:
+            publisher = kv_event_publisher(self.settings.kv_events_config, model, list(groups))
+        except zmq.ZMQError as e:
+            raise StartupError(f"--kv-events-config: cannot bind its sockets: {e}") from None
+        publisher.start()
+        return publisher
 
     @staticmethod
     def _connector(info: executor_pb2.DescribeExecutorResponse, config, groups):
@@ -312,3 +332,5 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if self.scheduler is not None:
             self.link.cost_record.write(self.scheduler.policy_step.cost)
         self.links.close()
+        self.kv_publisher.flush()
+        self.kv_publisher.close()

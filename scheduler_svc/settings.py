@@ -17,6 +17,7 @@ from pydantic_settings import SettingsConfigDict
 from flagstop.scheduler_svc.core.config import SchedulerConfig
 from flagstop.scheduler_svc.core.objectives import Objectives, seconds_of
 from flagstop.scheduler_svc.core.policy import POLICIES
+from flagstop.scheduler_svc.kv_event_publisher import KVEventsConfig
 from flagstop.settings import Port, ServiceSettings, config_from
 
 CORE = SchedulerConfig()  # the core's defaults are the flags' defaults
@@ -93,6 +94,11 @@ class SchedulerSettings(ServiceSettings):
     lowest retained become ordinary; 0: no retention"""
     max_retention_s: NonNegativeFloat = CORE.max_retention_s
     """the longest a request's prompt is retained here (a longer ttl is cut)"""
+    kv_events_config: KVEventsConfig | None = None
+    """publish every block the prefix cache gains and loses as KV events in vLLM's
+    format, for a fleet's router (llm-d: docs/llm-d.md), as vLLM's JSON:
+    '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "topic":
+    "kv@${POD_IP}@${MODEL}"}' (replay_endpoint, buffer_steps, hwm too); off by default"""
     speculative_disable_batch_size: PositiveInt = CORE.speculative_disable_batch_size
     """speculative decoding: from this many decodes in a step on, none drafts"""
     speculative_min_gain: float = Field(CORE.speculative_min_gain, gt=0, le=1)

@@ -16,6 +16,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 
 import anthropic
 import httpx
@@ -524,3 +525,14 @@ def test_the_routers_metrics_carry_the_engines_series(stack, client):
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
                  "vllm:kv_cache_usage_perc"):  # fmt: skip
         assert name + label in series, name
+    # What llm-d's endpoint picker reads too (docs/llm-d.md): the prefix-cache counters
+    # (reported with the steps' load) and the pool's shape.
+    deadline = time.monotonic() + 10
+    while series.get("vllm:prefix_cache_queries_total" + label, 0) <= 0:
+        assert time.monotonic() < deadline, "no prefix-cache queries reported"
+        time.sleep(0.1)
+        series = scrape(int(stack.http.rsplit(":", 1)[1]))
+    assert 0 <= series["vllm:prefix_cache_hits_total" + label] <= series[
+        "vllm:prefix_cache_queries_total" + label]  # fmt: skip
+    [config] = [k for k in series if k.startswith("vllm:cache_config_info")]
+    assert "'block_size'" in config and "'num_gpu_blocks'" in config and MODEL in config

@@ -21,6 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from flagstop.scheduler_svc.core.config import SchedulerConfig
 from flagstop.scheduler_svc.core.disaggregation import DecodeConnector, PrefillConnector
 from flagstop.scheduler_svc.core.kv_connector import KVHandoff
+from flagstop.scheduler_svc.core.kv_events import KVEventLog
 from flagstop.scheduler_svc.core.kv_groups import (
     LINEAR_ATTENTION,
     SLIDING_ATTENTION,
@@ -31,6 +32,7 @@ from flagstop.scheduler_svc.core.request import FinishReason, Request, Retention
 from flagstop.scheduler_svc.core.scheduler import Scheduler
 from tests.helpers.fake_kv_tier import FakeTierWorker, FlakyHostTier, prefill_side_blocks
 from tests.helpers.hash_model import Driver, HashModelExecutor, reference_tokens
+from tests.helpers.kv_events import KVEventSubscriber
 from tests.helpers.scheduler_invariants import check_idle, check_invariants
 
 VOCAB, EOS, BLOCK_SIZE, MAX_MODEL_LEN = 24, frozenset({0}), 4, 64
@@ -148,8 +150,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.connector = FlakyHostTier(tier_slots, BLOCK_SIZE, self.rng, defer_rate,
                                            delayed_free_rate, len(self.groups))  # fmt: skip
         self.scheduler = RecordingScheduler(self.config, num_blocks, connector=self.connector,
-                                            kv_groups=self.groups,
-                                            clock=lambda: self.now)  # fmt: skip
+                                            kv_groups=self.groups, clock=lambda: self.now,
+                                            kv_events=KVEventLog())  # fmt: skip
+        self.subscriber = KVEventSubscriber()  # a fleet router's view of the pool
         self.admission_order = self.scheduler.admission_order
         self.driver = Driver(self.scheduler, None, depth, self.check_plan)
         self._new_executor()
@@ -278,6 +281,10 @@ class SchedulerMachine(RuleBasedStateMachine):
     def consistent(self):
         if hasattr(self, "scheduler"):
             check_invariants(self.scheduler)
+            # The KV events tell exactly what the prefix cache holds, at every moment.
+            self.subscriber.apply(self.scheduler.kv_events.take())
+            assert self.subscriber.cached == set(self.scheduler.kv.pool.cached_blocks)
+            assert self.subscriber.host == set(getattr(self.connector, "slots", ()))
 
     def teardown(self):
         if not hasattr(self, "scheduler"):

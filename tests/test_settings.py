@@ -204,3 +204,12 @@ def test_a_bad_tenant_keys_file_is_named_in_one_line(tmp_path, text, expected):
     assert "\n" not in str(refused.value)
     keys.write_text('{"sk-1": "acme"}')
     assert RouterSettings.load(["--tenant-keys", str(keys)]).tenant_keys == keys
+
+
+def test_kv_events_config_takes_vllms_shape_and_names_a_bad_one():
+    given = '{"endpoint": "tcp://*:5557", "topic": "kv@${POD_IP}@${MODEL}"}'
+    config = SchedulerSettings.load(["--kv-events-config", given]).kv_events_config
+    assert config.endpoint == "tcp://*:5557" and config.replay_endpoint.startswith("tcp://127.")
+    assert SchedulerSettings.load([]).kv_events_config is None  # off by default
+    with pytest.raises(SettingsInvalid, match=r"--kv-events-config .*pattern '\^zmq\$'"):
+        SchedulerSettings.load(["--kv-events-config", '{"publisher": "nats"}'])

@@ -167,7 +167,7 @@ class SchedulerMessage(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., finished_ids: _Optional[_Iterable[str]] = ..., finish_reasons: _Optional[_Iterable[_Union[RequestFinish, str]]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., credits: _Optional[int] = ..., load: _Optional[_Union[ReplicaLoad, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_executor_pb2.PromptLogprobs, _Mapping]]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ..., kv_transfers: _Optional[_Mapping[str, KVTransferParams]] = ...) -> None: ...
 
 class ReplicaLoad(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_cache_usage", "running_loras", "waiting_loras", "lora_adapters_version", "num_host_cached_blocks", "external_prefix_cache_hits", "executor_lost")
+    __slots__ = ("num_running", "num_waiting", "kv_cache_usage", "running_loras", "waiting_loras", "lora_adapters_version", "num_host_cached_blocks", "external_prefix_cache_hits", "executor_lost", "prefix_cache_queries", "prefix_cache_hits")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +177,8 @@ class ReplicaLoad(_message.Message):
     NUM_HOST_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     EXTERNAL_PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     EXECUTOR_LOST_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_cache_usage: float
@@ -186,14 +188,16 @@ class ReplicaLoad(_message.Message):
     num_host_cached_blocks: int
     external_prefix_cache_hits: int
     executor_lost: bool
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., running_loras: _Optional[_Iterable[str]] = ..., waiting_loras: _Optional[_Iterable[str]] = ..., lora_adapters_version: _Optional[int] = ..., num_host_cached_blocks: _Optional[int] = ..., external_prefix_cache_hits: _Optional[int] = ..., executor_lost: _Optional[bool] = ...) -> None: ...
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., running_loras: _Optional[_Iterable[str]] = ..., waiting_loras: _Optional[_Iterable[str]] = ..., lora_adapters_version: _Optional[int] = ..., num_host_cached_blocks: _Optional[int] = ..., external_prefix_cache_hits: _Optional[int] = ..., executor_lost: _Optional[bool] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("step_id", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "executor_connected", "remote_policy_active", "remote_policy_failures", "num_routers", "num_loading", "external_prefix_cache_queries", "external_prefix_cache_hits", "num_host_blocks", "num_host_cached_blocks", "num_kv_leases", "policy", "num_shed", "num_ignored_decisions", "shadow_policy", "shadow_decisions", "shadow_agreed", "shadow_would_shed", "num_held_steps", "encoder_cache_used_tokens", "encoder_cache_size", "num_encoded_images", "num_encoded_tokens", "encoder_cache_hits", "num_retained_blocks", "num_retentions", "retention_hits", "retained_evictions", "retention_expiries")
+    __slots__ = ("step_id", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "executor_connected", "remote_policy_active", "remote_policy_failures", "num_routers", "num_loading", "external_prefix_cache_queries", "external_prefix_cache_hits", "num_host_blocks", "num_host_cached_blocks", "num_kv_leases", "policy", "num_shed", "num_ignored_decisions", "shadow_policy", "shadow_decisions", "shadow_agreed", "shadow_would_shed", "num_held_steps", "encoder_cache_used_tokens", "encoder_cache_size", "num_encoded_images", "num_encoded_tokens", "encoder_cache_hits", "num_retained_blocks", "num_retentions", "retention_hits", "retained_evictions", "retention_expiries", "num_cached_blocks")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -231,6 +235,7 @@ class GetStatsResponse(_message.Message):
     RETENTION_HITS_FIELD_NUMBER: _ClassVar[int]
     RETAINED_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     RETENTION_EXPIRIES_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     num_running: int
     num_waiting: int
@@ -268,7 +273,8 @@ class GetStatsResponse(_message.Message):
     retention_hits: int
     retained_evictions: int
     retention_expiries: int
-    def __init__(self, step_id: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., executor_connected: _Optional[bool] = ..., remote_policy_active: _Optional[bool] = ..., remote_policy_failures: _Optional[int] = ..., num_routers: _Optional[int] = ..., num_loading: _Optional[int] = ..., external_prefix_cache_queries: _Optional[int] = ..., external_prefix_cache_hits: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., num_host_cached_blocks: _Optional[int] = ..., num_kv_leases: _Optional[int] = ..., policy: _Optional[str] = ..., num_shed: _Optional[int] = ..., num_ignored_decisions: _Optional[int] = ..., shadow_policy: _Optional[str] = ..., shadow_decisions: _Optional[int] = ..., shadow_agreed: _Optional[int] = ..., shadow_would_shed: _Optional[int] = ..., num_held_steps: _Optional[int] = ..., encoder_cache_used_tokens: _Optional[int] = ..., encoder_cache_size: _Optional[int] = ..., num_encoded_images: _Optional[int] = ..., num_encoded_tokens: _Optional[int] = ..., encoder_cache_hits: _Optional[int] = ..., num_retained_blocks: _Optional[int] = ..., num_retentions: _Optional[int] = ..., retention_hits: _Optional[int] = ..., retained_evictions: _Optional[int] = ..., retention_expiries: _Optional[int] = ...) -> None: ...
+    num_cached_blocks: int
+    def __init__(self, step_id: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., executor_connected: _Optional[bool] = ..., remote_policy_active: _Optional[bool] = ..., remote_policy_failures: _Optional[int] = ..., num_routers: _Optional[int] = ..., num_loading: _Optional[int] = ..., external_prefix_cache_queries: _Optional[int] = ..., external_prefix_cache_hits: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., num_host_cached_blocks: _Optional[int] = ..., num_kv_leases: _Optional[int] = ..., policy: _Optional[str] = ..., num_shed: _Optional[int] = ..., num_ignored_decisions: _Optional[int] = ..., shadow_policy: _Optional[str] = ..., shadow_decisions: _Optional[int] = ..., shadow_agreed: _Optional[int] = ..., shadow_would_shed: _Optional[int] = ..., num_held_steps: _Optional[int] = ..., encoder_cache_used_tokens: _Optional[int] = ..., encoder_cache_size: _Optional[int] = ..., num_encoded_images: _Optional[int] = ..., num_encoded_tokens: _Optional[int] = ..., encoder_cache_hits: _Optional[int] = ..., num_retained_blocks: _Optional[int] = ..., num_retentions: _Optional[int] = ..., retention_hits: _Optional[int] = ..., retained_evictions: _Optional[int] = ..., retention_expiries: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class SetPolicyRequest(_message.Message):
     __slots__ = ("policy", "policy_addr", "shadow")

@@ -10,6 +10,8 @@ import heapq
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from flagstop.scheduler_svc.core.kv_events import NO_KV_EVENTS, KVEventLog, NoKVEvents
+
 
 @dataclass(slots=True, eq=False)
 class KVCacheBlock:
@@ -140,17 +142,18 @@ class RetainedBlocks:
 class BlockPool:
     """Fixed-size KV blocks with reference counts and a content-addressed prefix cache."""
 
-    __slots__ = ("blocks", "cached_blocks", "clock", "free_queue", "max_retained",
+    __slots__ = ("blocks", "cached_blocks", "clock", "events", "free_queue", "max_retained",
                  "null_block", "num_blocks", "num_usable_blocks", "retained",
                  "retention_stats")  # fmt: skip
 
     def __init__(self, num_blocks: int, null_block: bool = False,
                  retention_share: float = 0.0, clock: Callable[[], float] = lambda: 0.0,
-                 ) -> None:  # fmt: skip
+                 events: KVEventLog | NoKVEvents = NO_KV_EVENTS) -> None:  # fmt: skip
         """null_block: block 0 is set aside, never allocated nor freed: a window
         group's table holds it where a block left the window (its positions are
         never read), as vLLM's does. retention_share: the most of the pool that free
-        retained blocks may hold (0: no retention); clock: the time expiries are in."""
+        retained blocks may hold (0: no retention); clock: the time expiries are in;
+        events: told of every cached block evicted (kv_events.py)."""
         if num_blocks < 1 + null_block:
             raise ValueError(f"num_blocks must be >= {1 + null_block}, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -163,6 +166,7 @@ class BlockPool:
         self.clock = clock
         self.retained = RetainedBlocks()
         self.retention_stats = RetentionStats()
+        self.events = events
 
     @property
     def num_free_blocks(self) -> int:
@@ -284,5 +288,6 @@ class BlockPool:
         """The block's contents are not what its hash says: no later request may hit it."""
         assert block.block_hash is not None
         del self.cached_blocks[block.block_hash]
+        self.events.removed(block.block_hash)
         block.block_hash = None
         block.priority = 0

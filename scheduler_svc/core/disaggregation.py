@@ -24,6 +24,7 @@ from flagstop.scheduler_svc.core.kv_connector import (
     KVSend,
     KVTransferResult,
 )
+from flagstop.scheduler_svc.core.kv_events import KVEventLog, NoKVEvents
 from flagstop.scheduler_svc.core.request import Request, RequestStatus
 
 
@@ -52,6 +53,9 @@ class _NoTier:
         self.meta = KVConnectorMetadata()
 
     def executor_replaced(self, endpoint: str, engine_id: str) -> None:
+        return None
+
+    def announce(self, events: KVEventLog | NoKVEvents) -> None:
         return None
 
 

@@ -29,6 +29,7 @@ from flagstop.scheduler_svc.core.kv_connector import (
     KVLoad,
     KVTransferResult,
 )
+from flagstop.scheduler_svc.core.kv_events import CPU, NO_KV_EVENTS, KVEventLog, NoKVEvents
 from flagstop.scheduler_svc.core.kv_groups import group_key
 from flagstop.scheduler_svc.core.request import Request
 
@@ -39,6 +40,7 @@ class HostTierConnector:
     def __init__(self, num_host_blocks: int, block_size: int, num_groups: int = 1) -> None:
         self.block_size = block_size
         self.group_keys = [group_key(g) for g in range(num_groups)]
+        self.events: KVEventLog | NoKVEvents = NO_KV_EVENTS
         self.reset(num_host_blocks)
 
     def reset(self, num_host_blocks: int) -> None:
@@ -91,6 +93,7 @@ class HostTierConnector:
             if slot is None:
                 return  # every slot is read by a load or filled this step
             self.slots[block_hash] = slot
+            self.events.offloaded(block_hash, self.block_size)
             self.saving.add(slot)
             self.meta.save_block_ids.append(block.block_id)
             self.meta.save_slots.append(slot)
@@ -101,6 +104,7 @@ class HostTierConnector:
         for block_hash, slot in self.slots.items():
             if not self.pinned[slot] and slot not in self.saving:
                 del self.slots[block_hash]
+                self.events.removed(block_hash, CPU)
                 return slot
         return None
 
@@ -119,6 +123,7 @@ class HostTierConnector:
             for block_hash, slot in list(self.slots.items()):
                 if slot in slots and not self.pinned[slot]:
                     del self.slots[block_hash]
+                    self.events.removed(block_hash, CPU)
                     self.free_slots.append(slot)
 
     def _unpin(self, slots) -> None:
@@ -129,3 +134,6 @@ class HostTierConnector:
 
     def executor_replaced(self, endpoint: str, engine_id: str) -> None:
         return None  # its tier is reset with it
+
+    def announce(self, events: KVEventLog | NoKVEvents) -> None:
+        self.events = events

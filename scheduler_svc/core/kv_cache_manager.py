@@ -4,6 +4,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from flagstop.scheduler_svc.core.block_pool import BlockPool, KVCacheBlock
+from flagstop.scheduler_svc.core.kv_events import NO_KV_EVENTS, KVEventLog, NoKVEvents
 from flagstop.scheduler_svc.core.kv_groups import KVCacheGroup, group_key, kv_cache_groups
 from flagstop.scheduler_svc.core.media import MediaPlaceholder
 from flagstop.scheduler_svc.core.request import Request, Retention
@@ -95,9 +96,10 @@ class KVCacheManager:
     def __init__(
         self, num_blocks: int, block_size: int, enable_caching: bool = True,
         groups: Sequence[KVCacheGroup] | None = None, retention_share: float = 0.0,
-        clock: Callable[[], float] = lambda: 0.0,
+        clock: Callable[[], float] = lambda: 0.0, events: KVEventLog | NoKVEvents = NO_KV_EVENTS,
     ) -> None:  # fmt: skip
-        """retention_share, clock: the pool's (block_pool.py: retained blocks)."""
+        """retention_share, clock: the pool's (block_pool.py: retained blocks); events:
+        told of every block cached and evicted (kv_events.py)."""
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.groups = list(groups or kv_cache_groups([]))
@@ -106,7 +108,9 @@ class KVCacheManager:
         # window of 2: kv_groups.py): the only ones that skip blocks.
         self.window_groups = [(g, x.window) for g, x in enumerate(self.groups) if x.window]
         self.full_groups = [g for g, x in enumerate(self.groups) if not x.window]
-        self.pool = BlockPool(num_blocks, bool(self.window_groups), retention_share, clock)
+        self.pool = BlockPool(num_blocks, bool(self.window_groups), retention_share, clock,
+                              events)  # fmt: skip
+        self.events = events
         # A group's cached blocks are keyed by its hashes and its index: the same tokens
         # are different KV in each group's layers.
         self.group_keys = [group_key(g) for g in range(self.num_groups)]
@@ -324,9 +328,11 @@ class KVCacheManager:
             return
         hashes, cache, null = request.block_hashes, self.pool.cache_block, self.pool.null_block
         cached = []
-        for blocks, key in zip(state.blocks, self.group_keys, strict=True):
-            cached += [b for i in range(first, num_full)
+        for g, (blocks, key) in enumerate(zip(state.blocks, self.group_keys, strict=True)):
+            indices = [i for i in range(first, num_full)
                        if (b := blocks[i]) is not null and cache(b, hashes[i] + key)]  # fmt: skip
+            self.events.cached(request, g, key, indices, self.block_size)
+            cached += [blocks[i] for i in indices]
         state.num_cached_blocks = num_full
         if self.newly_cached is not None:
             self.newly_cached += cached

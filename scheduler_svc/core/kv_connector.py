@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from flagstop.scheduler_svc.core.block_pool import KVCacheBlock
+from flagstop.scheduler_svc.core.kv_events import KVEventLog, NoKVEvents
 from flagstop.scheduler_svc.core.kv_handoff import KVHandoff
 from flagstop.scheduler_svc.core.request import Request
 
@@ -121,6 +122,12 @@ class KVConnector(Protocol):
     def executor_replaced(self, endpoint: str, engine_id: str) -> None:
         """A new executor instance took over: where its KV is read from now on (a
         prefill side's hand-offs name it)."""
+        ...
+
+    def announce(self, events: KVEventLog | NoKVEvents) -> None:
+        """Where to tell what its tier gains and loses (KV events, medium CPU: a
+        fleet's router counts a block on the host as cached); a connector without a
+        tier tells nothing."""
         ...
 
     @property

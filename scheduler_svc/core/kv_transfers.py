@@ -53,8 +53,10 @@ class KVTransfers:
         return bool(self.freeing)
 
     def watch(self, kv: KVCacheManager) -> None:
-        """A new pool: the connector hears of the blocks it caches (write-through)."""
+        """A new pool: the connector hears of the blocks it caches (write-through), and
+        tells the pool's KV events what its tier holds."""
         kv.newly_cached = []
+        self.connector.announce(kv.events)
 
     # -- requests ------------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ from flagstop.scheduler_svc.core.kv_cache_manager import (
     KVCacheManager,
 )
 from flagstop.scheduler_svc.core.kv_connector import KVConnector
+from flagstop.scheduler_svc.core.kv_events import NO_KV_EVENTS, KVEventLog, NoKVEvents
 from flagstop.scheduler_svc.core.kv_groups import KVCacheGroup
 from flagstop.scheduler_svc.core.kv_transfers import kv_transfers
 from flagstop.scheduler_svc.core.limits import RequestRejected, check_admissible
@@ -68,11 +69,14 @@ class Scheduler:
         connector: KVConnector | None = None,
         kv_groups: Sequence[KVCacheGroup] | None = None,
         clock: Callable[[], float] = time.time,
+        kv_events: KVEventLog | NoKVEvents = NO_KV_EVENTS,
     ) -> None:
         """kv_groups: the executor's layers as KV cache groups (kv_groups.py); None:
         one full-attention group. clock: the time requests' arrival_time is in (the
-        router's wall clock; a replay's virtual one)."""
+        router's wall clock; a replay's virtual one). kv_events: told of every block
+        the prefix cache gains and loses (kv_events.py; the shell publishes them)."""
         self.config = config
+        self.kv_events = kv_events
         self.kv_groups = kv_groups
         policy = policy or policy_for(config)
         self.policy_step = PolicyStep(policy, self._policy_view, self._refuse, self._retain)
@@ -96,7 +100,8 @@ class Scheduler:
         limit or the whole pool)."""
         config = self.config
         self.kv = KVCacheManager(num_blocks, config.block_size, not config.no_prefix_caching,
-                                 self.kv_groups, config.retention_share, self.clock)  # fmt: skip
+                                 self.kv_groups, config.retention_share, self.clock,
+                                 self.kv_events)  # fmt: skip
         self.transfers.watch(self.kv)
         self.kv_capacity_tokens = self.kv.max_num_tokens(config.max_num_batched_tokens)
         self.max_model_len = min(config.max_model_len, self.kv_capacity_tokens)
@@ -157,6 +162,7 @@ class Scheduler:
             request.num_computed_tokens = 0
             request.num_output_placeholders = 0
         prefix_stats = self.kv.prefix_stats
+        self.kv_events.cleared()
         self._new_pool(num_blocks or self.kv.pool.num_blocks)
         self.kv.prefix_stats = prefix_stats
         # The new executor starts from an empty batch: nothing of the old to drop.

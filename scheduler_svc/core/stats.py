@@ -60,6 +60,7 @@ class SchedulerStats:
     retention_hits: int
     retained_evictions: int
     retention_expiries: int
+    num_cached_blocks: int
 
     def as_fields(self) -> dict:
         return asdict(self)
@@ -76,6 +77,8 @@ class LoadFigures:
     external_prefix_cache_hits: int
     running_loras: list[str]  # the adapters of the running requests, sorted
     waiting_loras: list[str]  # of the waiting ones
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache since start
+    prefix_cache_hits: int  # of those, found
 
 
 def make_load(scheduler: Core) -> LoadFigures:
@@ -87,6 +90,8 @@ def make_load(scheduler: Core) -> LoadFigures:
         external_prefix_cache_hits=transfers.external_stats.num_hits,
         running_loras=sorted({r.lora_name for r in scheduler.running if r.lora_name}),
         waiting_loras=sorted({r.lora_name for r in waiting if r.lora_name}),
+        prefix_cache_queries=scheduler.kv.prefix_stats.num_queries,
+        prefix_cache_hits=scheduler.kv.prefix_stats.num_hits,
     )  # fmt: skip
 
 
@@ -118,4 +123,5 @@ def make_stats(scheduler: Core) -> SchedulerStats:
         num_retained_blocks=pool.retained.num_free_blocks,
         num_retentions=retention.num_retained, retention_hits=retention.num_hits,
         retained_evictions=retention.num_evicted, retention_expiries=retention.num_expired,
+        num_cached_blocks=len(pool.cached_blocks),
     )  # fmt: skip
