@@ -72,7 +72,7 @@ COMPOSE := $(if $(strip $(PROFILES)),COMPOSE_PROFILES=$(subst $() ,$(comma),$(st
 	$(if $(SPEC),SPEC='$(SPEC)') $(if $(filter-out grpcio,$(GRPC_SERVER)),GRPC_SERVER=$(GRPC_SERVER)) \
 	$(DOCKER_COMPOSE) -f compose/compose.yaml $(if $(GPU),-f compose/compose.gpu.yaml)
 
-.PHONY: venv test test-fast kernels-sm90 lint bench bench-executor bench-kv-tier bench-kv-groups bench-mla bench-recurrent bench-lora bench-replicas bench-structured bench-multimodal bench-sessions model proto serve up down logs ps clean
+.PHONY: venv test test-fast kernels-sm90 lint bench bench-executor bench-kv-tier bench-kv-groups bench-mla bench-recurrent bench-lora bench-replicas bench-structured bench-multimodal bench-sessions bench-llm-d model proto serve up down logs ps clean
 
 venv: $(STAMP)
 
@@ -245,6 +245,13 @@ bench-multimodal: $(STAMP)
 # by replay, on the executor simulator and on the CPU.
 bench-sessions: $(STAMP)
 	$(PY) bench/session_bench.py
+	$(PY) bench/report.py
+
+# What llm-d reads of a pod and its cost (docs/llm-d.md): KV events in the scheduler's
+# step and on a live simulator stack, /metrics at the picker's 20 scrapes a second
+# (about 5 minutes).
+bench-llm-d: $(STAMP)
+	$(PY) bench/llm_d_bench.py
 	$(PY) bench/report.py
 
 # The host tier on a multi-turn workload that outgrows the pool (the small model on

@@ -53,10 +53,16 @@ VOCAB = 32000
 
 
 class Load:
+    # What a step is timed by: wall time; bench/llm_d_bench.py takes the thread's CPU
+    # time (a subscriber process beside it shares the cores).
+    clock = staticmethod(time.perf_counter)
+
     def __init__(
         self, num_running: int, prompt_len: int, max_tokens: int, arrivals: int,
-        shared_prefix: int = 0,
+        shared_prefix: int = 0, kv_events=None,
     ) -> None:  # fmt: skip
+        """kv_events: a KV event log for the core (bench/llm_d_bench.py); None, the
+        core's own default (so that a --variant checkout from before it runs too)."""
         self.rng = random.Random(0)
         self.ids = itertools.count()
         self.prompt_len, self.max_tokens, self.arrivals = prompt_len, max_tokens, arrivals
@@ -71,6 +77,7 @@ class Load:
                 block_size=BLOCK_SIZE,
             ),
             num_blocks=(num_running + arrivals * 8) * ((prompt_len + max_tokens) // BLOCK_SIZE + 2),
+            **({} if kv_events is None else {"kv_events": kv_events}),
         )
         for _ in range(num_running):
             self.add()
@@ -89,15 +96,16 @@ class Load:
 
     def step(self) -> float:
         """One pipelined step; returns the seconds spent inside the scheduler."""
-        t0 = time.perf_counter()
+        clock = self.clock
+        t0 = clock()
         plan = self.scheduler.schedule()
-        elapsed = time.perf_counter() - t0
+        elapsed = clock() - t0
         sampled = [self.rng.randrange(VOCAB) for _ in plan.sampling_requests]
         self.in_flight.append((plan, StepOutcome(sampled)))
         if len(self.in_flight) == 2:
-            t0 = time.perf_counter()
+            t0 = clock()
             outputs = self.scheduler.update_from_output(*self.in_flight.popleft())
-            elapsed += time.perf_counter() - t0
+            elapsed += clock() - t0
             num_finished = sum(len(o.finished) for o in outputs.values())
             for _ in range(num_finished + self.arrivals):
                 self.add()

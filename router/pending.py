@@ -152,6 +152,8 @@ class ChunkBuilder:
         pending = self.pending
         start, end = self.num_sent, len(pending.generated)
         self.num_sent = end
+        if start and end > start:
+            pending.trace.next_tokens()
         if not (pending.finished or self.stops.stop):  # the common chunk: tokens only
             return self._all(start, end, 0), None
         reason, failure = pending.finish_reason, self._failure(pending)

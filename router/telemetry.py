@@ -20,6 +20,8 @@ TPOT = Histogram("vllm:request_time_per_output_token_seconds", "Mean time per ou
                  ["model_name"], buckets=LATENCY_BUCKETS)  # fmt: skip
 E2E = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency",
                 ["model_name"], buckets=LATENCY_BUCKETS)  # fmt: skip
+ITL = Histogram("vllm:inter_token_latency_seconds", "Time between a request's chunks of tokens",
+                ["model_name"], buckets=LATENCY_BUCKETS)  # fmt: skip
 SUCCESS = Counter("vllm:request_success", "Finished requests", ["model_name", "finished_reason"])
 PROMPT_TOKENS = Counter("vllm:prompt_tokens", "Prompt tokens of admitted requests", ["model_name"])
 GENERATION_TOKENS = Counter("vllm:generation_tokens", "Generated tokens", ["model_name"])
@@ -107,7 +109,7 @@ def engine_registry(engine) -> CollectorRegistry:
 def export_model(model: str) -> None:
     """The model's series, at zero, from the moment it is served (as vLLM does): a
     scrape before the first request, or a dashboard's rate(), sees them."""
-    for family in (TTFT, TPOT, E2E, PROMPT_TOKENS, GENERATION_TOKENS):
+    for family in (TTFT, TPOT, E2E, ITL, PROMPT_TOKENS, GENERATION_TOKENS):
         family.labels(model)
     for reason in (FinishReason.STOP, FinishReason.LENGTH):
         SUCCESS.labels(model, reason.label)
@@ -116,7 +118,8 @@ def export_model(model: str) -> None:
 class RequestTrace:
     """The span and clocks of one client request."""
 
-    __slots__ = ("by", "first_token_at", "model", "objectives", "span", "started")
+    __slots__ = ("by", "first_token_at", "itl", "last_token_at", "model", "objectives", "span",
+                 "started")  # fmt: skip
 
     def __init__(
         self, tracer: trace.Tracer, model: str, request, num_prompt: int, metadata,
@@ -124,6 +127,7 @@ class RequestTrace:
     ) -> None:  # fmt: skip
         """operation: gen_ai.operation.name, "text_completion" or "chat"."""
         self.model, self.started, self.first_token_at = model, time.monotonic(), 0.0
+        self.last_token_at, self.itl = 0.0, ITL.labels(model)
         self.objectives, self.by = objectives, (model, objectives.tenant, objectives.request_class)
         attributes = {
             "gen_ai.operation.name": operation,
@@ -154,13 +158,21 @@ class RequestTrace:
         self.span.add_event("handed off", {"flagstop.decode_replica": decode_replica})
 
     def first_token(self) -> None:
-        self.first_token_at = time.monotonic()
+        self.first_token_at = self.last_token_at = time.monotonic()
         self.span.add_event("first token")
         self.span.set_attribute(
             "gen_ai.server.time_to_first_token", self.first_token_at - self.started
         )
         TTFT.labels(self.model).observe(self.first_token_at - self.started)
         TENANT_TTFT.labels(*self.by).observe(self.first_token_at - self.started)
+
+    def next_tokens(self) -> None:
+        """A chunk of tokens after the first: vLLM's inter-token latency, one interval
+        per chunk (a step's tokens, or several steps' when the stream fell behind), so
+        it costs the stream one observation per message, never one per token."""
+        now = time.monotonic()
+        self.itl.observe(now - self.last_token_at)
+        self.last_token_at = now
 
     def finish(self, reason: int, num_generated: int) -> None:
         now, name = time.monotonic(), FinishReason(reason).label

@@ -12,8 +12,9 @@
 - Heartbeat: an idle publisher sends an empty batch every second, so a subscriber
   tells silence from loss.
 
-The core's KVEventLog gathers the events; the scheduler's loop calls `flush` after
-each step, the heartbeat task once a second. The null publisher (events off) hands
+The core's KVEventLog gathers the events, already vLLM's structs; the scheduler's
+loop calls `flush` after each step (one step still runs on the executor meanwhile),
+the heartbeat task once a second. The null publisher (events off) hands
 the core the null log and sends nothing."""
 
 import asyncio
@@ -31,7 +32,6 @@ import zmq
 import zmq.asyncio
 
 from flagstop.scheduler_svc.core import kv_events as core
-from flagstop.scheduler_svc.core.kv_groups import KVCacheGroup
 
 log = logging.getLogger("flagstop.scheduler")
 HEARTBEAT_S = 1.0
@@ -58,54 +58,9 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     events: list[Any]
 
 
-class BlockStored(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    block_hashes: list[bytes]
-    parent_block_hash: bytes | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: list[tuple | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-
-
-class BlockRemoved(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    block_hashes: list[bytes]
-    medium: str | None = None
-    group_idx: int | None = None
-
-
-class AllBlocksCleared(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-def spec_kind(group: KVCacheGroup) -> tuple[str, int | None]:
-    """vLLM's kv_cache_spec kind of a group, and its window."""
-    if group.is_recurrent:
-        return "mamba", None
-    if group.is_window:
-        return "sliding_window", group.sliding_window
-    return "full_attention", None
-
-
-def to_wire(event: core.KVEvent, groups: list[KVCacheGroup]) -> msgspec.Struct:
-    match event:
-        case core.BlockStored():
-            kind, window = spec_kind(groups[event.group_idx])
-            return BlockStored(event.block_hashes, event.parent_block_hash, event.token_ids,
-                               event.block_size, None, event.medium, event.lora_name,
-                               event.extra_keys, event.group_idx, kind, window)  # fmt: skip
-        case core.BlockRemoved():
-            return BlockRemoved(event.block_hashes, event.medium, event.group_idx)
-    return AllBlocksCleared()
-
-
 class KVEventPublisher:
-    def __init__(self, config: KVEventsConfig, model: str, groups: list[KVCacheGroup]):
-        self.log, self.groups = core.KVEventLog(), groups
+    def __init__(self, config: KVEventsConfig, model: str) -> None:
+        self.log = core.KVEventLog()
         self.topic = expand_topic(config.topic, model).encode()
         # PUB sends from the step loop and never blocks (past its high-water mark it
         # drops, and the subscriber replays): a plain socket. Replay is awaited.
@@ -127,9 +82,9 @@ class KVEventPublisher:
     def flush(self) -> None:
         """Send the events the core gathered since the last flush, as one batch."""
         if events := self.log.take():
-            self._send([to_wire(e, self.groups) for e in events])
+            self._send(events)
 
-    def _send(self, events: list) -> None:
+    def _send(self, events: list[core.KVEvent]) -> None:
         payload = self.encoder.encode(EventBatch(time.time(), events))
         seq = self.seq.to_bytes(8, "big")
         with contextlib.suppress(zmq.Again):  # past the high-water mark: replayed on demand
@@ -186,10 +141,10 @@ class NoKVEventPublisher:
 NO_KV_EVENT_PUBLISHER = NoKVEventPublisher()
 
 
-def kv_event_publisher(config: KVEventsConfig | None, model: str, groups: list[KVCacheGroup]):
+def kv_event_publisher(config: KVEventsConfig | None, model: str):
     if config is None or not config.enable_kv_cache_events:
         return NO_KV_EVENT_PUBLISHER
-    return KVEventPublisher(config, model, groups)
+    return KVEventPublisher(config, model)
 
 
 def expand_topic(topic: str, model: str) -> str:

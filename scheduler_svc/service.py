@@ -110,7 +110,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.core.eos_token_ids = frozenset(info.model.eos_token_ids)
         self.kv_connector = self.telemetry.kv_connector = self._connector(info, config, groups)
         policy = policy_for(config)
-        self.kv_publisher = self._kv_publisher(info.model.model_name, groups)
+        self.kv_publisher = self._kv_publisher(info.model.model_name)
         scheduler = Scheduler(config, info.model.num_blocks, policy, self.kv_connector, groups,
                               kv_events=self.kv_publisher.log)  # fmt: skip
         self.core.scheduler = scheduler
@@ -143,9 +143,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                  s.executor, info.model.model_name, info.model.num_blocks,
                  info.model.block_size, scheduler.kv_capacity_tokens, extras)  # fmt: skip
 
-    def _kv_publisher(self, model: str, groups) -> KVEventPublisher | NoKVEventPublisher:
+    def _kv_publisher(self, model: str) -> KVEventPublisher | NoKVEventPublisher:
         try:
-            publisher = kv_event_publisher(self.settings.kv_events_config, model, list(groups))
+            publisher = kv_event_publisher(self.settings.kv_events_config, model)
         except zmq.ZMQError as e:
             raise StartupError(f"--kv-events-config: cannot bind its sockets: {e}") from None
         publisher.start()

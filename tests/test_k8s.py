@@ -1,78 +1,41 @@
-"""The Kubernetes manifests, proven offline: every overlay renders with kustomize,
-every object validates against the Kubernetes schemas, the custom resources carry
-what their CRDs require, and every command and variable is one our code takes."""
+"""The Kubernetes manifests, proven offline: every overlay (and deploy/llm-d) renders
+with kustomize, every object validates against the Kubernetes schemas and the custom
+resources against their vendored CRDs, and every command and variable is one our code
+takes."""
 
-import shutil
-import subprocess
-
-import kubernetes_validate
 import pytest
-import yaml
 from pydantic import BaseModel
 
 from tests.helpers.compose import PARSERS
+from tests.helpers.k8s import containers, problems
+from tests.helpers.k8s import render as render_directory
 from tools.stack import ROOT
 
 pytestmark = pytest.mark.processes  # every test here runs processes
 
 K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = ["cpu", "gpu", "tp", "gateway", "pd"]
-KUBERNETES_VERSION = "1.32.0"  # the oldest release we support
-# Custom resources (not in the Kubernetes schemas): the fields their CRDs require.
-CUSTOM = {
-    ("inference.networking.k8s.io/v1", "InferencePool"): [
-        "spec.selector.matchLabels", "spec.targetPorts.0.number",
-        "spec.endpointPickerRef.name", "spec.endpointPickerRef.port.number",
-    ],
-    ("gateway.networking.k8s.io/v1", "HTTPRoute"): [
-        "spec.parentRefs.0.name", "spec.rules.0.backendRefs.0.name",
-    ],
-}  # fmt: skip
+# Each overlay, and the deployment that llm-d routes (docs/llm-d.md).
+DIRECTORIES = {**{name: K8S / "overlays" / name for name in OVERLAYS},
+               "llm-d": ROOT / "deploy" / "llm-d"}  # fmt: skip
 
 
 def render(overlay: str) -> list[dict]:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("no kubectl here (its kustomize renders the overlays): not rendered")
-    done = subprocess.run(
-        [kubectl, "kustomize", str(K8S / "overlays" / overlay)], capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr
-    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+    return render_directory(DIRECTORIES[overlay])
 
 
-def field(obj, path: str):
-    for key in path.split("."):
-        obj = obj[int(key)] if isinstance(obj, list) else obj[key]
-    return obj
-
-
-def containers(objects: list[dict]):
-    for obj in objects:
-        if obj["kind"] == "Deployment":
-            spec = obj["spec"]["template"]["spec"]
-            for container in spec.get("initContainers", []) + spec["containers"]:
-                yield obj["metadata"]["name"], container
-
-
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", DIRECTORIES)
 def test_every_object_validates(overlay):
+    """Kubernetes' kinds by its schemas, the custom resources by their CRDs."""
     objects = render(overlay)
     for obj in objects:
-        key = (obj["apiVersion"], obj["kind"])
-        if key in CUSTOM:
-            for path in CUSTOM[key]:
-                assert field(obj, path) is not None, f"{overlay}: {key} lacks {path}"
-            continue
-        try:
-            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
-        except kubernetes_validate.ValidationError as e:
-            pytest.fail(f"{overlay}: {obj['kind']} {obj['metadata']['name']}: {e.message}")
+        errors = problems(obj)
+        assert not errors, f"{overlay}: {obj['kind']} {obj['metadata']['name']}: {errors}"
     kinds = {obj["kind"] for obj in objects}
     assert {"Deployment", "Service", "PodDisruptionBudget"} <= kinds
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", DIRECTORIES)
 def test_every_command_and_variable_is_one_our_code_takes(overlay, monkeypatch):
     for name, container in containers(render(overlay)):
         command = container["command"]
@@ -81,7 +44,8 @@ def test_every_command_and_variable_is_one_our_code_takes(overlay, monkeypatch):
         # A value the kubelet fills in (the Pod's IP) stands as an address here.
         env = {e["name"]: e.get("value", "10.0.0.1") for e in container.get("env", [])}
         ours = {k: v for k, v in env.items() if prefix and k.startswith(prefix)}
-        assert set(env) - set(ours) <= {"OTEL_SERVICE_NAME"}, f"{name}: {sorted(env)}"
+        # POD_IP: what the KV events' topic names the Pod by (kv@${POD_IP}@${MODEL}).
+        assert set(env) - set(ours) <= {"OTEL_SERVICE_NAME", "POD_IP"}, f"{name}: {sorted(env)}"
         with monkeypatch.context() as patch:
             for variable, value in ours.items():
                 patch.setenv(variable, value)
@@ -90,7 +54,7 @@ def test_every_command_and_variable_is_one_our_code_takes(overlay, monkeypatch):
             assert applied(getattr(parsed, variable.removeprefix(prefix).lower()), value)
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", DIRECTORIES)
 def test_probes_ask_the_health_entries_on_the_ports_served(overlay):
     for name, container in containers(render(overlay)):
         env = {e["name"]: e.get("value") for e in container.get("env", [])}

@@ -17,15 +17,15 @@ from flagstop.scheduler_svc.core.media import MediaPlaceholder
 from flagstop.scheduler_svc.core.output import StepOutcome
 from flagstop.scheduler_svc.core.request import Request, StopParams
 from flagstop.scheduler_svc.core.scheduler import Scheduler
-from flagstop.scheduler_svc.kv_event_publisher import EventBatch, expand_topic, to_wire
+from flagstop.scheduler_svc.kv_event_publisher import EventBatch, expand_topic
 from tests.helpers.kv_events import KVEventSubscriber
 
 BLOCK = 4
 
 
-def engine(num_blocks: int = 16, **images) -> Scheduler:
+def engine(num_blocks: int = 16, **fields) -> Scheduler:
     config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64,
-                             block_size=BLOCK, **images)  # fmt: skip
+                             block_size=BLOCK, **fields)  # fmt: skip
     return Scheduler(config, num_blocks, kv_events=KVEventLog())
 
 
@@ -79,21 +79,31 @@ def test_consecutive_removals_share_an_event():
     log.removed(b"a" * 32)
     log.removed(b"b" * 32)
     log.removed(b"c" * 32 + b"\x01")  # group 1: its own event
-    assert log.take() == [BlockRemoved([b"a" * 32, b"b" * 32]),
-                          BlockRemoved([b"c" * 32 + b"\x01"], 1)]  # fmt: skip
+    assert log.take() == [BlockRemoved([b"a" * 32, b"b" * 32], "GPU", 0),
+                          BlockRemoved([b"c" * 32 + b"\x01"], "GPU", 1)]  # fmt: skip
 
 
 def test_the_wire_is_vllms_positional_tagged_arrays():
-    groups = [KVCacheGroup(FULL_ATTENTION, 0, (0,)), KVCacheGroup(FULL_ATTENTION, 128, (1,))]
-    events = [BlockStored([b"h1", b"h2"], None, [1, 2, 3, 4], 2, "adapter", [("s",), None], 1),
-              BlockRemoved([b"h1"]), AllBlocksCleared()]  # fmt: skip
-    payload = msgspec.msgpack.encode(EventBatch(1.5, [to_wire(e, groups) for e in events]))
+    """The log's events encode as they are: each group's kind and window from the
+    groups the manager described (a second, windowed group here)."""
+    scheduler = engine(max_loras=1)
+    scheduler.kv_events.describe([KVCacheGroup(FULL_ATTENTION, 0, (0,)),
+                                  KVCacheGroup(FULL_ATTENTION, 128, (1,))])  # fmt: skip
+    [stored] = run(scheduler, request("a", list(range(1, 6)), lora_name="adapter", lora_id="d1",
+                                      cache_salt="s"))  # fmt: skip
+    log = scheduler.kv_events
+    log.offloaded(b"h" * 32 + b"\x01", BLOCK)
+    log.removed(b"h" * 32)
+    log.cleared()
+    payload = msgspec.msgpack.encode(EventBatch(1.5, [stored, *log.take()]))
     ts, wire = msgspec.msgpack.decode(payload)
     assert ts == 1.5
-    assert wire[0] == ["BlockStored", [b"h1", b"h2"], None, [1, 2, 3, 4], 2, None, "GPU",
-                       "adapter", [["s"], None], 1, "sliding_window", 128]  # fmt: skip
-    assert wire[1] == ["BlockRemoved", [b"h1"], "GPU", 0]
-    assert wire[2] == ["AllBlocksCleared"]
+    assert wire[0] == ["BlockStored", stored.block_hashes, None, [1, 2, 3, 4], BLOCK, None,
+                       "GPU", "adapter", [["s"]], 0, "full_attention", None]  # fmt: skip
+    assert wire[1] == ["BlockStored", [b"h" * 32 + b"\x01"], None, [], BLOCK, None, "CPU", None,
+                       None, 1, "sliding_window", 128]  # fmt: skip
+    assert wire[2] == ["BlockRemoved", [b"h" * 32], "GPU", 0]
+    assert wire[3] == ["AllBlocksCleared"]
     assert expand_topic("kv@${POD_IP}@${MODEL}", "m").endswith("@m")
 
 

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from flagstop.v1 import generation_pb2
-from tests.helpers.images import VisionReference, drawn
+from tests.helpers.images import VisionReference, data_url, drawn
 from tests.helpers.metrics import scrape
 from tools.make_vision_model import FAMILIES, IMAGE_PART, write_vision_model
 from tools.stack import free_port, start_stack
@@ -24,10 +24,6 @@ pytestmark = pytest.mark.processes
 
 MODEL = "flagstop-tiny-qwen2_5_vl"
 MAX_TOKENS = 8
-
-
-def data_url(image: bytes, kind: str = "image/png") -> str:
-    return f"data:{kind};base64,{base64.b64encode(image).decode()}"
 
 
 class Images(http.server.BaseHTTPRequestHandler):

@@ -133,6 +133,11 @@ def test_metrics_move_with_traffic(traced):
     assert delta("router", "vllm:prompt_tokens_total") == 8
     assert delta("router", "vllm:time_to_first_token_seconds_count") == 2
     assert delta("router", "vllm:e2e_request_latency_seconds_count") == 2
+    # One inter-token interval per chunk after a stream's first: at most a token's each.
+    assert 0 <= delta("router", "vllm:inter_token_latency_seconds_count") <= tokens - 2
+    assert delta("router", "vllm:inter_token_latency_seconds_sum") <= delta(
+        "router", "vllm:e2e_request_latency_seconds_sum")  # fmt: skip
+    assert "vllm:inter_token_latency_seconds_count" + label in after["router"]
     success = str(sorted({"model_name": MODEL, "finished_reason": "length"}.items()))
     assert delta("router", "vllm:request_success_total", success) == 2
     assert delta("scheduler", "flagstop:step_duration_seconds_count") >= 6

@@ -338,6 +338,26 @@ def test_models_tokenize_detokenize_and_tokenizer_info(stack, client):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
 
 
+def test_the_render_routes_give_the_engines_token_ids(stack):
+    """What llm-d's picker hashes (docs/llm-d.md): the token ids /tokenize gives."""
+    base, messages = root(stack), [{"role": "user", "content": "hello"}]
+    tokens = httpx.post(f"{base}/tokenize", json={"prompt": "hello world"}).json()["tokens"]
+    for prompts, expected in ((["hello world", "hello world"], [tokens, tokens]),
+                              ([[5, 6]], [[5, 6]])):  # fmt: skip
+        rendered = httpx.post(f"{base}/v1/completions/render",
+                              json={"model": MODEL, "prompt": prompts}).json()  # fmt: skip
+        assert [r["token_ids"] for r in rendered] == expected
+    chat = httpx.post(f"{base}/tokenize", json={"messages": messages}).json()["tokens"]
+    rendered = httpx.post(
+        f"{base}/v1/chat/completions/render", json={"model": MODEL, "messages": messages}
+    ).json()
+    assert rendered == {"model": MODEL, "token_ids": chat, "features": None}
+    unknown = httpx.post(
+        f"{base}/v1/chat/completions/render", json={"model": "gpt-9", "messages": messages}
+    )
+    assert unknown.status_code == 404
+
+
 def test_the_scheduler_exports_each_series_once(stack, client):
     client.completions.create(model=MODEL, prompt="x", max_tokens=1)
     series = scrape(stack.metrics_ports["scheduler"])

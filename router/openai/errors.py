@@ -132,8 +132,8 @@ def _no_route(request: Request, status: int) -> str:
         return f"{route}: this route takes another method (GET /openapi.json lists each route's)"
     return (f"{route} is not served here; flagstop serves the OpenAI API under /v1 (completions, "
             "chat/completions, responses, models), Anthropic's /v1/messages, vLLM's "
-            "/tokenize and /detokenize, and /health, /ready, /metrics, /version: GET "
-            "/openapi.json lists them")  # fmt: skip
+            "/tokenize, /detokenize and render routes, and /health, /ready, /metrics, "
+            "/version: GET /openapi.json lists them")  # fmt: skip
 
 
 def telling_error(errors: list[dict]) -> dict:

@@ -1,6 +1,9 @@
 """vLLM's tokenizer routes, which eval harnesses probe (lm-eval's remote tokenizer
 backend): /tokenize (a prompt, or chat messages through the chat template),
-/detokenize and /tokenizer_info. They answer from the router's own tokenizer."""
+/detokenize and /tokenizer_info; and its render routes, which llm-d's endpoint picker
+calls for the token ids it hashes to score each pod's cached blocks (docs/llm-d.md):
+/v1/completions/render and /v1/chat/completions/render. They answer from the router's
+own tokenizer, template and image processor."""
 
 from typing import Any
 
@@ -9,11 +12,19 @@ from fastapi.responses import Response
 from pydantic import Field
 
 from flagstop.router.chat import ChatTemplate
+from flagstop.router.media.processor import Processed
 from flagstop.router.openai.chat_path import ChatPath
-from flagstop.router.openai.chat_request import ChatMessage, TemplateParams, ToolDefinition
+from flagstop.router.openai.chat_request import (
+    ChatCompletionRequest,
+    ChatMessage,
+    TemplateParams,
+    ToolDefinition,
+)
 from flagstop.router.openai.errors import OpenAIError, json_response
 from flagstop.router.openai.front import Front, authorized
-from flagstop.router.openai.protocol import EncodableText, TokenId
+from flagstop.router.openai.protocol import CompletionRequest, EncodableText, TokenId
+from flagstop.router.validation import prompt_ids
+from flagstop.scheduler_svc.core.limits import RequestRejected
 
 
 class TokenizeRequest(TemplateParams, EncodableText):
@@ -96,3 +107,38 @@ async def detokenize_route(body: DetokenizeRequest, front: Front) -> Response:
 @api.get("/tokenizer_info")
 async def tokenizer_info_route(front: Front) -> Response:
     return json_response(tokenizer_info(front.engine.tokenizer, front.chat))
+
+
+def render_features(media: Processed | None) -> dict[str, Any] | None:
+    """vLLM's render features: each image's content hash (the one the KV events' extra
+    keys carry, so the picker's keys and the pod's agree) and its placeholder's span."""
+    if media is None:
+        return None
+    return {
+        "mm_hashes": {"image": [m.hash.hex() for m in media.media]},
+        "mm_placeholders": {"image": [{"offset": m.offset, "length": m.length}
+                                      for m in media.media]},
+    }  # fmt: skip
+
+
+@api.post("/v1/completions/render")
+async def completions_render_route(body: CompletionRequest, front: Front) -> Response:
+    """Each prompt's token ids, as /v1/completions would send them to the engine."""
+    model = front.check_model(body.model)
+    tokenizer = front.engine.tokenizer
+    try:
+        rendered = [prompt_ids(body.choice_request(prompt, 0), tokenizer)
+                    for prompt in body.prompts()]  # fmt: skip
+    except RequestRejected as e:
+        raise OpenAIError(400, str(e), e.param) from None
+    return json_response([{"model": model, "token_ids": token_ids, "features": None}
+                          for token_ids in rendered])  # fmt: skip
+
+
+@api.post("/v1/chat/completions/render")
+async def chat_render_route(body: ChatCompletionRequest, front: Front) -> Response:
+    """The prompt's token ids as /v1/chat/completions renders them, images expanded."""
+    model = front.check_model(body.model)
+    prompt = await front.render(body)
+    return json_response({"model": model, "token_ids": prompt.token_ids,
+                          "features": render_features(prompt.media)})  # fmt: skip

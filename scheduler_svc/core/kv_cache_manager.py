@@ -111,6 +111,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, bool(self.window_groups), retention_share, clock,
                               events)  # fmt: skip
         self.events = events
+        events.describe(self.groups)
         # A group's cached blocks are keyed by its hashes and its index: the same tokens
         # are different KV in each group's layers.
         self.group_keys = [group_key(g) for g in range(self.num_groups)]

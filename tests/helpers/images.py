@@ -1,12 +1,17 @@
 """Images drawn in the tests with Pillow, a vision-language checkpoint and its
 processor, and transformers' greedy tokens on them (the oracle)."""
 
+import base64
 import io
 from functools import cache
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
+
+
+def data_url(image: bytes, kind: str = "image/png") -> str:
+    return f"data:{kind};base64,{base64.b64encode(image).decode()}"
 
 
 def drawn(seed: int, width: int = 100, height: int = 70, fmt: str = "PNG") -> bytes:
