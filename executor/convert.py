@@ -2,7 +2,7 @@
 the step plan (the scheduler core's SchedulerOutput) in, sampled tokens out. The plan's
 one encoder is the scheduler's (scheduler_svc/convert.py: step_to_proto)."""
 
-from flagstop.executor.sampling_params import SampleOutput, SamplingParams, TokenLogprobs
+from flagstop.executor.sampling_params import Pooling, SampleOutput, SamplingParams, TokenLogprobs
 from flagstop.scheduler_svc.core.kv_connector import KVConnectorMetadata, KVLoad, KVSend
 from flagstop.scheduler_svc.core.media import media_from_proto
 from flagstop.scheduler_svc.core.output import (
@@ -32,7 +32,18 @@ def sampling_from_proto(p: executor_pb2.SamplingParams) -> SamplingParams:
         frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
         min_p=p.min_p, logit_bias=tuple(sorted(p.logit_bias.items())),
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
+        pooling=pooling_from_proto(p.pooling) if p.HasField("pooling") else None,
     )  # fmt: skip
+
+
+POOLING_TASKS = {generation_pb2.POOLING_TASK_EMBED: "embed"}
+
+
+def pooling_from_proto(p: generation_pb2.PoolingParams) -> Pooling:
+    if p.task not in POOLING_TASKS:
+        raise ValueError(f"pooling task {p.task} is not one this executor runs")
+    normalize = p.normalize if p.HasField("normalize") else None
+    return Pooling(POOLING_TASKS[p.task], p.dimensions, normalize)
 
 
 def sampling_to_proto(p: SamplingParams) -> executor_pb2.SamplingParams:
@@ -48,6 +59,10 @@ def sampling_to_proto(p: SamplingParams) -> executor_pb2.SamplingParams:
     if p.grammar is not None:
         out.structured_outputs.CopyFrom(constraint_to_proto(p.grammar))
         out.structured_outputs.num_prompt_tokens_constrained = p.num_prompt_tokens_constrained
+    if p.pooling is not None:
+        task = next(k for k, v in POOLING_TASKS.items() if v == p.pooling.task)
+        out.pooling.CopyFrom(generation_pb2.PoolingParams(
+            task=task, dimensions=p.pooling.dimensions, normalize=p.pooling.normalize))  # fmt: skip
     return out
 
 
@@ -76,7 +91,7 @@ def plan_from_proto(step: executor_pb2.StepRequest) -> SchedulerOutput:
         plan.scheduled_new_reqs.append(NewRequestData(
             r.req_id, list(r.token_ids), r.num_prompt_tokens,
             sampling_from_proto(r.sampling_params), list(r.block_ids), r.num_computed_tokens,
-            r.lora_name, media_from_proto(r.media),
+            r.lora_name, media_from_proto(r.media), r.sampling_params.HasField("pooling"),
         ))  # fmt: skip
         plan.num_scheduled_tokens[r.req_id] = r.num_scheduled_tokens
     plan.total_num_scheduled_tokens = sum(plan.num_scheduled_tokens.values())
@@ -102,7 +117,7 @@ def result_to_proto(step_id: int, output: SampleOutput) -> executor_pb2.StepResu
         step_id=step_id, sampled_token_ids=output.token_ids,
         num_sampled_tokens=output.num_sampled_tokens, num_draft_tokens=output.num_draft_tokens,
         finished_recving=transfers.finished_recving, failed_recving=transfers.failed_recving,
-        finished_sending=transfers.finished_sending,
+        finished_sending=transfers.finished_sending, pooled=output.pooled,
     )  # fmt: skip
     for token_id, row in zip(output.token_ids, output.logprobs or (), strict=False):
         _fill(result.logprobs.add(token_id=token_id), row)

@@ -18,14 +18,15 @@ class BatchDesync(RuntimeError):
 
 class ScheduledRows(NamedTuple):
     """A step's requests in plan order, by row: tokens to compute (drafts not counted),
-    sequence lengths after the step, which of them sample (indices into rows), and
-    their draft slots."""
+    sequence lengths after the step, which of them sample (indices into rows), their
+    draft slots, and which pooling requests end their prompt (indices into rows)."""
 
     rows: np.ndarray
     num_scheduled: np.ndarray
     seq_lens: np.ndarray
     samples: np.ndarray
     slots: np.ndarray
+    pooled: np.ndarray
 
 
 class InputBatch:
@@ -68,6 +69,7 @@ class InputBatch:
         self.penalized = np.zeros(max_num_reqs, np.bool_)  # any of the three penalties
         self.biased = np.zeros(max_num_reqs, np.bool_)
         self.min_p = np.zeros(max_num_reqs, np.float32)
+        self.pools = np.zeros(max_num_reqs, np.bool_)  # pooling requests' rows
         self.lora_names: list[str | None] = [None] * max_num_reqs  # None: the base model
         # Rows whose request failed here (a grammar that did not compile, an adapter
         # not loaded): they still run (the batch goes on), their tokens are -1, and
@@ -110,7 +112,8 @@ class InputBatch:
         if not self.free_rows:
             raise BatchDesync(f"more than {self.max_num_reqs} requests in the batch")
         num_tokens = len(data.token_ids)
-        if num_tokens >= self.max_model_len:
+        # Room for the token it samples (a pooling request samples none).
+        if num_tokens > self.max_model_len - (0 if data.pools else 1):
             raise BatchDesync(
                 f"{data.req_id}: {num_tokens} tokens, max_model_len {self.max_model_len}"
             )
@@ -135,6 +138,7 @@ class InputBatch:
         self.num_prompt_logprobs[row] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
         self.penalized[row], self.biased[row] = p.has_penalties, bool(p.logit_bias)
         self.min_p[row] = p.min_p
+        self.pools[row] = p.pooling is not None
 
     def _append_blocks(self, row: int, block_ids: Sequence[int]) -> None:
         start, n = self.num_blocks[row], len(block_ids) // self.num_groups
@@ -171,10 +175,11 @@ class InputBatch:
             raise BatchDesync("a request is scheduled past its known tokens")
         if (seq_lens > self.num_blocks[rows] * self.block_size).any():
             raise BatchDesync("a request is scheduled past its blocks")
-        samples = np.flatnonzero(seq_lens == self.num_tokens[rows])
+        ends, pools = seq_lens == self.num_tokens[rows], self.pools[rows]
+        samples, pooled = np.flatnonzero(ends & ~pools), np.flatnonzero(ends & pools)
         if slots.any() and slots[np.setdiff1d(np.arange(len(rows)), samples)].any():
             raise BatchDesync("draft slots for a request that does not sample")
-        return ScheduledRows(rows, num_scheduled, seq_lens, samples, slots)
+        return ScheduledRows(rows, num_scheduled, seq_lens, samples, slots, pooled)
 
     def fail_tokens(self, sampling_rows: np.ndarray, token_ids: list[int]) -> list[int]:
         """The step's tokens (one per entry of sampling_rows) with the failed rows' -1."""

@@ -8,6 +8,17 @@ from flagstop.structured import Constraint
 
 
 @dataclass(slots=True, frozen=True)
+class Pooling:
+    """A pooling request's (docs/pooling.md): what its prompt's last hidden state
+    becomes. embed: the first `dimensions` values (0: all), unit length if normalize
+    (None: as the model does)."""
+
+    task: str = "embed"
+    dimensions: int = 0
+    normalize: bool | None = None
+
+
+@dataclass(slots=True, frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
@@ -29,6 +40,7 @@ class SamplingParams:
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     prompt_logprobs: int | None = None  # None: off; n: each prompt token's and the top n
+    pooling: Pooling | None = None  # set: pooled at the prompt's end, never sampled
 
     @property
     def has_penalties(self) -> bool:

@@ -75,6 +75,11 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
             pixel_dtype=str(runner.dtype).removeprefix("torch.") if mc.vision else "",
             bidirectional_images=mc.vision is not None and mc.vision.layout.bidirectional,
         )  # fmt: skip
+        if (pooling := mc.pooling) is not None:
+            model.pooling_tasks.extend(pooling.tasks)
+            model.embedding_size = pooling.embedding_size
+            model.matryoshka_dimensions.extend(pooling.matryoshka_dimensions)
+            model.matryoshka_any = pooling.matryoshka_any
         return executor_pb2.DescribeExecutorResponse(
             model=model, max_num_seqs=runner.config.max_num_seqs,
             max_num_batched_tokens=runner.config.max_num_batched_tokens,

@@ -4,7 +4,8 @@ finished and preempted requests; which rows sample), but instead of a forward it
 waits the time a GPU would take, from a cost model, and returns deterministic tokens
 (a hash of each request's own tokens). With it the router, the scheduler and gateways
 are load-tested at GPU step rates on a CPU machine, in the manner of llm-d's
-inference simulator. It imports no torch.
+inference simulator. It imports no torch. A pooling model's requests (docs/pooling.md)
+get a unit vector seeded by a hash of their tokens: the right size, not an embedding.
 
     flagstop-executor --simulate --model DIR [--simulate-base-ms 6] ...
 
@@ -197,20 +198,34 @@ class SimulatedRunner:
         self.last_step_seconds = 0.0
         if not plan.num_scheduled_tokens:
             return SampleOutput([])
-        rows, num_scheduled, seq_lens, samples, slots = batch.scheduled_rows(plan)
+        rows, num_scheduled, seq_lens, samples, slots, pooled = batch.scheduled_rows(plan)
         sampling_rows = rows[samples]
         num_computed = int(num_scheduled.sum() + slots.sum())
         self.last_step_seconds = self.cost.seconds(num_computed, int(seq_lens.sum()))
         if not slots.any():
             tokens = self._tokens(sampling_rows)
             batch.advance(rows, num_scheduled, sampling_rows, tokens)
-            return SampleOutput(tokens)
+            return SampleOutput(tokens, pooled=self._pooled(rows[pooled]))
         slots = slots[samples]
         counts = self._accepted(sampling_rows, slots) + 1
         tokens = self._token_runs(sampling_rows, counts)
         batch.advance(rows, num_scheduled, sampling_rows, tokens, counts.tolist())
         return SampleOutput(tokens, num_sampled_tokens=counts.tolist(),
-                            num_draft_tokens=slots.tolist())  # fmt: skip
+                            num_draft_tokens=slots.tolist(),
+                            pooled=self._pooled(rows[pooled]))  # fmt: skip
+
+    def _pooled(self, rows: np.ndarray) -> list[bytes]:
+        """A pooling request's output: a unit vector seeded by a hash of its tokens (the
+        same alone or batched), cut to the dimensions it asked for."""
+        b, size = self.batch, self.model_config.hidden_size
+        out = []
+        for row in rows.tolist():
+            seed = int(self._tokens(np.array([row]))[0])
+            vector = np.random.default_rng(seed).standard_normal(size).astype("<f4")
+            dimensions = b.sampling_params[row].pooling.dimensions or size
+            vector = vector[:dimensions]
+            out.append((vector / np.linalg.norm(vector)).astype("<f4").tobytes())
+        return out
 
     def _accepted(self, rows: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """How many of each row's drafts are accepted: leading hashed coin flips."""

@@ -53,8 +53,12 @@ class StepInputs:
     # one row each (the distribution at that position).
     drafts: "Drafts | None" = None
     # The forward's final hidden states [tokens, hidden], once it ran (the mtp drafter
-    # catches up on them).
+    # catches up on them; the pooler reads the pooling requests' last tokens').
     hidden: torch.Tensor | None = None
+    # Pooling requests whose prompt ends this step: their rows and their last token's
+    # place in the hidden states, plan order.
+    pooling_rows: np.ndarray | None = None
+    pool_indices: np.ndarray | None = None
 
     @property
     def all_logits_indices(self) -> torch.Tensor:
@@ -70,7 +74,7 @@ def prepare_inputs(
 ) -> StepInputs:  # fmt: skip
     """The flattened forward's tensors of one step (InputBatch.scheduled_rows, with
     the drafts already written after their requests' tokens), on the device."""
-    rows, num_scheduled, seq_lens, samples, _ = scheduled
+    rows, num_scheduled, seq_lens, samples, _, pooled = scheduled
     extra = None
     if drafts is not None:
         extra = np.zeros(len(rows), np.int64)
@@ -112,6 +116,8 @@ def prepare_inputs(
         prompt_indices=prompt_indices,
         prompt_chunks=prompt_chunks,
         drafts=drafts,
+        pooling_rows=rows[pooled],
+        pool_indices=cu_tokens[position_in_order[pooled]] - 1,
     )
 
 

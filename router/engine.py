@@ -242,6 +242,9 @@ class RouterEngine:
             self._prefill_facts(msg)
         if msg.logprobs:
             self._logprobs(msg)
+        for request_id, pooled in msg.pooled.items():  # before the ends that follow them
+            if (pending := requests.get(request_id)) is not None:
+                pending.pooled = pooled
         for request_id, token_id in zip(msg.request_ids, msg.token_ids, strict=True):
             pending = requests.get(request_id)
             if pending is not None:

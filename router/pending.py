@@ -78,6 +78,7 @@ class Pending:
     num_cached_tokens: int = 0  # prefix-cache hits, told when it finishes
     # Its retention's ttl, where --max-cache-ttl-s cut it (the APIs' header says so).
     retention_clamped_s: float | None = None
+    pooled: bytes = b""  # a pooling request's output (float32), told as it ends
     # With prompt_logprobs: prompt tokens 1.. as their chunks arrive.
     prompt_logprobs: list[generation_pb2.TokenLogprob | None] | None = None
 

@@ -49,9 +49,10 @@ def splittable(add: scheduler_pb2.AddRequest) -> bool:
     """Whether --pd-threshold may split the request between a prefill and a decode
     replica. Prompt logprobs come out of a prefill's logits, and a remainder bound for
     a decode replica has had its prefill: neither is split (again). Nor is a prompt
-    with images: its prefill and decode run on one replica (docs/multimodal.md)."""
+    with images: its prefill and decode run on one replica (docs/multimodal.md), nor a
+    pooling request, which has no decode."""
     return not (add.sampling.HasField("prompt_logprobs") or add.kv_transfer.remote_endpoint
-                or add.media)  # fmt: skip
+                or add.media or add.sampling.HasField("pooling"))  # fmt: skip
 
 
 # Sessions remembered by the router, the least recently routed forgotten first.

@@ -9,9 +9,20 @@ from google.protobuf.message import DecodeError
 
 from flagstop.router.engine import RouterEngine
 from flagstop.router.pending import RequestFailed
+from flagstop.router.pooling import embed
 from flagstop.v1 import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger("flagstop.router")
+
+
+async def _internal_error(context, e: Exception, request_id: str) -> None:
+    """An unexpected failure of one request: logged on one line (the traceback at
+    debug level), answered INTERNAL with the request id to quote."""
+    log.error("request %s failed: %s: %s", request_id, type(e).__name__, e)
+    log.debug("request %s", request_id, exc_info=e)
+    await context.abort(
+        grpc.StatusCode.INTERNAL, f"internal error; quote request id {request_id} when reporting it"
+    )
 
 
 class Undecodable:
@@ -56,6 +67,10 @@ def add_to_server(service: "GenerationService", server) -> None:
             service.UnloadLoRAAdapter,
             request_deserializer=_tolerant(generation_pb2.UnloadLoRAAdapterRequest),
             response_serializer=generation_pb2.UnloadLoRAAdapterResponse.SerializeToString,
+        ),
+        "Embed": grpc.unary_unary_rpc_method_handler(
+            service.Embed, request_deserializer=_tolerant(generation_pb2.EmbedRequest),
+            response_serializer=generation_pb2.EmbedResponse.SerializeToString,
         ),
     }  # fmt: skip
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
@@ -106,10 +121,25 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             await context.abort(e.code, e.message)
         return generation_pb2.UnloadLoRAAdapterResponse()
 
+    async def Embed(self, request: generation_pb2.EmbedRequest,
+                    context) -> generation_pb2.EmbedResponse:  # fmt: skip
+        await _refuse_undecodable(request, context)
+        try:
+            return await embed(self.engine, request, context.invocation_metadata())
+        except RequestFailed as e:
+            await context.abort(e.code, e.message, e.trailing_metadata)
+        except Exception as e:  # one request's bug: the others and the process go on
+            await _internal_error(context, e, uuid.uuid4().hex)
+
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         await _refuse_undecodable(request, context)
+        if request.HasField("pooling"):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "pooling is set by the router: ask Embed for embeddings",
+            )
         request_id = None
         try:
             media = await self.engine.process_images(request) if request.images else None
@@ -120,10 +150,4 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         except RequestFailed as e:
             await context.abort(e.code, e.message, e.trailing_metadata)
         except Exception as e:  # one request's bug: the others and the process go on
-            request_id = request_id or uuid.uuid4().hex
-            log.error("request %s failed: %s: %s", request_id, type(e).__name__, e)
-            log.debug("request %s", request_id, exc_info=e)
-            await context.abort(
-                grpc.StatusCode.INTERNAL,
-                f"internal error; quote request id {request_id} when reporting it",
-            )
+            await _internal_error(context, e, request_id or uuid.uuid4().hex)

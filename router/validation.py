@@ -28,14 +28,35 @@ class ModelLimits:
     max_model_len: int
     kv_capacity_tokens: int  # the scheduler's (its KV cache groups), else the pool's
     eos_token_ids: tuple[int, ...]
+    # A pooling model's (docs/pooling.md): its tasks (none: it generates), its
+    # embedding's size and the sizes it may be cut to (any below it, or those listed).
+    pooling_tasks: tuple[str, ...] = ()
+    embedding_size: int = 0
+    matryoshka_dimensions: tuple[int, ...] = ()
+    matryoshka_any: bool = False
 
     @classmethod
     def of(cls, info: generation_pb2.ModelInfo) -> "ModelLimits":
         return cls(
             vocab_size=info.vocab_size, max_model_len=info.max_model_len,
             kv_capacity_tokens=info.kv_capacity_tokens or info.num_blocks * info.block_size,
-            eos_token_ids=tuple(info.eos_token_ids),
+            eos_token_ids=tuple(info.eos_token_ids), pooling_tasks=tuple(info.pooling_tasks),
+            embedding_size=info.embedding_size,
+            matryoshka_dimensions=tuple(info.matryoshka_dimensions),
+            matryoshka_any=info.matryoshka_any,
         )  # fmt: skip
+
+    def dimensions_refusal(self, dimensions: int) -> str | None:
+        """Why an embedding cannot be cut to `dimensions` (0: uncut), None: it can."""
+        size = self.embedding_size
+        if dimensions in (0, size) or dimensions in self.matryoshka_dimensions:
+            return None
+        if self.matryoshka_any and 0 < dimensions < size:
+            return None
+        sizes = ", ".join(map(str, (*self.matryoshka_dimensions, size)))
+        if self.matryoshka_any:
+            sizes = f"any number from 1 to {size}"
+        return f"dimensions={dimensions}: this model's embeddings can have {sizes}"
 
 
 def validate(
@@ -43,6 +64,8 @@ def validate(
 ) -> executor_pb2.SamplingParams:
     """Raises RequestRejected; returns the executor's sampling parameters."""
     _check_tokens(prompt_token_ids, limits)
+    if request.HasField("pooling") or limits.pooling_tasks:
+        return _pooling(request, len(prompt_token_ids), limits)
     temperature = request.temperature if request.HasField("temperature") else 1.0
     top_p = request.top_p if request.HasField("top_p") else 1.0
     if not (math.isfinite(temperature) and temperature >= 0):
@@ -128,6 +151,23 @@ def _structured(request: generation_pb2.GenerateRequest) -> generation_pb2.Struc
     if refusal := check(constraint):
         raise RequestRejected(refusal, "structured_outputs")
     return constraint_to_proto(constraint)
+
+
+def _pooling(request, num_prompt: int, limits: ModelLimits) -> executor_pb2.SamplingParams:
+    """A pooling request's parameters; a request of the other kind than the model's is
+    refused, saying where to send it."""
+    if not request.HasField("pooling"):
+        raise RequestRejected("this is an embedding model: it generates no text; ask it for "
+                              "embeddings (/v1/embeddings, gRPC Embed)", "model")  # fmt: skip
+    if not limits.pooling_tasks:
+        raise RequestRejected("this model generates text; it makes no embeddings: serve an "
+                              "embedding model for them (docs/pooling.md)", "model")  # fmt: skip
+    check_request_length(num_prompt, None, limits.max_model_len, limits.kv_capacity_tokens,
+                         pools=True)  # fmt: skip
+    if refusal := limits.dimensions_refusal(request.pooling.dimensions):
+        raise RequestRejected(refusal, "dimensions")
+    _check_salt(request.cache_salt)
+    return executor_pb2.SamplingParams(pooling=request.pooling)
 
 
 def _check_tokens(prompt_token_ids: list[int], limits: ModelLimits) -> None:

@@ -67,6 +67,7 @@ def request_from_proto(
         retention=retention_from_proto(add),
         cache_salt=add.cache_salt,
         session_id=add.session_id,
+        pools=add.sampling.HasField("pooling"),
     )  # fmt: skip
 
 
@@ -159,4 +160,4 @@ def outcome_from_result(result: executor_pb2.StepResult) -> StepOutcome:
         transfers = KVTransferResult(result.finished_recving, result.failed_recving,
                                      result.finished_sending)  # fmt: skip
     return StepOutcome(result.sampled_token_ids, result.num_sampled_tokens,
-                       result.num_draft_tokens, transfers)  # fmt: skip
+                       result.num_draft_tokens, transfers, result.pooled)  # fmt: skip

@@ -97,13 +97,15 @@ class KVEventPublisher:
         self.task = asyncio.get_running_loop().create_task(self._serve())
 
     async def _serve(self) -> None:
-        """Once a second: events gathered between steps, or a heartbeat; and replay
-        requests as they come."""
+        """Replay requests as they come; events gathered between steps within a second;
+        a heartbeat once a second of silence (waited for exactly: a fixed one-second
+        poll let up to two seconds pass between beats)."""
         while True:
-            if self.replay is not None and await self.replay.poll(HEARTBEAT_S * 1000):
+            wait = max(0.0, self.last_sent + HEARTBEAT_S - time.monotonic())
+            if self.replay is not None and await self.replay.poll(int(wait * 1000)):
                 await self._answer(await self.replay.recv_multipart())
             elif self.replay is None:
-                await asyncio.sleep(HEARTBEAT_S)
+                await asyncio.sleep(wait)
             self.flush()
             if time.monotonic() - self.last_sent >= HEARTBEAT_S:
                 self._send([])

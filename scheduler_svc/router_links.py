@@ -175,6 +175,8 @@ class RouterLinks:
             )  # fmt: skip
             for request_id, handoff in out.kv_transfers.items():
                 msg.kv_transfers[request_id].CopyFrom(handoff_to_proto(handoff))
+            for request_id, pooled in out.pooled.items():
+                msg.pooled[request_id] = pooled
             if logprobs:
                 msg.logprobs.extend(self._in_order(out.req_ids, logprobs))
             conn.outbox.put_nowait(msg)

@@ -511,10 +511,10 @@ def test_responses_takes_outputs_as_parts_and_refuses_what_it_cannot_serve(clien
 
 
 def test_unknown_routes_name_the_path_and_version_answers(stack):
-    reply = httpx.post(f"{root(stack)}/v1/embeddings", json={"input": "x"})
+    reply = httpx.post(f"{root(stack)}/v1/audio/speech", json={"input": "x"})
     assert reply.status_code == 404
     message = reply.json()["error"]["message"]
-    assert "POST /v1/embeddings" in message and "/openapi.json" in message
+    assert "POST /v1/audio/speech" in message and "/openapi.json" in message
     assert httpx.get(f"{root(stack)}/version").json()["version"]
 
 

@@ -31,6 +31,9 @@ class Trace:
     def first_token(self) -> None:
         pass
 
+    def next_tokens(self) -> None:
+        pass
+
     def finish(self, reason: int, num_generated: int) -> None:
         pass
 

@@ -147,9 +147,9 @@ def test_a_subscriber_rebuilds_the_prefix_cache_and_misses_nothing(events_stack)
     live = [(seq, events) for _, seq, events in frames]
     assert replay(replay_endpoint, seqs[0])[: len(live)] == live
 
-    # Idle: a heartbeat (an empty batch) about once a second.
+    # Idle: a heartbeat (an empty batch) once a second of silence.
     count = len(subscriber.frames)
-    time.sleep(2.5)
+    time.sleep(3)
     idle = subscriber.frames[count:]
     assert len(idle) >= 2 and all(events == [] for _, _, events in idle)
 

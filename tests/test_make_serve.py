@@ -18,6 +18,7 @@ from pathlib import Path
 
 import anthropic
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -323,5 +324,28 @@ def test_make_serve_arch_vision_reads_an_image_token_for_token(tmp_path, arch):
         reference = VisionReference(ROOT / "models" / f"flagstop-tiny-{arch}")
         text = f"<s><|user|>\nDescribe {FAMILIES[arch].image_part}\n<|assistant|>\n"
         assert served_ids == reference.greedy(text, [image], 10)
+    finally:
+        served.stop()
+
+
+def test_make_serve_arch_qwen3_embedding_serves_sentence_transformers_embeddings(tmp_path):
+    """`make serve ARCH=qwen3_embedding` writes the Qwen3-Embedding-shaped checkpoint and
+    serves embeddings (docs/pooling.md): the openai SDK's and raw HTTP's equal
+    sentence-transformers' on the same weights."""
+    from sentence_transformers import SentenceTransformer
+
+    served = Served(tmp_path, "ARCH=qwen3_embedding")
+    try:
+        served.wait_ready()
+        model = "flagstop-tiny-qwen3_embedding"
+        inputs = ["what keeps a GPU busy?", "continuous batching"]
+        client = openai.OpenAI(base_url=f"{served.http}/v1", api_key="none", max_retries=0)
+        reply = client.embeddings.create(model=model, input=inputs)
+        raw = httpx.post(f"{served.http}/v1/embeddings", json={"model": model, "input": inputs},
+                         timeout=60).json()  # fmt: skip
+        reference = SentenceTransformer(str(ROOT / "models" / model), device="cpu")
+        expected = reference.encode(inputs)
+        for got in ([d.embedding for d in reply.data], [d["embedding"] for d in raw["data"]]):
+            np.testing.assert_allclose(np.asarray(got, np.float32), expected, atol=1e-5)
     finally:
         served.stop()

@@ -358,6 +358,11 @@ def test_the_render_routes_give_the_engines_token_ids(stack):
     assert unknown.status_code == 404
 
 
+def test_a_generator_refuses_embeddings_saying_why(client):
+    with pytest.raises(openai.BadRequestError, match="generates text; it makes no embeddings"):
+        client.embeddings.create(model=MODEL, input="hello")
+
+
 def test_the_scheduler_exports_each_series_once(stack, client):
     client.completions.create(model=MODEL, prompt="x", max_tokens=1)
     series = scrape(stack.metrics_ports["scheduler"])

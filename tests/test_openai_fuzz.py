@@ -32,7 +32,7 @@ OPERATIONS = [
     "GET /v1/models", "GET /v1/models/{model_id}", "POST /v1/completions",
     "POST /v1/chat/completions", "POST /v1/responses", "POST /tokenize", "POST /detokenize",
     "GET /tokenizer_info", "GET /health", "GET /ready", "POST /v1/completions/render",
-    "POST /v1/chat/completions/render",
+    "POST /v1/chat/completions/render", "POST /v1/embeddings",
 ]  # fmt: skip
 
 

@@ -31,7 +31,7 @@ from flagstop.scheduler_svc.core.kv_groups import (
 from flagstop.scheduler_svc.core.request import FinishReason, Request, Retention, StopParams
 from flagstop.scheduler_svc.core.scheduler import Scheduler
 from tests.helpers.fake_kv_tier import FakeTierWorker, FlakyHostTier, prefill_side_blocks
-from tests.helpers.hash_model import Driver, HashModelExecutor, reference_tokens
+from tests.helpers.hash_model import Driver, HashModelExecutor, pooled_output, reference_tokens
 from tests.helpers.kv_events import KVEventSubscriber
 from tests.helpers.scheduler_invariants import check_idle, check_invariants
 
@@ -163,6 +163,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.adapter_of: dict[str, str] = {}
         self.turns: list[tuple[list[int], str]] = []  # (a prompt and its answer, adapter)
         self.handed_off: set[str] = set()  # requests a prefill replica is to hand off
+        self.pooled: dict[str, bytes] = {}  # pooling requests' expected outputs
 
     def _new_executor(self) -> None:
         num_blocks = self.scheduler.kv.pool.num_blocks
@@ -206,15 +207,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         adapter=st.sampled_from(["", "", "a", "b", "c"]),
         disaggregated=st.booleans(),
         retention=st.sampled_from(RETENTIONS),
+        pooling=st.sampled_from([False, False, False, True]),
     )
     def add(
         self, prefix, prefix_len, suffix, max_tokens, min_tokens, ignore_eos, stop_token, priority,
-        adapter, disaggregated, retention,
+        adapter, disaggregated, retention, pooling,
     ):  # fmt: skip
         # An empty suffix sends a shared prefix alone: identical prompts, some block-aligned.
+        # A pooling request (an embedding's, a reranker's) computes its prompt only.
         prompt = (PREFIXES[prefix][:prefix_len] if prefix is not None else []) + suffix
         self._add(prompt, max_tokens, min_tokens, ignore_eos, stop_token, priority, adapter,
-                  disaggregated, retention)  # fmt: skip
+                  disaggregated and not pooling, retention, pooling)  # fmt: skip
 
     @precondition(lambda self: self.turns)
     @rule(
@@ -230,14 +233,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         self._add(prompt + suffix, max_tokens, 0, True, None, 0, adapter, retention=retention)
 
     def _add(self, prompt, max_tokens, min_tokens, ignore_eos, stop_token, priority, adapter,
-             disaggregated=False, retention=None):  # fmt: skip
+             disaggregated=False, retention=None, pooling=False):  # fmt: skip
         if not prompt:
             return
         stop = StopParams(
             max_tokens, min_tokens, ignore_eos, frozenset() if stop_token is None else {stop_token}
         )
         room = min(self.scheduler.kv_capacity_tokens, MAX_MODEL_LEN)
-        if len(prompt) + max_tokens > room:
+        if len(prompt) + (1 if pooling else max_tokens) > room:
             return  # rejected at admission; covered by the unit tests
         rid = f"r{next(self.ids)}"
         adapter = adapter if self.config.max_loras else ""
@@ -246,7 +249,10 @@ class SchedulerMachine(RuleBasedStateMachine):
                           lora_id=adapter and f"files-of-{adapter}",
                           retention=retention and Retention(*retention, len(prompt)))  # fmt: skip
         expected = reference_tokens(prompt, stop, EOS, VOCAB, MAX_MODEL_LEN)
-        if disaggregated and self.kv_role == "prefill":
+        if pooling:
+            request.pools, expected = True, []
+            self.pooled[rid] = pooled_output(prompt)
+        elif disaggregated and self.kv_role == "prefill":
             request.do_remote_decode = True  # it ends with its first token
             if len(expected) > 1:
                 self.handed_off.add(rid)
@@ -297,6 +303,9 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert got == expected[: len(got)], rid
             else:
                 assert got == expected, rid
+            if rid in self.pooled and rid not in self.aborted:
+                assert self.driver.pooled[rid] == self.pooled[rid], rid
+                assert self.driver.finish_reasons[rid] == FinishReason.STOP, rid
             if rid in self.handed_off and rid not in self.aborted:
                 assert self.driver.finish_reasons[rid] == FinishReason.TRANSFER, rid
         if self.config.policy == "fcfs":

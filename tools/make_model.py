@@ -99,6 +99,8 @@ SIZES = {
 # (about the active share of Qwen3-30B-A3B's 128 of 768 and top-8).
 ARCHS = {
     "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama"},
+    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+              "use_sliding_window": False},
     "qwen3_moe": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
                   "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
                   "use_sliding_window": False},
@@ -155,6 +157,8 @@ ARCHS = {
 }  # fmt: skip
 # Vision-language models (tools/make_vision_model.py: made by transformers' classes).
 VISION_ARCHS = ("qwen2_5_vl", "qwen3_vl", "gemma3_vl")
+# Pooling models (tools/make_pooling_model.py).
+POOLING_ARCHS = ("qwen3_embedding",)
 DEEPSEEK_LAYOUT = ("deepseek_v3", "glm4_moe")  # routed + shared experts, first layer dense
 GEMMA_PATTERN = 6  # a global layer after every 5 local ones
 NUM_EXPERTS, EXPERTS_PER_TOKEN = 8, 2
@@ -272,7 +276,7 @@ def mlp_shapes(config: dict, prefix: str) -> dict[str, tuple[int, ...]]:
     h, i = config["hidden_size"], config["intermediate_size"]
     arch = config["model_type"]
     layer = int(prefix.split(".")[2])
-    dense = ("llama", "gemma3_text", "granite")
+    dense = ("llama", "qwen3", "gemma3_text", "granite")
     if arch in dense or layer < config.get("first_k_dense_replace", 0):
         return {f"{prefix}mlp.{n}_proj.weight": s for n, s in
                 (("gate", (i, h)), ("up", (i, h)), ("down", (h, i)))}  # fmt: skip
@@ -330,7 +334,7 @@ def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
         if config["model_type"] == "glm4_moe":  # biased q/k/v
             shapes |= {p + f"self_attn.{n}_proj.bias": (size,)
                        for n, size in (("q", q), ("k", kv), ("v", kv))}  # fmt: skip
-        if config["model_type"] in ("qwen3_moe", "gemma3_text", "glm4_moe"):  # q/k RMSNorm
+        if config["model_type"] in ("qwen3", "qwen3_moe", "gemma3_text", "glm4_moe"):  # q/k norm
             shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
         if config["model_type"] == "gpt_oss":  # biased attention, sinks
             shapes |= {p + f"self_attn.{n}_proj.bias": (size,)
@@ -508,7 +512,8 @@ def write_json(path: Path, data: dict) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m tools.make_model", description=__doc__)
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
-    parser.add_argument("--arch", choices=sorted([*ARCHS, *VISION_ARCHS]), default="llama")
+    parser.add_argument("--arch", choices=sorted([*ARCHS, *VISION_ARCHS, *POOLING_ARCHS]),
+                        default="llama")  # fmt: skip
     parser.add_argument(
         "--out", type=Path, default=None, help="default: models/flagstop-SIZE[-ARCH]"
     )
@@ -537,6 +542,10 @@ def main() -> None:
         from tools.make_vision_model import write_vision_model
 
         model = write_vision_model(out, args.size, args.seed, arch=args.arch)
+    elif args.arch in POOLING_ARCHS:
+        from tools.make_pooling_model import write_pooling_model
+
+        model = write_pooling_model(out, args.size, args.seed, arch=args.arch)
     else:
         model = write_model(out, args.size, args.seed, args.arch, args.thinking, args.harmony)
     print(f"wrote {model}")

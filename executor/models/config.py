@@ -3,7 +3,7 @@ Llama decoder's fields, and the sections its family's declaration adds
 (config_sections.py, families/)."""
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ from flagstop.executor.models.config_sections import (
     language_fields,
 )
 from flagstop.executor.models.families import ARCHITECTURES, Architecture
+from flagstop.executor.models.pooling_config import PoolingConfig, pooling_config
 from flagstop.executor.models.quantization import ConfigError, QuantConfig
 from flagstop.scheduler_svc.core.kv_groups import (
     ATTENTION_TYPES,
@@ -105,6 +106,8 @@ class ModelConfig:
     recurrent: RecurrentConfig | None = None
     multipliers: Multipliers | None = None  # Granite's scalars (None: all 1)
     vision: VisionConfig | None = None  # a vision-language model's images (None: text)
+    # A pooling model's (embeddings: docs/pooling.md); None: a model that generates.
+    pooling: PoolingConfig | None = None
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":
@@ -112,7 +115,10 @@ class ModelConfig:
         # generation_config.json's EOS ids win: chat models list their turn-end there.
         generation = Path(model_dir) / "generation_config.json"
         generation_config = json.loads(generation.read_text()) if generation.exists() else {}
-        return cls.from_hf(hf, generation_config.get("eos_token_id"))
+        config = cls.from_hf(hf, generation_config.get("eos_token_id"))
+        backbone = _architecture_name(hf) in BACKBONES
+        pooling = pooling_config(Path(model_dir), hf, backbone, config.hidden_size)
+        return config if pooling is None else replace(config, pooling=pooling)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], eos: int | list[int] | None = None) -> "ModelConfig":
@@ -192,8 +198,22 @@ class ModelConfig:
                 for t in self.layer_types]  # fmt: skip
 
 
+# A bare backbone (transformers' Qwen3Model, LlamaModel: an embedding model's
+# checkpoint) runs its family's decoder without the LM head.
+BACKBONES = {
+    name.removesuffix("ForCausalLM") + "Model": name
+    for name, arch in ARCHITECTURES.items()
+    if name.endswith("ForCausalLM") and arch.vision is None
+}
+
+
+def _architecture_name(hf: dict[str, Any]) -> str:
+    return (hf.get("architectures") or ["?"])[0]
+
+
 def _architecture(hf: dict[str, Any]) -> Architecture:
-    architecture = (hf.get("architectures") or ["?"])[0]
+    architecture = _architecture_name(hf)
+    architecture = BACKBONES.get(architecture, architecture)
     if architecture not in ARCHITECTURES:
         raise ConfigError(
             f"unsupported architecture {architecture!r}; supported: {sorted(ARCHITECTURES)}"

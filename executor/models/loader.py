@@ -60,6 +60,9 @@ VISION_TENSORS = tuple(
     for model in ("", "model.")
     for name in ("visual", "vision_tower", "multi_modal_projector")
 )
+# A bare backbone's tensors (an embedding model's checkpoint: transformers' Qwen3Model
+# saves them without the causal LM's "model." prefix).
+BACKBONE_TENSORS = ("embed_tokens.", "layers.", "norm.")
 # The name a checkpoint tensor loads as in a model (its HF form), None: not this model's.
 Names = Callable[[str], str | None]
 
@@ -79,6 +82,8 @@ def main_layers(num_layers: int) -> Names:
     def name(hf_name: str) -> str | None:
         if hf_name.startswith(("mtp.", *VISION_TENSORS)):
             return None  # an image encoder's: models/vision.py loads them
+        if hf_name.startswith(BACKBONE_TENSORS):  # a bare backbone's (Qwen3Model's)
+            hf_name = "model." + hf_name
         hf_name = language_name(hf_name)
         return hf_name if (m := LAYER.match(hf_name)) is None or int(m[1]) < num_layers else None
 
@@ -151,6 +156,9 @@ def load_weights(model: nn.Module, model_dir: str | Path, names: Names | None = 
                 loaded.add(t)
         quantized.load_complete()
     quantized.check_none_left()
+    if config.pooling is not None and Target("lm_head.weight") not in loaded:
+        model.lm_head.weight = model.embed_tokens.weight  # an embedding model has none
+        loaded.add(Target("lm_head.weight"))
     _check_complete(model, params, loaded, num_experts)
 
 

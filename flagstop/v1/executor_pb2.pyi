@@ -116,7 +116,7 @@ class DescribeExecutorResponse(_message.Message):
     def __init__(self, model: _Optional[_Union[_generation_pb2.ModelInfo, _Mapping]] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., speculative_method: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., kv_engine_id: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed", "min_tokens", "stop_token_ids", "logprobs", "structured_outputs", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_p", "logit_bias", "prompt_logprobs")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "min_tokens", "stop_token_ids", "logprobs", "structured_outputs", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_p", "logit_bias", "prompt_logprobs", "pooling")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,7 @@ class SamplingParams(_message.Message):
     MIN_P_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -152,7 +153,8 @@ class SamplingParams(_message.Message):
     min_p: float
     logit_bias: _containers.ScalarMap[int, float]
     prompt_logprobs: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[int] = ..., structured_outputs: _Optional[_Union[_generation_pb2.StructuredOutputs, _Mapping]] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
+    pooling: _generation_pb2.PoolingParams
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[int] = ..., structured_outputs: _Optional[_Union[_generation_pb2.StructuredOutputs, _Mapping]] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., prompt_logprobs: _Optional[int] = ..., pooling: _Optional[_Union[_generation_pb2.PoolingParams, _Mapping]] = ...) -> None: ...
 
 class NewRequestData(_message.Message):
     __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "sampling_params", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "lora_name", "media")
@@ -265,7 +267,7 @@ class StepRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., plan: _Optional[_Union[SchedulerOutput, _Mapping]] = ..., heartbeat: _Optional[bool] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled_token_ids", "logprobs", "heartbeat", "prompt_logprobs", "num_sampled_tokens", "num_draft_tokens", "finished_recving", "failed_recving", "finished_sending")
+    __slots__ = ("step_id", "sampled_token_ids", "logprobs", "heartbeat", "prompt_logprobs", "num_sampled_tokens", "num_draft_tokens", "finished_recving", "failed_recving", "finished_sending", "pooled")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -276,6 +278,7 @@ class StepResult(_message.Message):
     FINISHED_RECVING_FIELD_NUMBER: _ClassVar[int]
     FAILED_RECVING_FIELD_NUMBER: _ClassVar[int]
     FINISHED_SENDING_FIELD_NUMBER: _ClassVar[int]
+    POOLED_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
@@ -286,7 +289,8 @@ class StepResult(_message.Message):
     finished_recving: _containers.RepeatedScalarFieldContainer[str]
     failed_recving: _containers.RepeatedScalarFieldContainer[str]
     finished_sending: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., heartbeat: _Optional[bool] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., num_sampled_tokens: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., finished_recving: _Optional[_Iterable[str]] = ..., failed_recving: _Optional[_Iterable[str]] = ..., finished_sending: _Optional[_Iterable[str]] = ...) -> None: ...
+    pooled: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., heartbeat: _Optional[bool] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., num_sampled_tokens: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., finished_recving: _Optional[_Iterable[str]] = ..., failed_recving: _Optional[_Iterable[str]] = ..., finished_sending: _Optional[_Iterable[str]] = ..., pooled: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PromptLogprobs(_message.Message):
     __slots__ = ("req_id", "first_token", "logprobs")

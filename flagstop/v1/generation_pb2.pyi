@@ -7,6 +7,11 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class PoolingTask(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    POOLING_TASK_UNSPECIFIED: _ClassVar[PoolingTask]
+    POOLING_TASK_EMBED: _ClassVar[PoolingTask]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
@@ -18,6 +23,8 @@ class KVRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_ROLE_BOTH: _ClassVar[KVRole]
     KV_ROLE_PREFILL: _ClassVar[KVRole]
     KV_ROLE_DECODE: _ClassVar[KVRole]
+POOLING_TASK_UNSPECIFIED: PoolingTask
+POOLING_TASK_EMBED: PoolingTask
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -66,7 +73,7 @@ class UnloadLoRAAdapterResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "temperature", "top_p", "top_k", "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "priority", "logprobs", "labels", "structured_outputs", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_p", "logit_bias", "prompt_logprobs", "num_speculative_tokens", "lora_name", "slo_ttft_ms", "slo_tpot_ms", "tenant", "request_class", "images", "retention", "cache_salt", "session_id")
+    __slots__ = ("prompt", "prompt_token_ids", "temperature", "top_p", "top_k", "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "priority", "logprobs", "labels", "structured_outputs", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_p", "logit_bias", "prompt_logprobs", "num_speculative_tokens", "lora_name", "slo_ttft_ms", "slo_tpot_ms", "tenant", "request_class", "images", "retention", "cache_salt", "session_id", "pooling")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +119,7 @@ class GenerateRequest(_message.Message):
     RETENTION_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     temperature: float
@@ -143,7 +151,69 @@ class GenerateRequest(_message.Message):
     retention: Retention
     cache_salt: str
     session_id: str
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., priority: _Optional[int] = ..., logprobs: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., structured_outputs: _Optional[_Union[StructuredOutputs, _Mapping]] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., prompt_logprobs: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., lora_name: _Optional[str] = ..., slo_ttft_ms: _Optional[float] = ..., slo_tpot_ms: _Optional[float] = ..., tenant: _Optional[str] = ..., request_class: _Optional[str] = ..., images: _Optional[_Iterable[_Union[ImageInput, _Mapping]]] = ..., retention: _Optional[_Union[Retention, _Mapping]] = ..., cache_salt: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
+    pooling: PoolingParams
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., priority: _Optional[int] = ..., logprobs: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., structured_outputs: _Optional[_Union[StructuredOutputs, _Mapping]] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., prompt_logprobs: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., lora_name: _Optional[str] = ..., slo_ttft_ms: _Optional[float] = ..., slo_tpot_ms: _Optional[float] = ..., tenant: _Optional[str] = ..., request_class: _Optional[str] = ..., images: _Optional[_Iterable[_Union[ImageInput, _Mapping]]] = ..., retention: _Optional[_Union[Retention, _Mapping]] = ..., cache_salt: _Optional[str] = ..., session_id: _Optional[str] = ..., pooling: _Optional[_Union[PoolingParams, _Mapping]] = ...) -> None: ...
+
+class PoolingParams(_message.Message):
+    __slots__ = ("task", "dimensions", "normalize")
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    task: PoolingTask
+    dimensions: int
+    normalize: bool
+    def __init__(self, task: _Optional[_Union[PoolingTask, str]] = ..., dimensions: _Optional[int] = ..., normalize: _Optional[bool] = ...) -> None: ...
+
+class EmbedRequest(_message.Message):
+    __slots__ = ("inputs", "dimensions", "normalize", "lora_name", "labels", "priority", "cache_salt", "tenant", "request_class")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_CLASS_FIELD_NUMBER: _ClassVar[int]
+    inputs: _containers.RepeatedCompositeFieldContainer[EmbedInput]
+    dimensions: int
+    normalize: bool
+    lora_name: str
+    labels: _containers.ScalarMap[str, str]
+    priority: int
+    cache_salt: str
+    tenant: str
+    request_class: str
+    def __init__(self, inputs: _Optional[_Iterable[_Union[EmbedInput, _Mapping]]] = ..., dimensions: _Optional[int] = ..., normalize: _Optional[bool] = ..., lora_name: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., tenant: _Optional[str] = ..., request_class: _Optional[str] = ...) -> None: ...
+
+class EmbedInput(_message.Message):
+    __slots__ = ("text", "token_ids")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("embeddings", "usage")
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
+    usage: Usage
+    def __init__(self, embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+
+class Embedding(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Retention(_message.Message):
     __slots__ = ("priority", "ttl_s", "num_tokens")
@@ -270,7 +340,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "max_model_len", "eos_token_ids", "block_size", "num_blocks", "lora_adapters", "max_loras", "num_host_blocks", "kv_role", "kv_layout", "kv_layers", "kv_capacity_tokens", "accepts_images", "max_num_encoder_input_tokens", "encoder_cache_size", "pixel_dtype", "bidirectional_images", "retention_share", "max_retention_s")
+    __slots__ = ("model_name", "vocab_size", "max_model_len", "eos_token_ids", "block_size", "num_blocks", "lora_adapters", "max_loras", "num_host_blocks", "kv_role", "kv_layout", "kv_layers", "kv_capacity_tokens", "accepts_images", "max_num_encoder_input_tokens", "encoder_cache_size", "pixel_dtype", "bidirectional_images", "retention_share", "max_retention_s", "pooling_tasks", "embedding_size", "matryoshka_dimensions", "matryoshka_any")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -291,6 +361,10 @@ class ModelInfo(_message.Message):
     BIDIRECTIONAL_IMAGES_FIELD_NUMBER: _ClassVar[int]
     RETENTION_SHARE_FIELD_NUMBER: _ClassVar[int]
     MAX_RETENTION_S_FIELD_NUMBER: _ClassVar[int]
+    POOLING_TASKS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MATRYOSHKA_DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    MATRYOSHKA_ANY_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     max_model_len: int
@@ -311,7 +385,11 @@ class ModelInfo(_message.Message):
     bidirectional_images: bool
     retention_share: float
     max_retention_s: float
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ..., max_loras: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., kv_role: _Optional[_Union[KVRole, str]] = ..., kv_layout: _Optional[str] = ..., kv_layers: _Optional[_Iterable[_Union[KVCacheLayer, _Mapping]]] = ..., kv_capacity_tokens: _Optional[int] = ..., accepts_images: _Optional[bool] = ..., max_num_encoder_input_tokens: _Optional[int] = ..., encoder_cache_size: _Optional[int] = ..., pixel_dtype: _Optional[str] = ..., bidirectional_images: _Optional[bool] = ..., retention_share: _Optional[float] = ..., max_retention_s: _Optional[float] = ...) -> None: ...
+    pooling_tasks: _containers.RepeatedScalarFieldContainer[str]
+    embedding_size: int
+    matryoshka_dimensions: _containers.RepeatedScalarFieldContainer[int]
+    matryoshka_any: bool
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ..., max_loras: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., kv_role: _Optional[_Union[KVRole, str]] = ..., kv_layout: _Optional[str] = ..., kv_layers: _Optional[_Iterable[_Union[KVCacheLayer, _Mapping]]] = ..., kv_capacity_tokens: _Optional[int] = ..., accepts_images: _Optional[bool] = ..., max_num_encoder_input_tokens: _Optional[int] = ..., encoder_cache_size: _Optional[int] = ..., pixel_dtype: _Optional[str] = ..., bidirectional_images: _Optional[bool] = ..., retention_share: _Optional[float] = ..., max_retention_s: _Optional[float] = ..., pooling_tasks: _Optional[_Iterable[str]] = ..., embedding_size: _Optional[int] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., matryoshka_any: _Optional[bool] = ...) -> None: ...
 
 class KVCacheLayer(_message.Message):
     __slots__ = ("attention", "sliding_window", "sinks", "kv_bytes_per_token")

@@ -54,6 +54,11 @@ class GenerationStub:
                 request_serializer=flagstop_dot_v1_dot_generation__pb2.UnloadLoRAAdapterRequest.SerializeToString,
                 response_deserializer=flagstop_dot_v1_dot_generation__pb2.UnloadLoRAAdapterResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/flagstop.v1.Generation/Embed',
+                request_serializer=flagstop_dot_v1_dot_generation__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=flagstop_dot_v1_dot_generation__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -90,6 +95,16 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embeddings of a pooling model's inputs (docs/pooling.md), one per input, in
+        order: INVALID_ARGUMENT naming the input or field at fault (an empty input, one
+        past the model's length, dimensions it cannot give), FAILED_PRECONDITION from a
+        model that generates (and Generate's from a pooling model).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +127,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.UnloadLoRAAdapter,
                     request_deserializer=flagstop_dot_v1_dot_generation__pb2.UnloadLoRAAdapterRequest.FromString,
                     response_serializer=flagstop_dot_v1_dot_generation__pb2.UnloadLoRAAdapterResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=flagstop_dot_v1_dot_generation__pb2.EmbedRequest.FromString,
+                    response_serializer=flagstop_dot_v1_dot_generation__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +242,33 @@ class Generation:
             '/flagstop.v1.Generation/UnloadLoRAAdapter',
             flagstop_dot_v1_dot_generation__pb2.UnloadLoRAAdapterRequest.SerializeToString,
             flagstop_dot_v1_dot_generation__pb2.UnloadLoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagstop.v1.Generation/Embed',
+            flagstop_dot_v1_dot_generation__pb2.EmbedRequest.SerializeToString,
+            flagstop_dot_v1_dot_generation__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -132,7 +132,7 @@ class RequestError(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class SchedulerMessage(_message.Message):
-    __slots__ = ("step_id", "request_ids", "token_ids", "logprobs", "finished_ids", "finish_reasons", "errors", "credits", "load", "prompt_logprobs", "num_cached_tokens", "kv_transfers")
+    __slots__ = ("step_id", "request_ids", "token_ids", "logprobs", "finished_ids", "finish_reasons", "errors", "credits", "load", "prompt_logprobs", "num_cached_tokens", "kv_transfers", "pooled")
     class KvTransfersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +140,13 @@ class SchedulerMessage(_message.Message):
         key: str
         value: KVTransferParams
         def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[KVTransferParams, _Mapping]] = ...) -> None: ...
+    class PooledEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +159,7 @@ class SchedulerMessage(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    POOLED_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -164,7 +172,8 @@ class SchedulerMessage(_message.Message):
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_executor_pb2.PromptLogprobs]
     num_cached_tokens: _containers.RepeatedScalarFieldContainer[int]
     kv_transfers: _containers.MessageMap[str, KVTransferParams]
-    def __init__(self, step_id: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., finished_ids: _Optional[_Iterable[str]] = ..., finish_reasons: _Optional[_Iterable[_Union[RequestFinish, str]]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., credits: _Optional[int] = ..., load: _Optional[_Union[ReplicaLoad, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_executor_pb2.PromptLogprobs, _Mapping]]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ..., kv_transfers: _Optional[_Mapping[str, KVTransferParams]] = ...) -> None: ...
+    pooled: _containers.ScalarMap[str, bytes]
+    def __init__(self, step_id: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., finished_ids: _Optional[_Iterable[str]] = ..., finish_reasons: _Optional[_Iterable[_Union[RequestFinish, str]]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., credits: _Optional[int] = ..., load: _Optional[_Union[ReplicaLoad, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_executor_pb2.PromptLogprobs, _Mapping]]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ..., kv_transfers: _Optional[_Mapping[str, KVTransferParams]] = ..., pooled: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
 
 class ReplicaLoad(_message.Message):
     __slots__ = ("num_running", "num_waiting", "kv_cache_usage", "running_loras", "waiting_loras", "lora_adapters_version", "num_host_cached_blocks", "external_prefix_cache_hits", "executor_lost", "prefix_cache_queries", "prefix_cache_hits")

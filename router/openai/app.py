@@ -12,7 +12,15 @@ from fastapi import FastAPI
 
 from flagstop.router.chat import ChatTemplate
 from flagstop.router.engine import RouterEngine
-from flagstop.router.openai import completions, messages, models, ops, responses, tokenize
+from flagstop.router.openai import (
+    completions,
+    embeddings,
+    messages,
+    models,
+    ops,
+    responses,
+    tokenize,
+)
 from flagstop.router.openai.errors import BodyLimit, Contained, add_error_handlers
 from flagstop.router.openai.front import OpenAIFront
 from flagstop.router.settings import RouterSettings
@@ -30,7 +38,7 @@ def create_app(engine: RouterEngine, settings: RouterSettings, chat: ChatTemplat
     add_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
     app.add_middleware(Contained)
-    for surface in (models, completions, responses, messages, tokenize, ops):
+    for surface in (models, completions, responses, messages, embeddings, tokenize, ops):
         app.include_router(surface.api)
     return app
 

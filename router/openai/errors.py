@@ -131,7 +131,7 @@ def _no_route(request: Request, status: int) -> str:
     if status == 405:
         return f"{route}: this route takes another method (GET /openapi.json lists each route's)"
     return (f"{route} is not served here; flagstop serves the OpenAI API under /v1 (completions, "
-            "chat/completions, responses, models), Anthropic's /v1/messages, vLLM's "
+            "chat/completions, responses, embeddings, models), Anthropic's /v1/messages, vLLM's "
             "/tokenize, /detokenize and render routes, and /health, /ready, /metrics, "
             "/version: GET /openapi.json lists them")  # fmt: skip
 

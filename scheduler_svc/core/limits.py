@@ -15,11 +15,15 @@ class RequestRejected(ValueError):
 
 
 def check_request_length(
-    num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, kv_capacity_tokens: int
-) -> None:
-    """max_tokens None: up to max_model_len (at least one token is generated)."""
+    num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, kv_capacity_tokens: int,
+    pools: bool = False,
+) -> None:  # fmt: skip
+    """max_tokens None: up to max_model_len (at least one token is generated). pools:
+    a pooling request's, which generates none (its input is all it computes)."""
     if num_prompt_tokens == 0:
         raise RequestRejected("the prompt is empty: send at least one token", "prompt")
+    if pools:
+        return _check_input_length(num_prompt_tokens, max_model_len, kv_capacity_tokens)
     if max_tokens is not None and max_tokens < 1:
         raise RequestRejected(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
     total = num_prompt_tokens + (max_tokens or 1)
@@ -39,12 +43,21 @@ def check_request_length(
         )
 
 
+def _check_input_length(num_tokens: int, max_model_len: int, kv_capacity_tokens: int) -> None:
+    limit, what = min(max_model_len, kv_capacity_tokens), "max_model_len"
+    if kv_capacity_tokens < max_model_len:
+        what = "whole KV cache"
+    if num_tokens > limit:
+        raise RequestRejected(f"the input ({num_tokens} tokens) exceeds the model's {what} of "
+                              f"{limit} tokens: shorten it", "input")  # fmt: skip
+
+
 def check_admissible(request: Request, max_model_len: int, kv_capacity_tokens: int,
                      max_loras: int) -> None:  # fmt: skip
     """What the scheduler checks again on admission: the length against its own
     limits, and that a LoRA request can run here under a known identity."""
     check_request_length(request.num_prompt_tokens, request.stop.max_tokens, max_model_len,
-                         kv_capacity_tokens)  # fmt: skip
+                         kv_capacity_tokens, request.pools)  # fmt: skip
     name = request.lora_name
     if name and not max_loras:
         raise RequestRejected(f"LoRA adapter {name!r}: this engine serves none (start the "

@@ -32,6 +32,7 @@ class NewRequestData:
     num_computed_tokens: int = 0  # prefix-cache hits: already in the KV cache
     lora_name: str = ""  # the LoRA adapter it runs ("": the base model alone)
     media: tuple[MediaPlaceholder, ...] = ()  # its images' hashes and placeholders
+    pools: bool = False  # a pooling request: pooled at its prompt's end, never sampled
 
     @classmethod
     def from_request(
@@ -39,7 +40,7 @@ class NewRequestData:
     ) -> "NewRequestData":
         return cls(request.request_id, token_ids, request.num_prompt_tokens,
                    request.sampling_params, block_ids, request.num_computed_tokens,
-                   request.lora_name, request.media)  # fmt: skip
+                   request.lora_name, request.media, request.pools)  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -73,6 +74,9 @@ class SchedulerOutput:
     # executor returns one token for each, in this order. (The executor finds them
     # from its own token counts and leaves this empty.)
     sampling_requests: list[Request] = field(default_factory=list)
+    # Scheduler-side only: the pooling requests whose prompt ends this step, in batch
+    # order; the executor returns a pooled output for each, in this order.
+    pooling_requests: list[Request] = field(default_factory=list)
     # Speculative decoding: the draft slots of the decodes that have some (counted in
     # num_scheduled_tokens), and the block tables to cut before this step's new blocks
     # (rejected drafts gave back the blocks past their request's tokens).
@@ -114,14 +118,21 @@ class StepOutcome:
     num_sampled_tokens: Sequence[int] = ()
     num_draft_tokens: Sequence[int] = ()
     transfers: KVTransferResult = NO_TRANSFERS
+    # A pooled output per pooling request of the plan, in plan order (float32 bytes;
+    # empty: the executor failed that request).
+    pooled: Sequence[bytes] = ()
 
     def check(self, plan: "SchedulerOutput") -> None:
-        """Raises ValueError when its tokens cannot be the plan's sampling requests'."""
+        """Raises ValueError when its tokens cannot be the plan's sampling requests', or
+        its pooled outputs the pooling requests'."""
         sampling, counts = plan.sampling_requests, self.num_sampled_tokens
         expected = sum(counts) if counts else len(sampling)
         if len(self.token_ids) != expected or (counts and len(counts) != len(sampling)):
             raise ValueError(f"step {plan.step_id}: {len(self.token_ids)} sampled tokens for "
                              f"{len(sampling)} sampling requests")  # fmt: skip
+        if len(self.pooled) != len(plan.pooling_requests):
+            raise ValueError(f"step {plan.step_id}: {len(self.pooled)} pooled outputs for "
+                             f"{len(plan.pooling_requests)} pooling requests")  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -134,3 +145,5 @@ class OwnerOutputs:
     num_cached_tokens: list[int] = field(default_factory=list)  # per finished entry
     # Requests handed off (FinishReason.TRANSFER): where their KV waits.
     kv_transfers: dict[str, KVHandoff] = field(default_factory=dict)
+    # Pooling requests that ended: their pooled outputs (float32 bytes).
+    pooled: dict[str, bytes] = field(default_factory=dict)

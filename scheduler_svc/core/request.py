@@ -139,6 +139,10 @@ class Request:
     do_remote_decode: bool = False
     kv_handoff: KVHandoff | None = None
     remote_prefill: KVHandoff | None = None
+    # A pooling request (an embedding, a score, a class: docs/pooling.md) is prefill
+    # only: at its prompt's end the executor pools its hidden states instead of
+    # sampling, and it ends there, its blocks cached as any prompt's.
+    pools: bool = False
     # Its images (media.py), by prompt position: their hashes key its blocks, and the
     # encoder cache computes their embeddings before a chunk reaches them.
     media: tuple[MediaPlaceholder, ...] = ()
@@ -199,6 +203,8 @@ class Request:
         self.max_num_tokens = max_model_len
         if stop.max_tokens is not None:
             self.max_num_tokens = min(self.num_prompt_tokens + stop.max_tokens, max_model_len)
+        if self.pools:  # its prompt, all of it: it ends there whatever the limits
+            self.max_num_tokens = self.num_prompt_tokens + 1
         self.stop_ids = stop_token_ids(stop.stop_token_ids, self.eos_token_ids, stop.ignore_eos)
         if self.num_speculative_tokens is not None:
             self.num_speculative_tokens = max(0, self.num_speculative_tokens)

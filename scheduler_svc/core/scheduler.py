@@ -418,7 +418,8 @@ class Scheduler:
         for request in step.admitted_reqs:
             request.status = RUNNING
         # In num_scheduled_tokens order: running first, then admitted.
-        output.num_context_tokens = step.advance(output.sampling_requests)
+        output.num_context_tokens = step.advance(output.sampling_requests,
+                                                 output.pooling_requests)  # fmt: skip
         output.encoder_frees = self.encoder.take_frees()
         self.finished_req_ids = set()
         self.step_id += 1
@@ -447,10 +448,26 @@ class Scheduler:
                     if (status := self._append_token(request, token_id, out)) is not None:
                         ended.append((request, status))
                         break  # nothing past a stop
+        if plan.pooling_requests:
+            self._pooled(plan.pooling_requests, outcome.pooled, outputs, ended)
         if ended:
             self._end(ended, outputs)
         self.transfers.update(self.kv, outcome.transfers)
         return outputs
+
+    @staticmethod
+    def _pooled(
+        pooling: list[Request], pooled: Sequence[bytes], outputs: dict[str, OwnerOutputs],
+        ended: list[tuple[Request, RequestStatus]],
+    ) -> None:  # fmt: skip
+        """Each pooling request's pooled output ends it (empty: the executor failed it)."""
+        for request, data in zip(pooling, pooled, strict=True):
+            if request.status.is_finished:
+                continue  # aborted while this step was in flight
+            out = outputs.get(request.owner) or outputs.setdefault(request.owner, OwnerOutputs())
+            if data:
+                out.pooled[request.request_id] = data
+            ended.append((request, FINISHED_STOPPED if data else FINISHED_ERROR))
 
     def _append_plain(
         self, sampling: list[Request], token_ids: Sequence[int],

@@ -65,9 +65,10 @@ class Step:
         if num_tokens > 1:
             self.prefill_budget += num_tokens
 
-    def advance(self, sampling: list[Request]) -> int:
+    def advance(self, sampling: list[Request], pooling: list[Request]) -> int:
         """Advance the scheduled requests, running then admitted (the plan's order);
-        those that reach their end sample: appended to `sampling`. Returns the step's
+        those that reach their end sample: appended to `sampling` (a pooling request
+        pools instead, with no token in flight: to `pooling`). Returns the step's
         context tokens.
 
         Advanced at schedule time, not on output, so that the next step can be
@@ -85,6 +86,9 @@ class Step:
                 if request.num_computed_tokens - num_drafts == (
                     len(request.all_token_ids) + request.num_output_placeholders  # with spec
                 ):
+                    if request.pools:
+                        pooling.append(request)
+                        continue
                     request.num_output_placeholders += 1 + num_drafts
                     sampling.append(request)
         return num_context

@@ -11,6 +11,9 @@ With draft slots in a plan it speculates like the real executor: it proposes dra
 the KV cache after the request's tokens, and verifies them against its hash, so
 rollbacks, trims and multi-token outputs go through the same read-back.
 
+A pooling request (request.pools) samples nothing: at its prompt's end its pooled
+output is the digest of its prompt read back through the block table (`pooled`).
+
 With KV cache groups (kv_groups.py) each token is written through every group's block
 table, tagged with its group; the hash reads the first full-attention group, and
 every window group's read of the window before each sampled position must find its
@@ -66,10 +69,16 @@ class _CachedRequest:
     token_ids: list[int]
     block_ids: list[list[int]]  # per group
     num_computed_tokens: int
+    pools: bool = False
 
 
 def _digest(tokens: list[int]) -> bytes:
     return hashlib.blake2b(repr(tuple(tokens)).encode(), digest_size=8).digest()
+
+
+def pooled_output(prompt: list[int]) -> bytes:
+    """What one pooling request alone must get back: the oracle of its pooled output."""
+    return b"pooled:" + _digest(prompt)
 
 
 def split_groups(block_ids, num_groups: int) -> list[list[int]]:
@@ -97,8 +106,10 @@ class HashModelExecutor:
         self.requests: dict[str, _CachedRequest] = {}
         self.draft_error_rate = draft_error_rate
         self.rng = random.Random(seed)
-        # Drafts proposed per sampling request, by step id (the StepResult's column).
+        # Drafts proposed per sampling request, and the pooling requests' outputs, by
+        # step id (the StepResult's columns).
         self.num_drafts: dict[int, list[int]] = {}
+        self.pooled: dict[int, list[bytes]] = {}
 
     def _slot(self, state: _CachedRequest, position: int, group: int = 0) -> int:
         block = state.block_ids[group][position // self.block_size]
@@ -128,15 +139,19 @@ class HashModelExecutor:
                     if g not in self.recurrent:
                         self.kv[self._slot(state, pos, g)] = (token, pos, g)
             self._advance_states(state, start, state.token_ids[:start] + written)
-        sampled, num_drafts = [], []
+        sampled, num_drafts, pooled = [], [], []
         for rid, num_new in plan.num_scheduled_tokens.items():
             state = self.requests[rid]
             state.num_computed_tokens += num_new - slots.get(rid, 0)
-            if state.num_computed_tokens == len(state.token_ids):
+            if state.num_computed_tokens == len(state.token_ids) and state.pools:
+                pooled.append(pooled_output(self._context(state)))
+            elif state.num_computed_tokens == len(state.token_ids):
                 sampled.append(self._verify(state, drafts.get(rid, [])))
                 num_drafts.append(len(drafts.get(rid, [])))
         if slots:
             self.num_drafts[plan.step_id] = num_drafts
+        if pooled:
+            self.pooled[plan.step_id] = pooled
         return sampled
 
     def _advance_states(self, state: _CachedRequest, start: int, tokens: list[int]) -> None:
@@ -201,7 +216,7 @@ class HashModelExecutor:
             assert data.req_id not in self.requests, f"{data.req_id} sent twice"
             self.requests[data.req_id] = _CachedRequest(
                 list(data.token_ids), split_groups(data.block_ids, num_groups),
-                data.num_computed_tokens,
+                data.num_computed_tokens, data.pools,
             )  # fmt: skip
         cached = plan.scheduled_cached_reqs
         for rid, num_computed, new_ids in zip(
@@ -223,13 +238,17 @@ class HashModelExecutor:
         for g, window in enumerate(self.windows):
             if window:  # what the group's layers read: the window before position n
                 self._read(state, range(max(0, n - window), n), g)
-        if self.hash_group is None:
-            tokens = state.token_ids[:n]
-        else:
-            tokens = self._read(state, range(n), self.hash_group)
-        token = next_token(tokens, self.vocab_size)
+        token = next_token(self._context(state), self.vocab_size)
         state.token_ids.append(token)
         return token
+
+    def _context(self, state: _CachedRequest) -> list[int]:
+        """Its computed tokens, read back through the first full-attention group's
+        block table (the windows alone: as known)."""
+        n = state.num_computed_tokens
+        if self.hash_group is None:
+            return state.token_ids[:n]
+        return self._read(state, range(n), self.hash_group)
 
     def _read(self, state: _CachedRequest, positions: range, g: int) -> list[int]:
         context = [self.kv[self._slot(state, pos, g)] for pos in positions]
@@ -254,6 +273,7 @@ class Driver:
     tier_worker: Any = None
     in_flight: deque[tuple[SchedulerOutput, list[list[int]], Any]] = field(default_factory=deque)
     tokens: dict[str, list[int]] = field(default_factory=dict)
+    pooled: dict[str, bytes] = field(default_factory=dict)
     finish_reasons: dict[str, object] = field(default_factory=dict)
     num_steps: int = 0
 
@@ -281,6 +301,7 @@ class Driver:
             outcome = StepOutcome(flat, counts, num_drafts, transfers or NO_TRANSFERS)
         else:
             outcome = StepOutcome([t for [t] in sampled], transfers=transfers or NO_TRANSFERS)
+        outcome.pooled = self.executor.pooled.pop(plan.step_id, [])
         for owner_outputs in self.scheduler.update_from_output(plan, outcome).values():
             self._record(owner_outputs)
 
@@ -288,6 +309,9 @@ class Driver:
         for rid, token in zip(out.req_ids, out.new_token_ids, strict=True):
             assert rid not in self.finish_reasons, f"token for {rid} after it finished"
             self.tokens.setdefault(rid, []).append(token)
+        for rid in out.pooled:
+            assert rid not in self.tokens and rid not in self.pooled, f"{rid} pooled twice"
+        self.pooled.update(out.pooled)
         self.finish_reasons.update(out.finished)
 
     def run(self, max_steps: int = 100_000) -> None:
