@@ -72,7 +72,7 @@ COMPOSE := $(if $(strip $(PROFILES)),COMPOSE_PROFILES=$(subst $() ,$(comma),$(st
 	$(if $(SPEC),SPEC='$(SPEC)') $(if $(filter-out grpcio,$(GRPC_SERVER)),GRPC_SERVER=$(GRPC_SERVER)) \
 	$(DOCKER_COMPOSE) -f compose/compose.yaml $(if $(GPU),-f compose/compose.gpu.yaml)
 
-.PHONY: venv test test-fast kernels-sm90 lint bench bench-executor bench-kv-tier bench-kv-groups bench-mla bench-recurrent bench-lora bench-replicas bench-structured bench-multimodal bench-sessions bench-llm-d model proto serve up down logs ps clean
+.PHONY: venv test test-fast kernels-sm90 lint bench bench-executor bench-kv-tier bench-kv-groups bench-mla bench-recurrent bench-lora bench-replicas bench-structured bench-multimodal bench-sessions bench-llm-d bench-pooling model proto serve up down logs ps clean
 
 venv: $(STAMP)
 
@@ -252,6 +252,12 @@ bench-sessions: $(STAMP)
 # (about 5 minutes).
 bench-llm-d: $(STAMP)
 	$(PY) bench/llm_d_bench.py
+	$(PY) bench/report.py
+
+# Embeddings against sentence-transformers on the same weights, and reranking's shape
+# with the prefix cache on and off (docs/pooling.md; about 5 minutes).
+bench-pooling: $(STAMP)
+	$(PY) bench/pooling_bench.py
 	$(PY) bench/report.py
 
 # The host tier on a multi-turn workload that outgrows the pool (the small model on
