@@ -140,7 +140,8 @@ proto: $(STAMP)
 
 model: $(MODEL_DIR)/config.json
 
-$(MODEL_DIR)/config.json: $(STAMP) tools/make_model.py tools/make_vision_model.py
+$(MODEL_DIR)/config.json: $(STAMP) tools/make_model.py tools/make_vision_model.py \
+		tools/make_pooling_model.py
 	$(PY) -m tools.make_model --size $(SIZE) --arch $(ARCH) --out $(MODEL_DIR) \
 		$(if $(THINKING),--thinking) $(if $(HARMONY),--harmony)
 
@@ -161,7 +162,12 @@ EXECUTOR_METRICS_PORT ?= 8003
 ROUTER_ARGS ?=
 SCHEDULER_ARGS ?=
 EXECUTOR_ARGS ?=
+# config.json's fields replaced (vLLM's --hf-overrides); ARCH=qwen3_reranker's: serve
+# Qwen3-Reranker as a yes/no scorer, as vLLM does (docs/pooling.md).
+RERANKER_OVERRIDES := {"architectures":["Qwen3ForSequenceClassification"],"classifier_from_token":["no","yes"],"is_original_qwen3_reranker":true}
+HF_OVERRIDES ?= $(if $(filter qwen3_reranker,$(ARCH)),$(RERANKER_OVERRIDES))
 EXECUTOR_FLAGS = --model $(MODEL) --tensor-parallel-size $(TP) \
+	$(if $(HF_OVERRIDES),--hf-overrides '$(HF_OVERRIDES)') \
 	$(if $(filter 1,$(EP)),--expert-parallel) $(if $(SPEC),--speculative-config '$(SPEC)') \
 	$(if $(MAX_LORAS),--max-loras $(MAX_LORAS)) $(if $(LORA),--lora-modules '$(LORA)') \
 	$(if $(MAX_LORA_RANK),--max-lora-rank $(MAX_LORA_RANK)) \

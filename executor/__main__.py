@@ -37,7 +37,7 @@ def load_runner(settings: ExecutorConfig, membership):
     from flagstop.executor.parallel import check_divisible
 
     try:
-        mc = ModelConfig.from_pretrained(settings.model)
+        mc = ModelConfig.from_pretrained(settings.model, settings.hf_overrides)
     except ConfigError as e:  # read, and names what it cannot run
         raise StartupError(f"{settings.model}/config.json: {e}") from None
     except (OSError, ValueError, KeyError) as e:
@@ -46,18 +46,29 @@ def load_runner(settings: ExecutorConfig, membership):
     if why := check_divisible(mc, size, settings.expert_parallel):
         raise StartupError(f"--tensor-parallel-size {size}: {why}")
     if size == 1:
-        return ModelRunner(settings), None
+        return _model_runner(settings, ModelRunner), None
     # One thread per rank unless told otherwise: ranks share the machine's cores.
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     group = start_group(settings, membership)
     try:
-        runner = ModelRunner(settings, group.tp, lambda: join(group), group.device)
+        runner = _model_runner(settings, ModelRunner, group.tp, lambda: join(group), group.device)
         driver = GroupDriver(group)
         runner.drafter.channel = driver  # rank 0 sends each step's drafts to the others
         return runner, driver
     except BaseException:
         group.stop_children()
         raise
+
+
+def _model_runner(settings: ExecutorConfig, runner_class, *args):
+    """The runner; a checkpoint the model's parts refuse at load (a classification
+    head of the wrong shape) stops start-up naming it."""
+    from flagstop.executor.models.config import ConfigError
+
+    try:
+        return runner_class(settings, *args)
+    except ConfigError as e:
+        raise StartupError(f"{settings.model}: {e}") from None
 
 
 def simulated_runner(settings: ExecutorConfig):

@@ -3,7 +3,7 @@ limits. The executor's settings (executor/settings.py) are this plus what every
 service takes, so each field and its validation is written once."""
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -13,6 +13,7 @@ from pydantic import (
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -102,6 +103,11 @@ class ExecutorConfig(BaseModel):
     stays tensor-parallel"""
     tp_timeout: PositiveFloat = 30.0
     """seconds a rank waits for the others in a collective before the group is lost"""
+    hf_overrides: dict[str, Any] = Field(default_factory=dict)
+    """config.json fields over the checkpoint's, as JSON (vLLM's flag): Qwen3-Reranker
+    is served as a yes/no scorer with {"architectures": ["Qwen3ForSequenceClassification"],
+    "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}
+    (docs/pooling.md)"""
     speculative_config: SpeculativeConfig | None = None
     """speculative decoding, as vLLM's JSON: {"method": "ngram"|"draft_model"|"suffix",
     "num_speculative_tokens": k, ...} (docs/speculative.md)"""
@@ -126,11 +132,13 @@ class ExecutorConfig(BaseModel):
     microseconds a token (an 8B model's 128 KiB of KV a token over a 200 Gb/s NIC, like
     the step costs above)"""
 
-    @field_validator("speculative_config", mode="before")
+    @field_validator("speculative_config", "hf_overrides", mode="before")
     @classmethod
-    def _unset_when_empty(cls, value):
+    def _unset_when_empty(cls, value, info: ValidationInfo):
         # compose passes ${SPEC:-}: an empty value is no speculative decoding.
-        return None if isinstance(value, str) and not value.strip() else value
+        if isinstance(value, str) and not value.strip():
+            return None if info.field_name == "speculative_config" else {}
+        return value
 
     @property
     def num_speculative_tokens(self) -> int:

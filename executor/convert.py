@@ -36,14 +36,17 @@ def sampling_from_proto(p: executor_pb2.SamplingParams) -> SamplingParams:
     )  # fmt: skip
 
 
-POOLING_TASKS = {generation_pb2.POOLING_TASK_EMBED: "embed"}
+POOLING_TASKS = {generation_pb2.POOLING_TASK_EMBED: "embed",
+                 generation_pb2.POOLING_TASK_CLASSIFY: "classify",
+                 generation_pb2.POOLING_TASK_SCORE: "score"}  # fmt: skip
 
 
 def pooling_from_proto(p: generation_pb2.PoolingParams) -> Pooling:
     if p.task not in POOLING_TASKS:
         raise ValueError(f"pooling task {p.task} is not one this executor runs")
     normalize = p.normalize if p.HasField("normalize") else None
-    return Pooling(POOLING_TASKS[p.task], p.dimensions, normalize)
+    activation = p.activation if p.HasField("activation") else True
+    return Pooling(POOLING_TASKS[p.task], p.dimensions, normalize, activation)
 
 
 def sampling_to_proto(p: SamplingParams) -> executor_pb2.SamplingParams:
@@ -62,7 +65,8 @@ def sampling_to_proto(p: SamplingParams) -> executor_pb2.SamplingParams:
     if p.pooling is not None:
         task = next(k for k, v in POOLING_TASKS.items() if v == p.pooling.task)
         out.pooling.CopyFrom(generation_pb2.PoolingParams(
-            task=task, dimensions=p.pooling.dimensions, normalize=p.pooling.normalize))  # fmt: skip
+            task=task, dimensions=p.pooling.dimensions, normalize=p.pooling.normalize,
+            activation=p.pooling.activation))  # fmt: skip
     return out
 
 

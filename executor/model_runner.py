@@ -33,7 +33,7 @@ from flagstop.executor.media import Images, TextOnly, pixels_from_bytes
 from flagstop.executor.models.config import ModelConfig
 from flagstop.executor.models.loader import load_model
 from flagstop.executor.parallel import SINGLE, TensorParallel
-from flagstop.executor.pooler import pooled_outputs
+from flagstop.executor.pooler import build_pooler, pooled_outputs
 from flagstop.executor.prompt_logprobs import prompt_logprobs
 from flagstop.executor.rejection_sampler import verify
 from flagstop.executor.sampling import sample
@@ -89,7 +89,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
         self.attention_backend = attention_backend(config.attention_backend, self.device)
-        self.model = load_model(config.model, self.dtype, self.device, tp, self.attention_backend)
+        self.model = load_model(config.model, self.dtype, self.device, tp, self.attention_backend,
+                                config.hf_overrides)  # fmt: skip
         self.kv_cache_dtype = self.dtype if config.kv_cache_dtype == "auto" else torch.float8_e4m3fn
         self.model.set_kv_cache_dtype(self.kv_cache_dtype)
         self.max_loras = config.max_loras
@@ -111,6 +112,7 @@ class ModelRunner:
         self.speculative_method = config.speculative_method
         self.drafter = make_drafter(config, self, tp.rank)
         self.media = media_component(config, mc, self.dtype, self.device)
+        self.pooler = build_pooler(mc, config.model, self.device)
         self.grammars = GrammarRows(config.model, mc.vocab_size, mc.eos_token_ids,
                                     config.max_num_seqs)  # fmt: skip
         self.last_inputs: StepInputs | None = None  # ranks > 0: awaiting sampled tokens
@@ -280,8 +282,7 @@ class ModelRunner:
         batch, rows = self.batch, inputs.pooling_rows.tolist()
         params = [batch.sampling_params[row].pooling for row in rows]
         failed = [row in batch.failed_rows for row in rows]
-        normalize = self.model_config.pooling.normalize if self.model_config.pooling else True
-        return pooled_outputs(inputs.hidden, inputs.pool_indices, params, failed, normalize)
+        return pooled_outputs(self.pooler, inputs.hidden, inputs.pool_indices, params, failed)
 
     def _with_transfers(self, output: SampleOutput) -> SampleOutput:
         output.transfers, self.transfers = self.transfers, NO_TRANSFERS

@@ -11,11 +11,13 @@ from flagstop.structured import Constraint
 class Pooling:
     """A pooling request's (docs/pooling.md): what its prompt's last hidden state
     becomes. embed: the first `dimensions` values (0: all), unit length if normalize
-    (None: as the model does)."""
+    (None: as the model does); classify, score: the class probabilities, or with
+    activation False the logits."""
 
     task: str = "embed"
     dimensions: int = 0
     normalize: bool | None = None
+    activation: bool = True
 
 
 @dataclass(slots=True, frozen=True)

@@ -80,6 +80,8 @@ class ExecutorService(executor_pb2_grpc.ExecutorServicer):
             model.embedding_size = pooling.embedding_size
             model.matryoshka_dimensions.extend(pooling.matryoshka_dimensions)
             model.matryoshka_any = pooling.matryoshka_any
+            if pooling.classifier is not None:
+                model.labels.extend(pooling.classifier.labels)
         return executor_pb2.DescribeExecutorResponse(
             model=model, max_num_seqs=runner.config.max_num_seqs,
             max_num_batched_tokens=runner.config.max_num_batched_tokens,

@@ -96,7 +96,7 @@ class SimulatedRunner:
 
     def __init__(self, config: ExecutorConfig) -> None:
         self.config = config
-        self.model_config = ModelConfig.from_pretrained(config.model)
+        self.model_config = ModelConfig.from_pretrained(config.model, config.hf_overrides)
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
         self.block_size = config.block_size
@@ -215,16 +215,21 @@ class SimulatedRunner:
                             pooled=self._pooled(rows[pooled]))  # fmt: skip
 
     def _pooled(self, rows: np.ndarray) -> list[bytes]:
-        """A pooling request's output: a unit vector seeded by a hash of its tokens (the
-        same alone or batched), cut to the dimensions it asked for."""
-        b, size = self.batch, self.model_config.hidden_size
+        """A pooling request's output, seeded by a hash of its tokens (the same alone or
+        batched): an embedding model's a unit vector cut to the dimensions it asked
+        for, a classifier's probabilities a class (one class: a sigmoid's)."""
+        b, size, pooling = self.batch, self.model_config.hidden_size, self.model_config.pooling
+        classes = len(pooling.classifier.labels) if pooling and pooling.classifier else 0
         out = []
         for row in rows.tolist():
             seed = int(self._tokens(np.array([row]))[0])
-            vector = np.random.default_rng(seed).standard_normal(size).astype("<f4")
-            dimensions = b.sampling_params[row].pooling.dimensions or size
-            vector = vector[:dimensions]
-            out.append((vector / np.linalg.norm(vector)).astype("<f4").tobytes())
+            vector = np.random.default_rng(seed).standard_normal(classes or size)
+            if classes:
+                vector = np.exp(vector) / (np.exp(vector).sum() + (classes == 1))
+            else:
+                vector = vector[: b.sampling_params[row].pooling.dimensions or size]
+                vector = vector / np.linalg.norm(vector)
+            out.append(vector.astype("<f4").tobytes())
         return out
 
     def _accepted(self, rows: np.ndarray, slots: np.ndarray) -> np.ndarray:

@@ -9,7 +9,7 @@ from google.protobuf.message import DecodeError
 
 from flagstop.router.engine import RouterEngine
 from flagstop.router.pending import RequestFailed
-from flagstop.router.pooling import embed
+from flagstop.router.pooling import classify, embed, score
 from flagstop.v1 import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger("flagstop.router")
@@ -68,10 +68,11 @@ def add_to_server(service: "GenerationService", server) -> None:
             request_deserializer=_tolerant(generation_pb2.UnloadLoRAAdapterRequest),
             response_serializer=generation_pb2.UnloadLoRAAdapterResponse.SerializeToString,
         ),
-        "Embed": grpc.unary_unary_rpc_method_handler(
-            service.Embed, request_deserializer=_tolerant(generation_pb2.EmbedRequest),
-            response_serializer=generation_pb2.EmbedResponse.SerializeToString,
-        ),
+        **{name: grpc.unary_unary_rpc_method_handler(
+            getattr(service, name),
+            request_deserializer=_tolerant(getattr(generation_pb2, f"{name}Request")),
+            response_serializer=getattr(generation_pb2, f"{name}Response").SerializeToString,
+        ) for name in ("Embed", "Classify", "Score")},
     }  # fmt: skip
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
@@ -123,9 +124,21 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     async def Embed(self, request: generation_pb2.EmbedRequest,
                     context) -> generation_pb2.EmbedResponse:  # fmt: skip
+        return await self._pooling(embed, request, context)
+
+    async def Classify(self, request: generation_pb2.ClassifyRequest,
+                       context) -> generation_pb2.ClassifyResponse:  # fmt: skip
+        return await self._pooling(classify, request, context)
+
+    async def Score(self, request: generation_pb2.ScoreRequest,
+                    context) -> generation_pb2.ScoreResponse:  # fmt: skip
+        return await self._pooling(score, request, context)
+
+    async def _pooling(self, pool, request, context):
+        """A pooling request (router/pooling.py), its refusal the call's status."""
         await _refuse_undecodable(request, context)
         try:
-            return await embed(self.engine, request, context.invocation_metadata())
+            return await pool(self.engine, request, context.invocation_metadata())
         except RequestFailed as e:
             await context.abort(e.code, e.message, e.trailing_metadata)
         except Exception as e:  # one request's bug: the others and the process go on
@@ -138,7 +151,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if request.HasField("pooling"):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                "pooling is set by the router: ask Embed for embeddings",
+                "pooling is set by the router: ask Embed, Classify or Score",
             )
         request_id = None
         try:

@@ -20,6 +20,19 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024  # entries; OpenAI's bound is 300
 MAX_BIAS = 100.0
 MAX_PENALTY = 2.0  # frequency and presence, as OpenAI bounds them
+# A pooling request's task (PoolingParams.task) by name, and where each is asked.
+POOLING_TASK_NAMES = {
+    generation_pb2.POOLING_TASK_EMBED: "embed",
+    generation_pb2.POOLING_TASK_CLASSIFY: "classify",
+    generation_pb2.POOLING_TASK_SCORE: "score",
+}
+POOLING_OUTPUTS = {"embed": "embeddings", "classify": "classes", "score": "scores",
+                   "": "pooled outputs"}  # fmt: skip
+POOLING_ROUTES = {
+    "embed": "embeddings (/v1/embeddings, gRPC Embed)",
+    "classify": "classes (/classify, gRPC Classify)",
+    "score": "scores (/score, /rerank, gRPC Score)",
+}
 
 
 @dataclass(slots=True, frozen=True)
@@ -34,6 +47,7 @@ class ModelLimits:
     embedding_size: int = 0
     matryoshka_dimensions: tuple[int, ...] = ()
     matryoshka_any: bool = False
+    labels: tuple[str, ...] = ()  # a classification model's classes, by index
 
     @classmethod
     def of(cls, info: generation_pb2.ModelInfo) -> "ModelLimits":
@@ -43,8 +57,22 @@ class ModelLimits:
             eos_token_ids=tuple(info.eos_token_ids), pooling_tasks=tuple(info.pooling_tasks),
             embedding_size=info.embedding_size,
             matryoshka_dimensions=tuple(info.matryoshka_dimensions),
-            matryoshka_any=info.matryoshka_any,
+            matryoshka_any=info.matryoshka_any, labels=tuple(info.labels),
         )  # fmt: skip
+
+    @property
+    def pooling_kind(self) -> str:
+        """What the model is, for a refusal: an embedding model, a classifier."""
+        if "embed" in self.pooling_tasks:
+            return "an embedding model"
+        if "score" in self.pooling_tasks:
+            return "a scoring model (a reranker or cross-encoder)"
+        return f"a classification model of {len(self.labels)} classes"
+
+    @property
+    def pooling_routes(self) -> str:
+        """Where its requests go."""
+        return ", or ".join(POOLING_ROUTES[task] for task in self.pooling_tasks)
 
     def dimensions_refusal(self, dimensions: int) -> str | None:
         """Why an embedding cannot be cut to `dimensions` (0: uncut), None: it can."""
@@ -156,12 +184,18 @@ def _structured(request: generation_pb2.GenerateRequest) -> generation_pb2.Struc
 def _pooling(request, num_prompt: int, limits: ModelLimits) -> executor_pb2.SamplingParams:
     """A pooling request's parameters; a request of the other kind than the model's is
     refused, saying where to send it."""
+    kind, routes = limits.pooling_kind, limits.pooling_routes
     if not request.HasField("pooling"):
-        raise RequestRejected("this is an embedding model: it generates no text; ask it for "
-                              "embeddings (/v1/embeddings, gRPC Embed)", "model")  # fmt: skip
+        raise RequestRejected(f"this is {kind}: it generates no text; ask it for {routes}",
+                              "model")  # fmt: skip
+    task = POOLING_TASK_NAMES.get(request.pooling.task, "")
+    outputs = POOLING_OUTPUTS[task]
     if not limits.pooling_tasks:
-        raise RequestRejected("this model generates text; it makes no embeddings: serve an "
-                              "embedding model for them (docs/pooling.md)", "model")  # fmt: skip
+        raise RequestRejected(f"this model generates text; it makes no {outputs}: serve a "
+                              "pooling model for them (docs/pooling.md)", "model")  # fmt: skip
+    if task not in limits.pooling_tasks:
+        raise RequestRejected(f"this is {kind}: it makes no {outputs}; ask it for {routes}",
+                              "model")  # fmt: skip
     check_request_length(num_prompt, None, limits.max_model_len, limits.kv_capacity_tokens,
                          pools=True)  # fmt: skip
     if refusal := limits.dimensions_refusal(request.pooling.dimensions):

@@ -349,3 +349,66 @@ def test_make_serve_arch_qwen3_embedding_serves_sentence_transformers_embeddings
             np.testing.assert_allclose(np.asarray(got, np.float32), expected, atol=1e-5)
     finally:
         served.stop()
+
+
+def test_make_serve_arch_qwen3_reranker_scores_as_transformers_does(tmp_path):
+    """`make serve ARCH=qwen3_reranker` writes Qwen3-Reranker's layout and serves it as a
+    yes/no scorer (its --hf-overrides by default): /rerank's scores, over raw HTTP and
+    the openai SDK's own post, equal P(yes) by transformers on the same weights."""
+    import torch
+    import transformers
+
+    from tools.make_pooling_model import rerank_document, rerank_query
+
+    served = Served(tmp_path, "ARCH=qwen3_reranker")
+    try:
+        served.wait_ready()
+        model = "flagstop-tiny-qwen3_reranker"
+        query = rerank_query("what keeps a GPU busy?")
+        documents = [rerank_document(d) for d in ("continuous batching", "the sea")]
+        body = {"model": model, "query": query, "documents": documents}
+        raw = httpx.post(f"{served.http}/rerank", json=body, timeout=60).json()
+        client = openai.OpenAI(base_url=f"{served.http}/v1", api_key="none", max_retries=0)
+        sdk = client.post("/rerank", body=body, cast_to=object)
+        checkpoint = str(ROOT / "models" / model)
+        reference = transformers.AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+        tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
+        no, yes = tokenizer.convert_tokens_to_ids(["no", "yes"])
+        for reply in (raw, sdk):
+            for result in reply["results"]:
+                ids = tokenizer(query, documents[result["index"]]).input_ids
+                with torch.no_grad():
+                    last = reference(torch.tensor([ids])).logits[0, -1, [no, yes]]
+                expected = last.softmax(-1)[1].item()
+                assert abs(result["relevance_score"] - expected) < 1e-5, (result, expected)
+    finally:
+        served.stop()
+
+
+def test_make_serve_arch_qwen3_classifier_classifies_as_transformers_does(tmp_path):
+    """`make serve ARCH=qwen3_classifier` writes a Qwen3ForSequenceClassification and
+    serves /classify: raw HTTP's and the openai SDK's probabilities equal
+    transformers' on the same weights."""
+    import torch
+    import transformers
+
+    served = Served(tmp_path, "ARCH=qwen3_classifier")
+    try:
+        served.wait_ready()
+        model = "flagstop-tiny-qwen3_classifier"
+        texts = ["what keeps a GPU busy?", "continuous batching"]
+        body = {"model": model, "input": texts}
+        raw = httpx.post(f"{served.http}/classify", json=body, timeout=60).json()
+        client = openai.OpenAI(base_url=f"{served.http}/v1", api_key="none", max_retries=0)
+        sdk = client.post("/classify", body=body, cast_to=object)
+        checkpoint = str(ROOT / "models" / model)
+        reference = transformers.AutoModelForSequenceClassification.from_pretrained(checkpoint)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
+        with torch.no_grad():
+            expected = [reference(**tokenizer([t], return_tensors="pt")).logits[0].softmax(-1)
+                        for t in texts]  # fmt: skip
+        for reply in (raw, sdk):
+            got = [d["probs"] for d in reply["data"]]
+            np.testing.assert_allclose(got, torch.stack(expected).numpy(), atol=1e-5)
+    finally:
+        served.stop()

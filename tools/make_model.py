@@ -158,7 +158,8 @@ ARCHS = {
 # Vision-language models (tools/make_vision_model.py: made by transformers' classes).
 VISION_ARCHS = ("qwen2_5_vl", "qwen3_vl", "gemma3_vl")
 # Pooling models (tools/make_pooling_model.py).
-POOLING_ARCHS = ("qwen3_embedding",)
+POOLING_ARCHS = ("qwen3_embedding", "qwen3_classifier", "qwen2_classifier", "llama_classifier",
+                 "qwen3_reranker")  # fmt: skip
 DEEPSEEK_LAYOUT = ("deepseek_v3", "glm4_moe")  # routed + shared experts, first layer dense
 GEMMA_PATTERN = 6  # a global layer after every 5 local ones
 NUM_EXPERTS, EXPERTS_PER_TOKEN = 8, 2

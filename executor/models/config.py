@@ -110,14 +110,17 @@ class ModelConfig:
     pooling: PoolingConfig | None = None
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":
-        hf = json.loads((Path(model_dir) / "config.json").read_text())
+    def from_pretrained(cls, model_dir: str | Path,
+                        overrides: dict[str, Any] | None = None) -> "ModelConfig":  # fmt: skip
+        """overrides: config.json's fields replaced (--hf-overrides)."""
+        hf = json.loads((Path(model_dir) / "config.json").read_text()) | (overrides or {})
         # generation_config.json's EOS ids win: chat models list their turn-end there.
         generation = Path(model_dir) / "generation_config.json"
         generation_config = json.loads(generation.read_text()) if generation.exists() else {}
         config = cls.from_hf(hf, generation_config.get("eos_token_id"))
-        backbone = _architecture_name(hf) in BACKBONES
-        pooling = pooling_config(Path(model_dir), hf, backbone, config.hidden_size)
+        name = _architecture_name(hf)
+        pooling = pooling_config(Path(model_dir), hf, name in BACKBONES, name in CLASSIFIERS,
+                                 config.hidden_size)  # fmt: skip
         return config if pooling is None else replace(config, pooling=pooling)
 
     @classmethod
@@ -205,6 +208,13 @@ BACKBONES = {
     for name, arch in ARCHITECTURES.items()
     if name.endswith("ForCausalLM") and arch.vision is None
 }
+# A sequence classifier (Qwen3ForSequenceClassification): its family's decoder, then a
+# classification head on the last token (executor/pooler.py).
+CLASSIFIERS = {
+    name.removesuffix("ForCausalLM") + "ForSequenceClassification": name
+    for name, arch in ARCHITECTURES.items()
+    if name.endswith("ForCausalLM") and arch.vision is None
+}
 
 
 def _architecture_name(hf: dict[str, Any]) -> str:
@@ -213,7 +223,7 @@ def _architecture_name(hf: dict[str, Any]) -> str:
 
 def _architecture(hf: dict[str, Any]) -> Architecture:
     architecture = _architecture_name(hf)
-    architecture = BACKBONES.get(architecture, architecture)
+    architecture = BACKBONES.get(architecture) or CLASSIFIERS.get(architecture, architecture)
     if architecture not in ARCHITECTURES:
         raise ConfigError(
             f"unsupported architecture {architecture!r}; supported: {sorted(ARCHITECTURES)}"

@@ -63,6 +63,8 @@ VISION_TENSORS = tuple(
 # A bare backbone's tensors (an embedding model's checkpoint: transformers' Qwen3Model
 # saves them without the causal LM's "model." prefix).
 BACKBONE_TENSORS = ("embed_tokens.", "layers.", "norm.")
+# A sequence classifier's head: the pooler's, not the decoder's (executor/pooler.py).
+CLASSIFIER_HEAD = "score.weight"
 # The name a checkpoint tensor loads as in a model (its HF form), None: not this model's.
 Names = Callable[[str], str | None]
 
@@ -80,8 +82,8 @@ def main_layers(num_layers: int) -> Names:
     """The main model's tensors: every one but the prediction layers'."""
 
     def name(hf_name: str) -> str | None:
-        if hf_name.startswith(("mtp.", *VISION_TENSORS)):
-            return None  # an image encoder's: models/vision.py loads them
+        if hf_name.startswith(("mtp.", *VISION_TENSORS)) or hf_name == CLASSIFIER_HEAD:
+            return None  # an image encoder's (models/vision.py loads them), the head's
         if hf_name.startswith(BACKBONE_TENSORS):  # a bare backbone's (Qwen3Model's)
             hf_name = "model." + hf_name
         hf_name = language_name(hf_name)
@@ -182,9 +184,11 @@ def load_model(
     device: torch.device,
     tp: TensorParallel = SINGLE,
     backend: ModuleType = torch_attention,
+    overrides: dict | None = None,
 ) -> Decoder:
-    """The model on `backend`'s kernels (attention's, and the experts' with it)."""
-    config = ModelConfig.from_pretrained(model_dir)
+    """The model on `backend`'s kernels (attention's, and the experts' with it);
+    overrides: config.json's fields replaced (--hf-overrides)."""
+    config = ModelConfig.from_pretrained(model_dir, overrides)
     with torch.device("meta"):
         model = Decoder(config, tp)
     model = build(model, model_dir, dtype, device, backend)

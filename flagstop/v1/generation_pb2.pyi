@@ -11,6 +11,8 @@ class PoolingTask(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     POOLING_TASK_UNSPECIFIED: _ClassVar[PoolingTask]
     POOLING_TASK_EMBED: _ClassVar[PoolingTask]
+    POOLING_TASK_CLASSIFY: _ClassVar[PoolingTask]
+    POOLING_TASK_SCORE: _ClassVar[PoolingTask]
 
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -25,6 +27,8 @@ class KVRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_ROLE_DECODE: _ClassVar[KVRole]
 POOLING_TASK_UNSPECIFIED: PoolingTask
 POOLING_TASK_EMBED: PoolingTask
+POOLING_TASK_CLASSIFY: PoolingTask
+POOLING_TASK_SCORE: PoolingTask
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -155,14 +159,16 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., priority: _Optional[int] = ..., logprobs: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., structured_outputs: _Optional[_Union[StructuredOutputs, _Mapping]] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., prompt_logprobs: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., lora_name: _Optional[str] = ..., slo_ttft_ms: _Optional[float] = ..., slo_tpot_ms: _Optional[float] = ..., tenant: _Optional[str] = ..., request_class: _Optional[str] = ..., images: _Optional[_Iterable[_Union[ImageInput, _Mapping]]] = ..., retention: _Optional[_Union[Retention, _Mapping]] = ..., cache_salt: _Optional[str] = ..., session_id: _Optional[str] = ..., pooling: _Optional[_Union[PoolingParams, _Mapping]] = ...) -> None: ...
 
 class PoolingParams(_message.Message):
-    __slots__ = ("task", "dimensions", "normalize")
+    __slots__ = ("task", "dimensions", "normalize", "activation")
     TASK_FIELD_NUMBER: _ClassVar[int]
     DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
     NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_FIELD_NUMBER: _ClassVar[int]
     task: PoolingTask
     dimensions: int
     normalize: bool
-    def __init__(self, task: _Optional[_Union[PoolingTask, str]] = ..., dimensions: _Optional[int] = ..., normalize: _Optional[bool] = ...) -> None: ...
+    activation: bool
+    def __init__(self, task: _Optional[_Union[PoolingTask, str]] = ..., dimensions: _Optional[int] = ..., normalize: _Optional[bool] = ..., activation: _Optional[bool] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
     __slots__ = ("inputs", "dimensions", "normalize", "lora_name", "labels", "priority", "cache_salt", "tenant", "request_class")
@@ -214,6 +220,98 @@ class Embedding(_message.Message):
     VALUES_FIELD_NUMBER: _ClassVar[int]
     values: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class ClassifyRequest(_message.Message):
+    __slots__ = ("inputs", "activation", "lora_name", "labels", "priority", "cache_salt", "tenant", "request_class")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_CLASS_FIELD_NUMBER: _ClassVar[int]
+    inputs: _containers.RepeatedCompositeFieldContainer[EmbedInput]
+    activation: bool
+    lora_name: str
+    labels: _containers.ScalarMap[str, str]
+    priority: int
+    cache_salt: str
+    tenant: str
+    request_class: str
+    def __init__(self, inputs: _Optional[_Iterable[_Union[EmbedInput, _Mapping]]] = ..., activation: _Optional[bool] = ..., lora_name: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., tenant: _Optional[str] = ..., request_class: _Optional[str] = ...) -> None: ...
+
+class ClassifyResponse(_message.Message):
+    __slots__ = ("classifications", "usage")
+    CLASSIFICATIONS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    classifications: _containers.RepeatedCompositeFieldContainer[Classification]
+    usage: Usage
+    def __init__(self, classifications: _Optional[_Iterable[_Union[Classification, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+
+class Classification(_message.Message):
+    __slots__ = ("probs", "label")
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    probs: _containers.RepeatedScalarFieldContainer[float]
+    label: str
+    def __init__(self, probs: _Optional[_Iterable[float]] = ..., label: _Optional[str] = ...) -> None: ...
+
+class ScoreRequest(_message.Message):
+    __slots__ = ("queries", "documents", "activation", "lora_name", "labels", "priority", "cache_salt", "tenant", "request_class", "ranked", "top_n")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    QUERIES_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_CLASS_FIELD_NUMBER: _ClassVar[int]
+    RANKED_FIELD_NUMBER: _ClassVar[int]
+    TOP_N_FIELD_NUMBER: _ClassVar[int]
+    queries: _containers.RepeatedCompositeFieldContainer[EmbedInput]
+    documents: _containers.RepeatedCompositeFieldContainer[EmbedInput]
+    activation: bool
+    lora_name: str
+    labels: _containers.ScalarMap[str, str]
+    priority: int
+    cache_salt: str
+    tenant: str
+    request_class: str
+    ranked: bool
+    top_n: int
+    def __init__(self, queries: _Optional[_Iterable[_Union[EmbedInput, _Mapping]]] = ..., documents: _Optional[_Iterable[_Union[EmbedInput, _Mapping]]] = ..., activation: _Optional[bool] = ..., lora_name: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., tenant: _Optional[str] = ..., request_class: _Optional[str] = ..., ranked: _Optional[bool] = ..., top_n: _Optional[int] = ...) -> None: ...
+
+class ScoreResponse(_message.Message):
+    __slots__ = ("scores", "usage")
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    scores: _containers.RepeatedCompositeFieldContainer[DocumentScore]
+    usage: Usage
+    def __init__(self, scores: _Optional[_Iterable[_Union[DocumentScore, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+
+class DocumentScore(_message.Message):
+    __slots__ = ("index", "score")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    score: float
+    def __init__(self, index: _Optional[int] = ..., score: _Optional[float] = ...) -> None: ...
 
 class Retention(_message.Message):
     __slots__ = ("priority", "ttl_s", "num_tokens")
@@ -340,7 +438,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "max_model_len", "eos_token_ids", "block_size", "num_blocks", "lora_adapters", "max_loras", "num_host_blocks", "kv_role", "kv_layout", "kv_layers", "kv_capacity_tokens", "accepts_images", "max_num_encoder_input_tokens", "encoder_cache_size", "pixel_dtype", "bidirectional_images", "retention_share", "max_retention_s", "pooling_tasks", "embedding_size", "matryoshka_dimensions", "matryoshka_any")
+    __slots__ = ("model_name", "vocab_size", "max_model_len", "eos_token_ids", "block_size", "num_blocks", "lora_adapters", "max_loras", "num_host_blocks", "kv_role", "kv_layout", "kv_layers", "kv_capacity_tokens", "accepts_images", "max_num_encoder_input_tokens", "encoder_cache_size", "pixel_dtype", "bidirectional_images", "retention_share", "max_retention_s", "pooling_tasks", "embedding_size", "matryoshka_dimensions", "matryoshka_any", "labels")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -365,6 +463,7 @@ class ModelInfo(_message.Message):
     EMBEDDING_SIZE_FIELD_NUMBER: _ClassVar[int]
     MATRYOSHKA_DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
     MATRYOSHKA_ANY_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     max_model_len: int
@@ -389,7 +488,8 @@ class ModelInfo(_message.Message):
     embedding_size: int
     matryoshka_dimensions: _containers.RepeatedScalarFieldContainer[int]
     matryoshka_any: bool
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ..., max_loras: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., kv_role: _Optional[_Union[KVRole, str]] = ..., kv_layout: _Optional[str] = ..., kv_layers: _Optional[_Iterable[_Union[KVCacheLayer, _Mapping]]] = ..., kv_capacity_tokens: _Optional[int] = ..., accepts_images: _Optional[bool] = ..., max_num_encoder_input_tokens: _Optional[int] = ..., encoder_cache_size: _Optional[int] = ..., pixel_dtype: _Optional[str] = ..., bidirectional_images: _Optional[bool] = ..., retention_share: _Optional[float] = ..., max_retention_s: _Optional[float] = ..., pooling_tasks: _Optional[_Iterable[str]] = ..., embedding_size: _Optional[int] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., matryoshka_any: _Optional[bool] = ...) -> None: ...
+    labels: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ..., max_loras: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., kv_role: _Optional[_Union[KVRole, str]] = ..., kv_layout: _Optional[str] = ..., kv_layers: _Optional[_Iterable[_Union[KVCacheLayer, _Mapping]]] = ..., kv_capacity_tokens: _Optional[int] = ..., accepts_images: _Optional[bool] = ..., max_num_encoder_input_tokens: _Optional[int] = ..., encoder_cache_size: _Optional[int] = ..., pixel_dtype: _Optional[str] = ..., bidirectional_images: _Optional[bool] = ..., retention_share: _Optional[float] = ..., max_retention_s: _Optional[float] = ..., pooling_tasks: _Optional[_Iterable[str]] = ..., embedding_size: _Optional[int] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., matryoshka_any: _Optional[bool] = ..., labels: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class KVCacheLayer(_message.Message):
     __slots__ = ("attention", "sliding_window", "sinks", "kv_bytes_per_token")

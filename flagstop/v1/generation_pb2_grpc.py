@@ -59,6 +59,16 @@ class GenerationStub:
                 request_serializer=flagstop_dot_v1_dot_generation__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=flagstop_dot_v1_dot_generation__pb2.EmbedResponse.FromString,
                 _registered_method=True)
+        self.Classify = channel.unary_unary(
+                '/flagstop.v1.Generation/Classify',
+                request_serializer=flagstop_dot_v1_dot_generation__pb2.ClassifyRequest.SerializeToString,
+                response_deserializer=flagstop_dot_v1_dot_generation__pb2.ClassifyResponse.FromString,
+                _registered_method=True)
+        self.Score = channel.unary_unary(
+                '/flagstop.v1.Generation/Score',
+                request_serializer=flagstop_dot_v1_dot_generation__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=flagstop_dot_v1_dot_generation__pb2.ScoreResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -105,6 +115,23 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Classify(self, request, context):
+        """A classification model's class probabilities per input, in order (vLLM's
+        /classify); INVALID_ARGUMENT and FAILED_PRECONDITION as Embed's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Score(self, request, context):
+        """A one-class model's (a cross-encoder, a yes/no reranker) score of each
+        (query, document) pair, in order or ranked (vLLM's /score and /rerank); errors as
+        Embed's, naming queries[i] or documents[i].
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -132,6 +159,16 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Embed,
                     request_deserializer=flagstop_dot_v1_dot_generation__pb2.EmbedRequest.FromString,
                     response_serializer=flagstop_dot_v1_dot_generation__pb2.EmbedResponse.SerializeToString,
+            ),
+            'Classify': grpc.unary_unary_rpc_method_handler(
+                    servicer.Classify,
+                    request_deserializer=flagstop_dot_v1_dot_generation__pb2.ClassifyRequest.FromString,
+                    response_serializer=flagstop_dot_v1_dot_generation__pb2.ClassifyResponse.SerializeToString,
+            ),
+            'Score': grpc.unary_unary_rpc_method_handler(
+                    servicer.Score,
+                    request_deserializer=flagstop_dot_v1_dot_generation__pb2.ScoreRequest.FromString,
+                    response_serializer=flagstop_dot_v1_dot_generation__pb2.ScoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -269,6 +306,60 @@ class Generation:
             '/flagstop.v1.Generation/Embed',
             flagstop_dot_v1_dot_generation__pb2.EmbedRequest.SerializeToString,
             flagstop_dot_v1_dot_generation__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Classify(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagstop.v1.Generation/Classify',
+            flagstop_dot_v1_dot_generation__pb2.ClassifyRequest.SerializeToString,
+            flagstop_dot_v1_dot_generation__pb2.ClassifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Score(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flagstop.v1.Generation/Score',
+            flagstop_dot_v1_dot_generation__pb2.ScoreRequest.SerializeToString,
+            flagstop_dot_v1_dot_generation__pb2.ScoreResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,6 +1,6 @@
 """The router's HTTP server: the OpenAI app (each surface's routes in its own module:
-models.py, completions.py, responses.py, messages.py (Anthropic's), tokenize.py,
-ops.py), the API key, the body
+models.py, completions.py, responses.py, messages.py (Anthropic's), embeddings.py,
+scores.py (a pooling model's), tokenize.py, ops.py), the API key, the body
 size limit and TLS, served by uvicorn on the router's own event loop."""
 
 import contextlib
@@ -19,6 +19,7 @@ from flagstop.router.openai import (
     models,
     ops,
     responses,
+    scores,
     tokenize,
 )
 from flagstop.router.openai.errors import BodyLimit, Contained, add_error_handlers
@@ -38,7 +39,7 @@ def create_app(engine: RouterEngine, settings: RouterSettings, chat: ChatTemplat
     add_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
     app.add_middleware(Contained)
-    for surface in (models, completions, responses, messages, embeddings, tokenize, ops):
+    for surface in (models, completions, responses, messages, embeddings, scores, tokenize, ops):
         app.include_router(surface.api)
     return app
 

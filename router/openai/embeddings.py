@@ -32,21 +32,22 @@ class EmbeddingRequest(EncodableText):
     priority: Int32 = 0
     cache_salt: str = ""
 
-    def inputs(self) -> list[generation_pb2.EmbedInput]:
-        data = self.input
-        if isinstance(data, str) or (data and isinstance(data[0], int)):
-            data = [data]  # type: ignore[list-item]
-        return [generation_pb2.EmbedInput(text=one) if isinstance(one, str)
-                else generation_pb2.EmbedInput(token_ids=one) for one in data]  # fmt: skip
-
     def embed_request(self, lora_name: str) -> generation_pb2.EmbedRequest:
         request = generation_pb2.EmbedRequest(
-            inputs=self.inputs(), dimensions=self.dimensions or 0, lora_name=lora_name,
+            inputs=inputs(self.input), dimensions=self.dimensions or 0, lora_name=lora_name,
             priority=self.priority, cache_salt=self.cache_salt,
         )  # fmt: skip
         if self.normalize is not None:
             request.normalize = self.normalize
         return request
+
+
+def inputs(data) -> list[generation_pb2.EmbedInput]:
+    """One input or a batch: strings or token ids."""
+    if isinstance(data, str) or (data and isinstance(data[0], int)):
+        data = [data]
+    return [generation_pb2.EmbedInput(text=one) if isinstance(one, str)
+            else generation_pb2.EmbedInput(token_ids=one) for one in data]  # fmt: skip
 
 
 api = APIRouter(dependencies=[Depends(authorized)])
@@ -56,18 +57,31 @@ api = APIRouter(dependencies=[Depends(authorized)])
 async def embeddings(body: EmbeddingRequest, http: Request, front: Front) -> Response:
     model = front.check_model(body.model)
     request = body.embed_request(front.lora_name(model))
+    result = await pooled(http, front, embed, request)
+    data = [{"object": "embedding", "index": i, "embedding": _encoded(e.values, body)}
+            for i, e in enumerate(result.embeddings)]  # fmt: skip
+    body_out = {"object": "list", "data": data, "model": model, "usage": usage(result.usage)}
+    return json_response(body_out)
+
+
+async def pooled(http: Request, front: Front, pool, request, *args):
+    """A pooling request's result (router/pooling.py), its refusal the HTTP error;
+    abandoned when the client disconnects."""
     try:
-        result = await until_disconnected(
-            http, embed(front.engine, request, list(http.headers.items()))
+        return await until_disconnected(
+            http, pool(front.engine, request, list(http.headers.items()), *args)
         )
     except RequestFailed as e:
         raise from_failure(e) from None
-    data = [{"object": "embedding", "index": i, "embedding": _encoded(e.values, body)}
-            for i, e in enumerate(result.embeddings)]  # fmt: skip
-    usage = {"prompt_tokens": result.usage.prompt_tokens,
-             "total_tokens": result.usage.prompt_tokens}  # fmt: skip
-    body_out = {"object": "list", "data": data, "model": model, "usage": usage}
-    return Response(orjson.dumps(body_out), media_type="application/json")
+
+
+def usage(u: generation_pb2.Usage) -> dict:
+    """OpenAI's usage of a request that generates nothing."""
+    return {"prompt_tokens": u.prompt_tokens, "total_tokens": u.prompt_tokens}
+
+
+def json_response(body: dict) -> Response:
+    return Response(orjson.dumps(body), media_type="application/json")
 
 
 def _encoded(values, body: EmbeddingRequest) -> list[float] | str:
