@@ -72,7 +72,7 @@ COMPOSE := $(if $(strip $(PROFILES)),COMPOSE_PROFILES=$(subst $() ,$(comma),$(st
 	$(if $(SPEC),SPEC='$(SPEC)') $(if $(filter-out grpcio,$(GRPC_SERVER)),GRPC_SERVER=$(GRPC_SERVER)) \
 	$(DOCKER_COMPOSE) -f compose/compose.yaml $(if $(GPU),-f compose/compose.gpu.yaml)
 
-.PHONY: venv test test-fast kernels-sm90 lint bench bench-executor bench-kv-tier bench-kv-groups bench-mla bench-recurrent bench-lora bench-replicas bench-structured bench-multimodal bench-sessions bench-llm-d bench-pooling model proto serve up down logs ps clean
+.PHONY: venv test test-fast kernels-sm90 lint bench bench-executor bench-kv-tier bench-kv-groups bench-mla bench-recurrent bench-lora bench-replicas bench-structured bench-multimodal bench-sessions bench-llm-d bench-pooling eagle-head model proto serve up down logs ps clean
 
 venv: $(STAMP)
 
@@ -265,6 +265,14 @@ bench-llm-d: $(STAMP)
 bench-pooling: $(STAMP)
 	$(PY) bench/pooling_bench.py
 	$(PY) bench/report.py
+
+# An EAGLE-3 head for the model, trained on text it generates (docs/speculative.md):
+# `make eagle-head` writes $(MODEL_DIR)-eagle3, minutes on the CPU at the tiny size;
+# `make serve SPEC='{"method":"eagle3","model":"$(MODEL_DIR)-eagle3"}'` drafts with it.
+eagle-head: $(MODEL_DIR)-eagle3/config.json
+
+$(MODEL_DIR)-eagle3/config.json: $(MODEL_DIR)/config.json tools/train_eagle_head.py
+	$(PY) -m tools.train_eagle_head --target $(MODEL_DIR) --out $(MODEL_DIR)-eagle3
 
 # The host tier on a multi-turn workload that outgrows the pool (the small model on
 # the CPU, pool only vs pool + tier), and two colocated replicas against a prefill and a

@@ -9,7 +9,9 @@ service keeps them), greedy requests on the embedded model.
 Methods: off; ngram (k 3, lookup 1..3); suffix (k 4); draft_model with the model
 itself as its draft (the mechanics' ceiling: every draft accepted, at the cost of a
 second full model); draft_model with the model's first layer as the draft (a
-realistic middle: cheaper, accepted less). Each row: tokens per target forward (per
+realistic middle: cheaper, accepted less); eagle3 with the head `make eagle-head`
+trains on the model's own greedy text (its prompts here, random tokens, are none it
+saw). Each row: tokens per target forward (per
 running request), acceptance (accepted / drafted tokens) and per position, output
 tok/s and mean ITL (per request, (last token - first token) / (tokens - 1)). The
 batch rule (--speculative-disable-batch-size, 32 by default) is off in every row but
@@ -73,7 +75,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
 NO_RULE = 1 << 20  # --speculative-disable-batch-size past any batch: the rule off
 
 
-def methods(model_dir: Path, draft_dir: Path) -> dict[str, dict | None]:
+def methods(model_dir: Path, draft_dir: Path, eagle_dir: Path) -> dict[str, dict | None]:
     return {
         "off": None,
         "ngram k3": NGRAM,
@@ -83,6 +85,8 @@ def methods(model_dir: Path, draft_dir: Path) -> dict[str, dict | None]:
                           "model": str(model_dir)},
         "1-layer draft k3": {"method": "draft_model", "num_speculative_tokens": 3,
                              "model": str(draft_dir)},
+        "eagle3 k3 (trained)": {"method": "eagle3", "num_speculative_tokens": 3,
+                                "model": str(eagle_dir)},
     }  # fmt: skip
 
 
@@ -147,8 +151,13 @@ def main() -> None:
     if not (model_dir / "config.json").exists():
         write_model(model_dir, "tiny")
     draft_dir = truncated_draft(model_dir, ROOT / "models" / "flagstop-tiny-1layer")
+    eagle_dir = ROOT / "models" / "flagstop-tiny-eagle3"
+    if not (eagle_dir / "config.json").exists():
+        from tools.train_eagle_head import train
+
+        print(train(model_dir, eagle_dir, 256, 3, 0), flush=True)
     rows = []
-    for name, spec in methods(model_dir, draft_dir).items():
+    for name, spec in methods(model_dir, draft_dir, eagle_dir).items():
         if args.methods and name not in args.methods:
             continue
         runner = ModelRunner(ExecutorConfig(

@@ -218,6 +218,7 @@ class ModelRunner:
         positions, embeds = self.media.inputs(self.batch, inputs)
         hidden = self.model(inputs.input_ids, positions, self.kv_caches, inputs.attention, embeds)
         inputs.hidden = hidden  # for a drafter that reads them (drafter.computed)
+        inputs.aux_hidden = self.model.aux_hidden.taken()
         logits = self.model.compute_logits(hidden[inputs.all_logits_indices])
         if plan.kv_connector:
             self.kv_worker.after_forward(plan.kv_connector)  # saves what it computed

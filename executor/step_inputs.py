@@ -55,6 +55,9 @@ class StepInputs:
     # The forward's final hidden states [tokens, hidden], once it ran (the mtp drafter
     # catches up on them; the pooler reads the pooling requests' last tokens').
     hidden: torch.Tensor | None = None
+    # The target's layers' inputs an EAGLE-3 drafter reads, [tokens, 3 * hidden] (None
+    # without one: models/aux_hidden.py).
+    aux_hidden: torch.Tensor | None = None
     # Pooling requests whose prompt ends this step: their rows and their last token's
     # place in the hidden states, plan order.
     pooling_rows: np.ndarray | None = None

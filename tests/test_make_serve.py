@@ -412,3 +412,33 @@ def test_make_serve_arch_qwen3_classifier_classifies_as_transformers_does(tmp_pa
             np.testing.assert_allclose(got, torch.stack(expected).numpy(), atol=1e-5)
     finally:
         served.stop()
+
+
+def test_make_serve_spec_eagle3_drafts_with_a_head_token_for_token(tmp_path):
+    """`make serve SPEC='{"method":"eagle3","model":HEAD}'` (docs/speculative.md): the
+    embedded model drafts with an EAGLE-3 head (tools/make_eagle_head.py's, random)
+    and still answers, greedy, token for token as transformers."""
+    from tools.make_eagle_head import write_eagle_head
+
+    subprocess.run(["make", "model"], cwd=ROOT, check=True, capture_output=True)
+    model = ROOT / "models" / "flagstop-tiny"
+    head = write_eagle_head(model, tmp_path / "head")
+    spec = json.dumps({"method": "eagle3", "model": str(head), "num_speculative_tokens": 3})
+    served = Served(tmp_path, f"SPEC={spec}")
+    try:
+        served.wait_ready()
+        prompt = [5, 17, 42, 9, 100, 7, 31]
+        reply = httpx.post(f"{served.http}/v1/completions", timeout=120, json={
+            "model": "flagstop-tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True, "logprobs": 0, "return_tokens_as_token_ids": True})  # fmt: skip
+        assert reply.status_code == 200, reply.text
+        tokens = reply.json()["choices"][0]["logprobs"]["tokens"]
+        served_ids = [int(t.removeprefix("token_id:")) for t in tokens]
+        assert served_ids == reference_generate(load_reference(model), prompt, 12)
+        metrics = httpx.get(f"http://127.0.0.1:{served.ports['SCHEDULER_METRICS_PORT']}/metrics",
+                            timeout=10).text  # fmt: skip
+        drafts = [line for line in metrics.splitlines()
+                  if line.startswith("vllm:spec_decode_num_drafts_total")]  # fmt: skip
+        assert drafts and float(drafts[0].split()[-1]) > 0, drafts
+    finally:
+        served.stop()

@@ -6,7 +6,6 @@ so the catch-up and the chaining feed it the right tokens at the right positions
 
 import copy
 import json
-import random
 import shutil
 import sys
 
@@ -15,21 +14,22 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import DeepseekV3Config, Qwen3NextConfig
 
-from flagstop.executor.config import ExecutorConfig
-from flagstop.executor.model_runner import ModelRunner
-from flagstop.executor.sampling_params import SamplingParams
-from flagstop.scheduler_svc.core.config import SchedulerConfig
 from flagstop.server import StartupError
 from tests.helpers.checkpoints import (
     COMMON,
     RECURRENT_VARIANTS,
     load_reference,
-    prompt,
-    reference_generate,
     write_checkpoint,
     write_config,
 )
-from tools.inprocess import Job, run_engine
+from tests.helpers.drafting import (
+    assert_greedy,
+    checked_proposals,
+    record_proposals,
+    spec_engine,
+    spec_jobs,
+    spec_runner,
+)
 
 pytestmark = pytest.mark.numeric  # no clock in its in-process tests (Makefile: test)
 
@@ -88,33 +88,10 @@ def glm(tmp_path_factory):
     return path, load_reference(path)
 
 
-def _runner(path, spec, **config) -> ModelRunner:
-    base = dict(model=str(path), num_blocks=256, block_size=4, max_num_seqs=16)
-    return ModelRunner(ExecutorConfig(**{**base, **config}, speculative_config=spec))
-
-
-def _jobs(n: int, workload: int, **sampling) -> list[Job]:
-    rng = random.Random(workload)
-    return [Job(prompt(workload * 100 + i, rng.randrange(4, 30)), rng.randrange(10, 40),
-                SamplingParams(**sampling)) for i in range(n)]  # fmt: skip
-
-
-def _engine(runner, jobs, num_blocks=None, **config):
-    base = dict(max_num_batched_tokens=64, max_num_seqs=16, max_model_len=512, block_size=4,
-                num_speculative_tokens=runner.num_speculative_tokens,
-                speculative_min_gain=1e-12)  # fmt: skip
-    return run_engine(runner, jobs, SchedulerConfig(**{**base, **config}), num_blocks=num_blocks)
-
-
-def assert_greedy(reference, jobs: list[Job], outputs: list[list[int]]) -> None:
-    for job, out in zip(jobs, outputs, strict=True):
-        assert out == reference_generate(reference, job.prompt, job.max_tokens)
-
-
 def test_greedy_drafts_of_the_echo_layer_are_mostly_accepted_and_change_nothing(echo):
     path, reference = echo
-    jobs = _jobs(6, 1)
-    run = _engine(_runner(path, MTP), jobs)
+    jobs = spec_jobs(6, 1)
+    run = spec_engine(spec_runner(path, MTP), jobs)
     assert_greedy(reference, jobs, run.outputs)
     stats = run.scheduler.drafts.stats
     # Measured: 0.64 of drafts accepted (0.80 at k = 1; the layer misses the first
@@ -125,8 +102,8 @@ def test_greedy_drafts_of_the_echo_layer_are_mostly_accepted_and_change_nothing(
 
 def test_preempted_and_chunked_requests_keep_greedy_outputs(echo):
     path, reference = echo
-    jobs = _jobs(6, 2)
-    run = _engine(_runner(path, MTP, num_blocks=24), jobs, num_blocks=24,
+    jobs = spec_jobs(6, 2)
+    run = spec_engine(spec_runner(path, MTP, num_blocks=24), jobs, num_blocks=24,
                   max_num_batched_tokens=16)  # fmt: skip
     assert run.scheduler.num_preemptions > 0
     assert_greedy(reference, jobs, run.outputs)
@@ -135,17 +112,17 @@ def test_preempted_and_chunked_requests_keep_greedy_outputs(echo):
 
 def test_seeded_sampling_with_mtp_drafts_emits_what_it_would_without(echo):
     path, _ = echo
-    jobs = _jobs(5, 3, temperature=0.9, top_k=40, seed=7)
-    plain = _engine(_runner(path, None), jobs).outputs
-    run = _engine(_runner(path, MTP), jobs)
+    jobs = spec_jobs(5, 3, temperature=0.9, top_k=40, seed=7)
+    plain = spec_engine(spec_runner(path, None), jobs).outputs
+    run = spec_engine(spec_runner(path, MTP), jobs)
     assert run.outputs == plain
     assert run.scheduler.drafts.stats.num_accepted_tokens > 0
 
 
 def test_glms_prediction_layer_drafts_on_gqa_and_changes_nothing(glm):
     path, reference = glm
-    jobs = _jobs(4, 4)
-    run = _engine(_runner(path, MTP), jobs)
+    jobs = spec_jobs(4, 4)
+    run = spec_engine(spec_runner(path, MTP), jobs)
     assert_greedy(reference, jobs, run.outputs)
     assert run.scheduler.drafts.stats.num_draft_tokens > 0
 
@@ -160,7 +137,7 @@ def test_mtp_without_a_prediction_layer_is_refused_in_one_line(tmp_path):
             match="speculative method mtp: .* has no prediction "
             r"layer \(DeepSeek's model.layers.\d+.eh_proj or Qwen's mtp.fc",
         ):
-            _runner(path, MTP)
+            spec_runner(path, MTP)
 
 
 def test_under_tensor_parallelism_a_layer_without_its_own_head_copies_the_models(echo, tmp_path):
@@ -174,7 +151,7 @@ def test_under_tensor_parallelism_a_layer_without_its_own_head_copies_the_models
     tensors = load_file(path / "model.safetensors")
     del tensors["model.layers.1.shared_head.head.weight"]
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    target = _runner(path, None).model
+    target = spec_runner(path, None).model
     one_rank = SimpleNamespace(model=target, config=SimpleNamespace(model=str(path)),
                                tp=SimpleNamespace(size=1), dtype=torch.float32,
                                device=torch.device("cpu"), attention_backend=target.layers[0]
@@ -267,22 +244,6 @@ class QwenMtpReference:
         return logits
 
 
-def record_proposals(runner) -> list[tuple[list[int], list[int]]]:
-    """Each request's known tokens and the drafts proposed after them, as proposed."""
-    proposer, seen = runner.drafter.proposer, []
-    propose = proposer.propose
-
-    def recording(batch, rows, slots):
-        drafts, probs = propose(batch, rows, slots)
-        for row, row_drafts in zip(rows.tolist(), drafts, strict=True):
-            known = batch.token_ids[row, : batch.num_tokens[row]].tolist()
-            seen.append((known, row_drafts.tolist()))
-        return drafts, probs
-
-    proposer.propose = recording
-    return seen
-
-
 @pytest.fixture(scope="module", params=list(RECURRENT_VARIANTS))
 def qwen(request, tmp_path_factory):
     path = write_checkpoint(request.param, tmp_path_factory.mktemp(f"mtp-{request.param}"))
@@ -295,19 +256,12 @@ def test_qwens_prediction_layer_drafts_what_transformers_modules_compute(qwen):
     states, the others chained, equal to the reference layer's argmax (up to the first
     near tie), through chunked prefill and decodes beside each other."""
     path, reference = qwen
-    runner = _runner(path, MTP)
+    runner = spec_runner(path, MTP)
     seen = record_proposals(runner)
-    jobs = _jobs(4, 5)
-    run = _engine(runner, jobs, max_num_batched_tokens=24)
+    jobs = spec_jobs(4, 5)
+    run = spec_engine(runner, jobs, max_num_batched_tokens=24)
     assert_greedy(reference, jobs, run.outputs)
-    layer, checked = QwenMtpReference(reference, path), 0
-    for known, drafts in seen[::3]:
-        for ours, logits in zip(drafts, layer.drafts(known, len(drafts)), strict=True):
-            top = logits.topk(2).values
-            if top[0] - top[1] < 1e-3:
-                break  # a near tie: the chain after it may rightly differ
-            assert ours == int(logits.argmax())
-            checked += 1
+    checked = checked_proposals(seen[::3], QwenMtpReference(reference, path).drafts)
     assert checked > 2 * len(seen[::3])
 
 
@@ -333,8 +287,8 @@ def qwen_echo(tmp_path_factory):
 
 def test_qwens_echo_layer_drafts_are_mostly_accepted_and_change_nothing(qwen_echo):
     path, reference = qwen_echo
-    jobs = _jobs(6, 6)
-    run = _engine(_runner(path, {"method": "qwen3_next_mtp", "num_speculative_tokens": 3}),
+    jobs = spec_jobs(6, 6)
+    run = spec_engine(spec_runner(path, {"method": "qwen3_next_mtp", "num_speculative_tokens": 3}),
                   jobs)  # fmt: skip
     assert_greedy(reference, jobs, run.outputs)
     stats = run.scheduler.drafts.stats
@@ -345,12 +299,12 @@ def test_qwens_echo_layer_drafts_are_mostly_accepted_and_change_nothing(qwen_ech
 
 def test_qwen_mtp_under_preemption_chunks_and_seeded_sampling_changes_nothing(qwen_echo):
     path, reference = qwen_echo
-    jobs = _jobs(6, 7)
-    run = _engine(_runner(path, MTP, num_blocks=32), jobs, num_blocks=32,
+    jobs = spec_jobs(6, 7)
+    run = spec_engine(spec_runner(path, MTP, num_blocks=32), jobs, num_blocks=32,
                   max_num_batched_tokens=16)  # fmt: skip
     assert run.scheduler.num_preemptions > 0
     assert_greedy(reference, jobs, run.outputs)
     assert run.scheduler.drafts.stats.num_accepted_tokens > 0
-    seeded = _jobs(5, 8, temperature=0.9, top_k=40, seed=7)
-    plain = _engine(_runner(path, None), seeded).outputs
-    assert _engine(_runner(path, MTP), seeded).outputs == plain
+    seeded = spec_jobs(5, 8, temperature=0.9, top_k=40, seed=7)
+    plain = spec_engine(spec_runner(path, None), seeded).outputs
+    assert spec_engine(spec_runner(path, MTP), seeded).outputs == plain

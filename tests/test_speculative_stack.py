@@ -207,3 +207,33 @@ def test_a_bad_speculative_config_stops_start_up_with_one_line(
     assert process.wait(120) == code
     last = (tmp_path / "executor.log").read_text().strip().splitlines()[-1]
     assert last.startswith("flagstop-executor: ") and line in last, last
+
+
+def test_eagle3_drafts_on_two_ranks_with_preemption_equal_transformers(
+    model_dir, tmp_path, reference
+):
+    """An EAGLE-3 head (tools/make_eagle_head.py: random, so its drafts are mostly
+    rejected) on two ranks, with the tensor-parallel stack's pool and budget: rank 0
+    captures the target's layers in its forward and drafts; the streams are
+    transformers'."""
+    from tools.make_eagle_head import write_eagle_head
+
+    head = write_eagle_head(model_dir, tmp_path / "head")
+    stack = start_stack(
+        model_dir, tmp_path / "logs",
+        executor_args=["--num-blocks", "16", "--tensor-parallel-size", "2",
+                       *_spec(method="eagle3", model=str(head), num_speculative_tokens=3)],
+        scheduler_args=["--max-num-batched-tokens", "32", "--max-num-seqs", "8",
+                        "--no-reserve-full-isl"],
+    )  # fmt: skip
+    try:
+        before = stack.stats()
+        requests = short_greedy_workload(3, n=12, shared_prefix=True)
+        assert_matches_reference(reference, requests, run_concurrently(stack, requests))
+        assert stack.wait_idle().num_preemptions > before.num_preemptions
+        series = scrape(stack.metrics_ports["scheduler"])
+        drafts = series["vllm:spec_decode_num_drafts_total" + str(sorted(
+            {"model_name": "flagstop-tiny"}.items()))]  # fmt: skip
+        assert drafts > 0
+    finally:
+        assert stack.stop() == {"router": 0, "scheduler": 0, "executor": 0}, stack.logs()

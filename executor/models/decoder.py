@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flagstop.executor.attention import AttentionMetadata, Band, FP8Scales, paged_attention
+from flagstop.executor.models.aux_hidden import AuxHidden, NoAuxHidden
 from flagstop.executor.models.config import ModelConfig
 from flagstop.executor.models.gdn import GatedDeltaNet
 from flagstop.executor.models.layers import (
@@ -270,6 +271,9 @@ class Decoder(nn.Module):
         self.moe_blocks = [mlp for mlp in mlps if isinstance(mlp, SparseMoeBlock)]
         self.recurrent_layers = [m for m in self.modules() if isinstance(m, GatedDeltaNet)]
         self.block_size = 0  # the cache's, once the runner knows it (after_verify)
+        # Layers' inputs an EAGLE-3 drafter reads (models/aux_hidden.py); none unless
+        # one asks.
+        self.aux_hidden: NoAuxHidden | AuxHidden = NoAuxHidden()
         self.norm = norm_class(config)(config.hidden_size, config.rms_norm_eps)
         # The checkpoint's K/V cache scales by layer, [2, this rank's KV heads] (the
         # loader's; an FP8 cache without them scales by 1.0).
@@ -320,6 +324,7 @@ class Decoder(nn.Module):
         ropes = tuple(table.lookup(positions) for table in self.rotary_tables)
         for i, (layer, kv_cache, g) in enumerate(zip(self.layers, kv_caches, self.layer_groups,
                                                      strict=True)):  # fmt: skip
+            self.aux_hidden.before_layer(i, x, residual)
             x, residual = layer(ropes, x, residual, kv_cache, metas[g])
             x, residual = embeds.after_layer(i, x, residual)
         return self.norm(x, residual)[0]

@@ -10,10 +10,10 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from flagstop.executor.models import linear, onednn
+from flagstop.executor.models.checkpoint_files import checkpoint_files, open_checkpoint
 from flagstop.executor.models.config import ModelConfig
 from flagstop.executor.models.decoder import Decoder
 from flagstop.executor.models.quantized_load import (
@@ -118,12 +118,12 @@ def load_weights(model: nn.Module, model_dir: str | Path, names: Names | None = 
     config, shard = model.config, model.tp.shard
     first_expert, num_experts = shard.experts(config.moe.num_experts) if config.moe else (0, 0)
     loaded: set[Target] = set()
-    files = sorted(Path(model_dir).glob("*.safetensors"))
+    files = checkpoint_files(model_dir)
     if not files:
-        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+        raise FileNotFoundError(f"no *.safetensors (or pytorch_model*.bin) in {model_dir}")
     quantized = QuantizedLayers(model, params, loaded)
     for file in files:
-        with safe_open(str(file), framework="pt") as stored:
+        with open_checkpoint(file) as stored:
             f = Renamed(stored, names)
             for hf_name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 if "rotary_emb.inv_freq" in hf_name:

@@ -31,15 +31,14 @@ is lossless."""
 
 import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from flagstop.executor import kv_cache
 from flagstop.executor.input_batch import InputBatch
+from flagstop.executor.models.checkpoint_files import checkpoint_files, open_checkpoint
 from flagstop.executor.models.config import ModelConfig
 from flagstop.executor.models.decoder import (
     DecoderLayer,
@@ -113,8 +112,8 @@ def _also(copies: dict[str, str], names: Names) -> Names:
 
 def _stored_names(model_dir: str) -> set[str]:
     names: set[str] = set()
-    for file in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
+    for file in checkpoint_files(model_dir):
+        with open_checkpoint(file) as f:
             names |= set(f.keys())
     return names
 
@@ -235,9 +234,11 @@ def load_mtp(runner) -> MtpModel:
 
 
 class MtpProposer(NoProposer):
-    def __init__(self, runner) -> None:
+    def __init__(self, runner, model: nn.Module | None = None) -> None:
+        """model: a head that runs as this layer does (EAGLE-3's); default the
+        checkpoint's prediction layer."""
         self.runner = runner
-        self.model = load_mtp(runner)
+        self.model = model if model is not None else load_mtp(runner)
         # The layer attends to every earlier position: its cache is on the block ids of
         # a full-attention group (the model has one beside its window or recurrent ones).
         self.group = next(g for g, group in enumerate(runner.kv_groups)
@@ -286,12 +287,16 @@ class MtpProposer(NoProposer):
                          self.kv_caches[0], flat.attention(batch, self.group, t))  # fmt: skip
         return flat, out
 
+    def target_hidden(self, inputs: StepInputs) -> torch.Tensor:
+        """What the layer reads of the target's forward: its final hidden states."""
+        return inputs.hidden
+
     @torch.inference_mode()
     def computed(self, batch: InputBatch, inputs: StepInputs) -> None:
         """After a step: its forward computed each token's position with the final
         hidden state inputs.hidden[j]; the positions the target kept (below the row's
         computed count) are caught up on, and each row's first draft taken."""
-        token_rows, hidden = inputs.token_rows, inputs.hidden
+        token_rows, hidden = inputs.token_rows, self.target_hidden(inputs)
         positions = inputs.positions.cpu().numpy()
         kept = positions < batch.num_computed_tokens[token_rows]
         if not kept.any():

@@ -1,0 +1,235 @@
+"""EAGLE-3 draft heads as the speculative method `eagle3` (docs/speculative.md), in
+process on the embedded model's size class: the target's captured layers equal
+transformers' output_hidden_states there; every proposal is what the head computes
+from them (a plain torch reading of the head's tensors: catch-up and chain); drafting
+never changes what is emitted (greedy: transformers' tokens; seeded: the plain run's)
+through chunked prefill and preemption; and a head that does not fit is refused in
+one line."""
+
+import json
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from flagstop.executor.sampling_params import SamplingParams
+from flagstop.server import StartupError
+from tests.helpers.checkpoints import load_reference, prompt
+from tests.helpers.drafting import (
+    assert_greedy,
+    checked_proposals,
+    record_proposals,
+    spec_engine,
+    spec_jobs,
+    spec_runner,
+)
+from tools.inprocess import Job
+from tools.make_eagle_head import write_eagle_head
+from tools.make_model import write_model
+
+pytestmark = pytest.mark.numeric  # no clock in its in-process tests (Makefile: test)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    path = write_model(tmp_path_factory.mktemp("target") / "tiny")
+    return path, load_reference(path)
+
+
+@pytest.fixture(scope="module")
+def head(target, tmp_path_factory):
+    return write_eagle_head(target[0], tmp_path_factory.mktemp("head") / "eagle3")
+
+
+def eagle_engine(runner, jobs, num_blocks=None, **config):
+    """Without the prefix cache: the reference reads every position's state, and a
+    prefix hit's positions were never seen by the head (docs/speculative.md)."""
+    return spec_engine(runner, jobs, num_blocks, no_prefix_caching=True, **config)
+
+
+def spec(head, k: int = 3) -> dict:
+    return {"method": "eagle3", "model": str(head), "num_speculative_tokens": k}
+
+
+class HeadReference:
+    """The head computed from its tensors with plain torch, over a request's known
+    tokens at once: the target's hidden states at its layers (transformers'), fused,
+    then the layer over every position (causal), chained on its own drafts."""
+
+    def __init__(self, head_dir, reference) -> None:
+        self.t = load_file(head_dir / "model.safetensors")
+        self.config = json.loads((head_dir / "config.json").read_text())
+        self.aux = self.config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+        self.reference = reference
+
+    def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        eps = self.config["rms_norm_eps"]
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * self.t[name]
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1]
+        inv = 1.0 / self.config["rope_theta"] ** (torch.arange(0, d, 2).float() / d)
+        angles = torch.outer(positions.float(), inv)
+        cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+        rotated = torch.cat((-x[..., d // 2 :], x[..., : d // 2]), -1)
+        return x * cos[:, None] + rotated * sin[:, None]
+
+    def _layer(self, embeds: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+        t, p, c = self.t, "midlayer.", self.config
+        heads, kv, d = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+        n = len(embeds)
+        x = torch.cat((self._norm(embeds, p + "input_layernorm.weight"),
+                       self._norm(states, p + "hidden_norm.weight")), -1)  # fmt: skip
+        positions = torch.arange(n)
+        q = self._rope((x @ t[p + "self_attn.q_proj.weight"].T).view(n, heads, d), positions)
+        k = self._rope((x @ t[p + "self_attn.k_proj.weight"].T).view(n, kv, d), positions)
+        v = (x @ t[p + "self_attn.v_proj.weight"].T).view(n, kv, d)
+        k, v = k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                             v.transpose(0, 1), is_causal=True)  # fmt: skip
+        h = out.transpose(0, 1).reshape(n, heads * d) @ t[p + "self_attn.o_proj.weight"].T + states
+        x = self._norm(h, p + "post_attention_layernorm.weight")
+        gate, up = x @ t[p + "mlp.gate_proj.weight"].T, x @ t[p + "mlp.up_proj.weight"].T
+        return (F.silu(gate) * up) @ t[p + "mlp.down_proj.weight"].T + h
+
+    @torch.no_grad()
+    def drafts(self, known: list[int], k: int) -> list[torch.Tensor]:
+        """The logits of each of k drafts after `known` (over target ids)."""
+        computed = known[:-1]  # the last known token is not computed yet
+        hidden = self.reference(torch.tensor([computed]), output_hidden_states=True)
+        fused = torch.cat([hidden.hidden_states[a][0] for a in self.aux], -1)
+        states, tokens = fused @ self.t["fc.weight"].T, list(known[1:])
+        logits = []
+        for _ in range(k):
+            out = self._layer(self.t["embed_tokens.weight"][tokens], states)
+            draft = self._norm(out[-1], "norm.weight") @ self.t["lm_head.weight"].T
+            full = torch.full((self.t["embed_tokens.weight"].shape[0],), float("-inf"))
+            full[torch.arange(len(draft)) + self.t["d2t"]] = draft
+            logits.append(full)
+            tokens.append(int(full.argmax()))
+            states = torch.cat((states, out[-1:]))
+        return logits
+
+
+def test_the_captured_layers_are_transformers_hidden_states_there(target, head):
+    """One prompt computed in one chunk: the states the drafter is given are the
+    residual stream entering each named layer (layer 0's: the embeddings)."""
+    path, reference = target
+    runner = spec_runner(path, spec(head))
+    captured = []
+    computed = runner.drafter.proposer.computed
+
+    def capturing(batch, inputs):
+        captured.append(inputs.aux_hidden.clone())
+        computed(batch, inputs)
+
+    runner.drafter.proposer.computed = capturing
+    tokens = prompt(1, 20)
+    eagle_engine(runner, [Job(tokens, 1, SamplingParams())])
+    aux = json.loads((head / "config.json").read_text())["eagle_config"][
+        "eagle_aux_hidden_state_layer_ids"
+    ]
+    assert 0 in aux  # the embedding's branch (no residual yet) is covered
+    with torch.no_grad():
+        hidden = reference(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+    expected = torch.cat([hidden[a][0] for a in aux], -1)
+    torch.testing.assert_close(captured[0], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_every_proposal_is_what_the_head_computes(target, head):
+    """The first draft from the catch-up over the target's captured states, the
+    others chained on the head's own states, equal to the reference's argmax (up to
+    the first near tie), through chunked prefill and decodes beside each other."""
+    path, reference = target
+    runner = spec_runner(path, spec(head))
+    seen = record_proposals(runner)
+    jobs = spec_jobs(4, 5)
+    run = eagle_engine(runner, jobs, max_num_batched_tokens=24)
+    assert_greedy(reference, jobs, run.outputs)
+    checked = checked_proposals(seen[::4], HeadReference(head, reference).drafts)
+    assert checked > 2 * len(seen[::4]) > 0
+
+
+def test_preempted_and_chunked_requests_keep_greedy_outputs(target, head):
+    path, reference = target
+    jobs = spec_jobs(6, 2)
+    run = eagle_engine(spec_runner(path, spec(head), num_blocks=24), jobs, num_blocks=24,
+                  max_num_batched_tokens=16)  # fmt: skip
+    assert run.scheduler.num_preemptions > 0
+    assert_greedy(reference, jobs, run.outputs)
+    assert run.scheduler.drafts.stats.num_draft_tokens > 0
+
+
+def test_seeded_sampling_with_eagle3_drafts_emits_what_it_would_without(target, head):
+    path, _ = target
+    jobs = spec_jobs(5, 3, temperature=0.9, top_k=40, seed=7)
+    plain = eagle_engine(spec_runner(path, None), jobs).outputs
+    run = eagle_engine(spec_runner(path, spec(head)), jobs)
+    assert run.outputs == plain
+    assert run.scheduler.drafts.stats.num_draft_tokens > 0
+
+
+def _broken(head, tmp_path, config=None, drop=()):
+    path = shutil.copytree(head, tmp_path / "broken")
+    hf = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**hf, **(config or {})}))
+    tensors = {k: v for k, v in load_file(path / "model.safetensors").items() if k not in drop}
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+@pytest.mark.parametrize(("config", "words"), [
+    ({"hidden_size": 128, "head_dim": 32}, "reads hidden states of 128, the target's are 256"),
+    ({"vocab_size": 1000}, "vocabulary is 1000 tokens, the target's 512"),
+    ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 9, 2]}}, "layers 0..3"),
+])  # fmt: skip
+def test_a_head_for_another_target_is_refused_in_one_line(target, head, tmp_path, config, words):
+    with pytest.raises(StartupError, match=r"speculative method eagle3: .*" + words) as e:
+        spec_runner(target[0], spec(_broken(head, tmp_path, config)))
+    assert "\n" not in str(e.value)
+
+
+def test_a_head_without_safetensors_is_refused(target, tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(StartupError, match=r"no \*\.safetensors or pytorch_model"):
+        spec_runner(target[0], spec(tmp_path))
+
+
+def test_a_trained_head_loads_and_drafts_losslessly(target, tmp_path):
+    """tools/train_eagle_head.py (make eagle-head) at its smallest: text generated by
+    the target, a few steps of training, a head written that the engine loads and
+    drafts with, changing nothing."""
+    from tools.train_eagle_head import train
+
+    path, reference = target
+    report = train(path, tmp_path / "trained", num_sequences=2, epochs=1, seed=0, held_out=2)
+    assert (
+        report["last_loss"] < report["first_loss"] * 2
+        and len(report["held_out_top1_per_step"]) == 3
+    )
+    jobs = spec_jobs(3, 6)
+    run = eagle_engine(spec_runner(path, spec(tmp_path / "trained")), jobs)
+    assert_greedy(reference, jobs, run.outputs)
+    assert run.scheduler.drafts.stats.num_draft_tokens > 0
+
+
+def test_the_same_head_in_every_layout_drafts_the_same(target, head, tmp_path):
+    """The original layout's safetensors, the same weights as a pytorch_model.bin (the
+    original heads' files), and as the speculators library lays them out: identical
+    proposals."""
+    from tools.make_eagle_head import write_eagle_head
+
+    as_bin = shutil.copytree(head, tmp_path / "bin")
+    torch.save(load_file(as_bin / "model.safetensors"), as_bin / "pytorch_model.bin")
+    (as_bin / "model.safetensors").unlink()
+    speculators = write_eagle_head(target[0], tmp_path / "speculators", layout="speculators")
+    assert "transformer_layer_config" in json.loads((speculators / "config.json").read_text())
+    proposals = []
+    for layout in (head, as_bin, speculators):
+        runner = spec_runner(target[0], spec(layout))
+        seen = record_proposals(runner)
+        eagle_engine(runner, spec_jobs(3, 8))
+        proposals.append(seen)
+    assert proposals[0] == proposals[1] == proposals[2] and proposals[0]
