@@ -191,6 +191,12 @@ def test_a_head_for_another_target_is_refused_in_one_line(target, head, tmp_path
     assert "\n" not in str(e.value)
 
 
+def test_a_head_missing_a_tensor_is_refused_in_one_line(target, head, tmp_path):
+    with pytest.raises(StartupError, match=r"speculative method eagle3: .*lacks 1 tensors") as e:
+        spec_runner(target[0], spec(_broken(head, tmp_path, drop=("fc.weight",))))
+    assert "\n" not in str(e.value)
+
+
 def test_a_head_without_safetensors_is_refused(target, tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(StartupError, match=r"no \*\.safetensors or pytorch_model"):

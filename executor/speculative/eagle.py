@@ -45,6 +45,10 @@ OWN = {
     "fc.weight": "fc.weight", "norm.weight": "norm.weight",
     "lm_head.weight": "draft_head.weight", "embed_tokens.weight": "embed_tokens.weight",
 }  # fmt: skip
+# The decoder layer a head's config describes, by its model_type (speculators writes
+# Qwen3 heads' layers as qwen3: their attention has q/k norms); Llama's otherwise.
+LAYER_FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM"}  # fmt: skip
 # Variants of the speculators format this head does not run yet (their norms differ;
 # norm_output, EAGLE-3.1's, chains the normed state).
 UNSUPPORTED = ("norm_before_fc", "fc_norm", "norm_output")
@@ -70,7 +74,8 @@ def head_config(model_dir: Path, target: ModelConfig) -> HeadConfig:
         layer_hf, ids = hf["transformer_layer_config"], hf.get("eagle_aux_hidden_state_layer_ids")
     else:  # the original layout: a one-layer Llama config
         layer_hf, ids = hf, (hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    layer = ModelConfig.from_hf({**layer_hf, "architectures": ["LlamaForCausalLM"],
+    family = LAYER_FAMILIES.get(layer_hf.get("model_type"), "LlamaForCausalLM")
+    layer = ModelConfig.from_hf({**layer_hf, "architectures": [family],
                                  "num_hidden_layers": 1})  # fmt: skip
     layer = _one_full_layer(layer)
     n = target.num_layers
@@ -189,8 +194,11 @@ def load_eagle3(runner, model_dir: str) -> Eagle3Model:
                            "target's)")  # fmt: skip
     with torch.device("meta"):
         model = Eagle3Model(target, head, own_embed)
-    model = build(model, model_dir, runner.dtype, runner.device, runner.attention_backend,
-                  _names)  # fmt: skip
+    try:
+        model = build(model, model_dir, runner.dtype, runner.device,
+                      runner.attention_backend, _names)  # fmt: skip
+    except (ValueError, RuntimeError) as e:  # a tensor it lacks or has extra, a shape
+        raise StartupError(f"speculative method eagle3: {model_dir}: {e}") from None
     for table in model.rotary_tables:
         table.build(runner.device)
     model.d2t = _d2t(path, head.draft_vocab_size).to(runner.device)
