@@ -3,6 +3,7 @@ the step plan (the scheduler core's SchedulerOutput) in, sampled tokens out. The
 one encoder is the scheduler's (scheduler_svc/convert.py: step_to_proto)."""
 
 from flagstop.executor.sampling_params import Pooling, SampleOutput, SamplingParams, TokenLogprobs
+from flagstop.pooling_tasks import task_name, task_value
 from flagstop.scheduler_svc.core.kv_connector import KVConnectorMetadata, KVLoad, KVSend
 from flagstop.scheduler_svc.core.media import media_from_proto
 from flagstop.scheduler_svc.core.output import (
@@ -36,17 +37,12 @@ def sampling_from_proto(p: executor_pb2.SamplingParams) -> SamplingParams:
     )  # fmt: skip
 
 
-POOLING_TASKS = {generation_pb2.POOLING_TASK_EMBED: "embed",
-                 generation_pb2.POOLING_TASK_CLASSIFY: "classify",
-                 generation_pb2.POOLING_TASK_SCORE: "score"}  # fmt: skip
-
-
 def pooling_from_proto(p: generation_pb2.PoolingParams) -> Pooling:
-    if p.task not in POOLING_TASKS:
+    if not (task := task_name(p.task)):
         raise ValueError(f"pooling task {p.task} is not one this executor runs")
     normalize = p.normalize if p.HasField("normalize") else None
     activation = p.activation if p.HasField("activation") else True
-    return Pooling(POOLING_TASKS[p.task], p.dimensions, normalize, activation)
+    return Pooling(task, p.dimensions, normalize, activation)
 
 
 def sampling_to_proto(p: SamplingParams) -> executor_pb2.SamplingParams:
@@ -63,10 +59,9 @@ def sampling_to_proto(p: SamplingParams) -> executor_pb2.SamplingParams:
         out.structured_outputs.CopyFrom(constraint_to_proto(p.grammar))
         out.structured_outputs.num_prompt_tokens_constrained = p.num_prompt_tokens_constrained
     if p.pooling is not None:
-        task = next(k for k, v in POOLING_TASKS.items() if v == p.pooling.task)
         out.pooling.CopyFrom(generation_pb2.PoolingParams(
-            task=task, dimensions=p.pooling.dimensions, normalize=p.pooling.normalize,
-            activation=p.pooling.activation))  # fmt: skip
+            task=task_value(p.pooling.task), dimensions=p.pooling.dimensions,
+            normalize=p.pooling.normalize, activation=p.pooling.activation))  # fmt: skip
     return out
 
 

@@ -33,7 +33,7 @@ from flagstop.executor.media import Images, TextOnly, pixels_from_bytes
 from flagstop.executor.models.config import ModelConfig
 from flagstop.executor.models.loader import load_model
 from flagstop.executor.parallel import SINGLE, TensorParallel
-from flagstop.executor.pooler import build_pooler, pooled_outputs
+from flagstop.executor.pooler import build_pooler
 from flagstop.executor.prompt_logprobs import prompt_logprobs
 from flagstop.executor.rejection_sampler import verify
 from flagstop.executor.sampling import sample
@@ -251,8 +251,7 @@ class ModelRunner:
             num_sampling = len(inputs.logits_indices)
             logits, prompt_logits = logits[:num_sampling], logits[num_sampling:]
         output = self._with_transfers(self._sample(logits, inputs))
-        if len(inputs.pooling_rows):
-            output.pooled = self._pooled(inputs)
+        output.pooled = self.pooler.outputs(self.batch, inputs)
         if prompt_logits is not None:
             output.prompt_logprobs = prompt_logprobs(prompt_logits, inputs, plan, self.batch)
         num_known = self.batch.num_tokens[inputs.sampling_rows]
@@ -277,13 +276,6 @@ class ModelRunner:
             output = verify(logits, inputs.sampling, inputs.drafts)
         self.grammars.accept(constrained, output)
         return output
-
-    def _pooled(self, inputs: StepInputs) -> list[bytes]:
-        """The pooling requests' outputs, from the hidden states of their last token."""
-        batch, rows = self.batch, inputs.pooling_rows.tolist()
-        params = [batch.sampling_params[row].pooling for row in rows]
-        failed = [row in batch.failed_rows for row in rows]
-        return pooled_outputs(self.pooler, inputs.hidden, inputs.pool_indices, params, failed)
 
     def _with_transfers(self, output: SampleOutput) -> SampleOutput:
         output.transfers, self.transfers = self.transfers, NO_TRANSFERS

@@ -17,25 +17,40 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
+from flagstop.executor.input_batch import InputBatch
 from flagstop.executor.models.config import ModelConfig
 from flagstop.executor.models.loader import CLASSIFIER_HEAD
 from flagstop.executor.models.pooling_config import ClassifierConfig
 from flagstop.executor.models.quantization import ConfigError
 from flagstop.executor.sampling_params import Pooling
+from flagstop.executor.step_inputs import StepInputs
 
 # Where a causal LM keeps its output head's rows: its own, else the tied embeddings
 # (a bare backbone's without the prefix).
 LM_HEAD = ("lm_head.weight", "model.embed_tokens.weight", "embed_tokens.weight")
 
 
-class NoPooler:
+class _Pooler:
+    """The seam the model runner calls each step."""
+
+    def outputs(self, batch: InputBatch, inputs: StepInputs) -> list[bytes]:
+        """The step's pooling requests' outputs (most steps have none), from the hidden
+        states of their last token."""
+        if not len(rows := inputs.pooling_rows.tolist()):
+            return []
+        params = [batch.sampling_params[row].pooling for row in rows]
+        failed = [row in batch.failed_rows for row in rows]
+        return pooled_outputs(self, inputs.hidden, inputs.pool_indices, params, failed)
+
+
+class NoPooler(_Pooler):
     """A model that generates: no request of it pools."""
 
     def pooled(self, last: torch.Tensor, params: list[Pooling]) -> list[bytes]:
         raise AssertionError("a pooling request reached a model that generates")
 
 
-class EmbeddingPooler:
+class EmbeddingPooler(_Pooler):
     """The hidden state itself: its first `dimensions` values (Matryoshka), then unit
     length where the request (else the model: its Normalize module) says."""
 
@@ -53,7 +68,7 @@ class EmbeddingPooler:
         return _bytes(vector)
 
 
-class ClassifierPooler:
+class ClassifierPooler(_Pooler):
     """The classification head on the hidden state: a logit per class, then each
     class's probability (softmax over them; sigmoid for one class or a multi-label
     model) unless the request asks for the logits. In float32, whatever the model's

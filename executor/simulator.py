@@ -5,7 +5,8 @@ waits the time a GPU would take, from a cost model, and returns deterministic to
 (a hash of each request's own tokens). With it the router, the scheduler and gateways
 are load-tested at GPU step rates on a CPU machine, in the manner of llm-d's
 inference simulator. It imports no torch. A pooling model's requests (docs/pooling.md)
-get a unit vector seeded by a hash of their tokens: the right size, not an embedding.
+get outputs seeded by a hash of their tokens, the right size and not a model's: an
+embedding model's a unit vector, a classifier's probabilities a class.
 
     flagstop-executor --simulate --model DIR [--simulate-base-ms 6] ...
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 class Reconnect:
     give_up_after_s: float  # requests waiting longer than this for the peer fail
     initial_delay_s: float = 0.1
-    max_delay_s: float = 2.0
+    max_delay_s: float = 0.5  # gRPC's own backoff is capped alike (server.CHANNEL_OPTIONS)
     delay_s: float = field(init=False)
     lost_since: float | None = None  # None: connected, or never connected yet
 

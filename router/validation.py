@@ -4,6 +4,7 @@ failure says what to change."""
 import math
 from dataclasses import dataclass
 
+from flagstop.pooling_tasks import task_name
 from flagstop.scheduler_svc.core.limits import RequestRejected, check_request_length
 from flagstop.scheduler_svc.core.request import stop_token_ids
 from flagstop.structured import (
@@ -20,12 +21,7 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024  # entries; OpenAI's bound is 300
 MAX_BIAS = 100.0
 MAX_PENALTY = 2.0  # frequency and presence, as OpenAI bounds them
-# A pooling request's task (PoolingParams.task) by name, and where each is asked.
-POOLING_TASK_NAMES = {
-    generation_pb2.POOLING_TASK_EMBED: "embed",
-    generation_pb2.POOLING_TASK_CLASSIFY: "classify",
-    generation_pb2.POOLING_TASK_SCORE: "score",
-}
+# What each pooling task makes, and where each is asked.
 POOLING_OUTPUTS = {"embed": "embeddings", "classify": "classes", "score": "scores",
                    "": "pooled outputs"}  # fmt: skip
 POOLING_ROUTES = {
@@ -188,7 +184,7 @@ def _pooling(request, num_prompt: int, limits: ModelLimits) -> executor_pb2.Samp
     if not request.HasField("pooling"):
         raise RequestRejected(f"this is {kind}: it generates no text; ask it for {routes}",
                               "model")  # fmt: skip
-    task = POOLING_TASK_NAMES.get(request.pooling.task, "")
+    task = task_name(request.pooling.task)
     outputs = POOLING_OUTPUTS[task]
     if not limits.pooling_tasks:
         raise RequestRejected(f"this model generates text; it makes no {outputs}: serve a "
