@@ -72,7 +72,7 @@ COMPOSE := $(if $(strip $(PROFILES)),COMPOSE_PROFILES=$(subst $() ,$(comma),$(st
 	$(if $(SPEC),SPEC='$(SPEC)') $(if $(filter-out grpcio,$(GRPC_SERVER)),GRPC_SERVER=$(GRPC_SERVER)) \
 	$(DOCKER_COMPOSE) -f compose/compose.yaml $(if $(GPU),-f compose/compose.gpu.yaml)
 
-.PHONY: venv test test-fast kernels-sm90 lint bench bench-executor bench-kv-tier bench-kv-groups bench-mla bench-recurrent bench-lora bench-replicas bench-structured bench-multimodal bench-sessions bench-llm-d bench-pooling eagle-head model proto serve up down logs ps clean
+.PHONY: venv test test-fast kernels-sm90 lint bench bench-executor bench-kv-tier bench-kv-groups bench-mla bench-recurrent bench-lora bench-replicas bench-structured bench-multimodal bench-sessions bench-llm-d bench-pooling eagle-head trained-model eagle-head-trained speculators-heads model proto serve up down logs ps clean
 
 venv: $(STAMP)
 
@@ -229,6 +229,7 @@ bench: $(STAMP)
 		--variant 'grpcio server||' --variant 'native server||--grpc-server native' \
 		--profile /tmp/flagstop-profile --out bench/results/overhead_router.md
 	$(PY) bench/spec_bench.py
+	$(PY) bench/spec_bench.py --target trained
 	$(PY) bench/overhead_bench.py --streams 64 256 --step-ms 8 --out bench/results/overhead_spec.md \
 		--variant 'no speculation|||' \
 		--variant 'ngram k=3, acceptance 0.7|||--speculative-config {"method":"ngram","num_speculative_tokens":3} --simulate-acceptance-rate 0.7|--speculative-disable-batch-size 100000'
@@ -273,6 +274,39 @@ eagle-head: $(MODEL_DIR)-eagle3/config.json
 
 $(MODEL_DIR)-eagle3/config.json: $(MODEL_DIR)/config.json tools/train_eagle_head.py
 	$(PY) -m tools.train_eagle_head --target $(MODEL_DIR) --out $(MODEL_DIR)-eagle3
+
+# The embedded model's random text leaves a head nothing to learn: `make trained-model`
+# trains its architecture on docs/*.md (~4 minutes), `make eagle-head-trained` a head
+# for that (~3 minutes); bench/spec_bench.py measures drafts on the pair.
+TRAINED := models/flagstop-tiny-trained
+trained-model: $(TRAINED)/config.json
+
+$(TRAINED)/config.json: $(STAMP) tools/train_tiny_model.py
+	test -f models/flagstop-tiny/config.json || $(MAKE) model SIZE=tiny ARCH=llama
+	$(PY) -m tools.train_tiny_model --base models/flagstop-tiny --out $(TRAINED)
+
+eagle-head-trained: $(TRAINED)-eagle3/config.json
+
+$(TRAINED)-eagle3/config.json: $(TRAINED)/config.json tools/train_eagle_head.py
+	$(PY) -m tools.train_eagle_head --target $(TRAINED) --out $(TRAINED)-eagle3 --prompts docs
+
+# tests/data/eagle3/: heads saved by the speculators library itself (committed; CI
+# does not install it), made in a venv of its own: speculators 0.9 pins transformers
+# <= 5.19 against ours (tools/speculators_heads.py). Its torch is the CPU build on disk
+# (--no-deps: its torchvision and torchaudio would pull a CUDA one).
+SPECULATORS_VENV := .venv-speculators
+SPECULATORS_HEADS := tests/data/eagle3
+speculators-heads: $(STAMP)
+	test -x $(SPECULATORS_VENV)/bin/python || python3.11 -m venv $(SPECULATORS_VENV)
+	$(SPECULATORS_VENV)/bin/pip install -q torch==2.13.0 transformers==5.19.0 loguru==0.7.3 \
+		pydantic pydantic-settings safetensors rich typer click psutil httpx protobuf openai \
+		aiohttp "datasets<=5.1.0" huggingface-hub
+	$(SPECULATORS_VENV)/bin/pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0
+	rm -rf $(SPECULATORS_HEADS) && d=$$(mktemp -d) && \
+	$(PY) -m tools.make_eagle_head --small-target $$d/flagstop-tiny-h64 --out $$d/original && \
+	cd $$d && $(CURDIR)/$(SPECULATORS_VENV)/bin/python $(CURDIR)/tools/speculators_heads.py \
+		--target flagstop-tiny-h64 --original original --out $(CURDIR)/$(SPECULATORS_HEADS)
+	rm -f $(SPECULATORS_HEADS)/*/config.py  # the library's own source, named by auto_map
 
 # The host tier on a multi-turn workload that outgrows the pool (the small model on
 # the CPU, pool only vs pool + tier), and two colocated replicas against a prefill and a

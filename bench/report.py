@@ -19,7 +19,8 @@ ORDER = [
     "overhead_levers",
     "replicas", "scheduler", "slo", "fairness_live", "replay_check",
     "detokenizer", "tracing", "executor", "executor_moe", "executor_quant", "moe", "tp",
-    "structured", "spec", "overhead_spec", "lora", "kv_tier", "kv_disagg", "kv_groups", "mla",
+    "structured", "spec", "spec_trained", "overhead_spec", "lora", "kv_tier", "kv_disagg",
+    "kv_groups", "mla",
     "multimodal_pixels", "multimodal_cache", "multimodal_budget", "sessions", "llm-d", "pooling",
 ]  # fmt: skip
 

@@ -4,7 +4,7 @@ the model runner in one process (tools/inprocess.py, two steps in flight as the
 service keeps them), greedy requests on the embedded model.
 
     python bench/spec_bench.py [--streams 1 4 16 64] [--prompt-tokens 64]
-        [--output-tokens 64] [--out bench/results/spec.md]
+        [--output-tokens 64] [--target random|trained] [--out bench/results/spec.md]
 
 Methods: off; ngram (k 3, lookup 1..3); suffix (k 4); draft_model with the model
 itself as its draft (the mechanics' ceiling: every draft accepted, at the cost of a
@@ -19,7 +19,11 @@ batch rule (--speculative-disable-batch-size, 32 by default) is off in every row
 per-request acceptance rule is always on.
 
 Random weights rarely repeat themselves: the n-gram and suffix rows show their cost
-more than their gain; a real model on real text accepts far more.
+more than their gain; a real model on real text accepts far more. `--target trained`
+(bench/results/spec_trained.md) runs the same methods on a target with something to
+learn: the embedded architecture trained on docs/*.md (`make trained-model`), its
+eagle3 head trained on its text (`make eagle-head-trained`), prompts cut from the docs
+both left out (tools/train_tiny_model.py's held-out docs).
 """
 
 import argparse
@@ -90,18 +94,23 @@ def methods(model_dir: Path, draft_dir: Path, eagle_dir: Path) -> dict[str, dict
     }  # fmt: skip
 
 
-def jobs(streams: int, prompt_tokens: int, output_tokens: int, vocab: int) -> list[Job]:
+def jobs(streams: int, prompt_tokens: int, output_tokens: int, vocab: int,
+         text: list[int] | None) -> list[Job]:  # fmt: skip
+    """Random token prompts, or windows of `text` (token ids)."""
     rng = random.Random(streams)
-    return [
-        Job([0] + [rng.randrange(3, vocab) for _ in range(prompt_tokens - 1)], output_tokens,
-            SamplingParams())
-        for _ in range(streams)
-    ]  # fmt: skip
+
+    def prompt() -> list[int]:
+        if text is None:
+            return [0] + [rng.randrange(3, vocab) for _ in range(prompt_tokens - 1)]
+        start = rng.randrange(len(text) - prompt_tokens)
+        return text[start : start + prompt_tokens]
+
+    return [Job(prompt(), output_tokens, SamplingParams()) for _ in range(streams)]
 
 
 def measure(runner: ModelRunner, streams: int, args, disable_batch_size: int = NO_RULE) -> dict:
     workload = jobs(streams, args.prompt_tokens, args.output_tokens,
-                    runner.model_config.vocab_size)  # fmt: skip
+                    runner.model_config.vocab_size, args.text)  # fmt: skip
     config = SchedulerConfig(
         max_num_batched_tokens=4096, max_num_seqs=max(args.streams), max_model_len=2048,
         block_size=BLOCK_SIZE, num_speculative_tokens=runner.num_speculative_tokens,
@@ -144,18 +153,12 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--methods", nargs="+", help="a subset of the method names")
-    parser.add_argument("--out", default=str(RESULTS / "spec.md"))
+    parser.add_argument("--target", choices=("random", "trained"), default="random")
+    parser.add_argument("--out", help="default bench/results/spec.md (spec_trained.md)")
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    model_dir = ROOT / "models" / "flagstop-tiny"
-    if not (model_dir / "config.json").exists():
-        write_model(model_dir, "tiny")
-    draft_dir = truncated_draft(model_dir, ROOT / "models" / "flagstop-tiny-1layer")
-    eagle_dir = ROOT / "models" / "flagstop-tiny-eagle3"
-    if not (eagle_dir / "config.json").exists():
-        from tools.train_eagle_head import train
-
-        print(train(model_dir, eagle_dir, 256, 3, 0), flush=True)
+    model_dir, eagle_dir, args.text = target(args.target)
+    draft_dir = truncated_draft(model_dir, Path(f"{model_dir}-1layer"))
     rows = []
     for name, spec in methods(model_dir, draft_dir, eagle_dir).items():
         if args.methods and name not in args.methods:
@@ -171,13 +174,45 @@ def main() -> None:
         del runner
     text = table(rows)
     print(text)
+    trained = args.target == "trained"
+    prompts = "prompt tokens cut from held-out docs" if trained else "random prompt tokens"
+    weights = "trained on docs/*.md" if trained else "random weights"
+    out = args.out or str(RESULTS / ("spec_trained.md" if trained else "spec.md"))
     write_result(
-        args.out, "Speculative decoding (CPU, in process)",
-        f"greedy requests of {args.prompt_tokens} random prompt tokens and "
-        f"{args.output_tokens} output tokens on models/flagstop-tiny (random weights), "
-        "scheduler core + model runner with two steps in flight; the batch rule off.",
-        text, {"args": vars(args), "rows": rows},
+        out, "Speculative decoding (CPU, in process)" + (", a trained target" if trained else ""),
+        f"greedy requests of {args.prompt_tokens} {prompts} and {args.output_tokens} output "
+        f"tokens on {model_dir.relative_to(ROOT)} ({weights}), scheduler core + model runner "
+        "with two steps in flight; the batch rule off.",
+        text, {"args": {k: v for k, v in vars(args).items() if k != "text"}, "rows": rows},
     )  # fmt: skip
+
+
+def target(kind: str) -> tuple[Path, Path, list[int] | None]:
+    """The target, its trained eagle3 head (each made first where missing) and the
+    token ids prompts are cut from (None: random tokens)."""
+    from tools.train_eagle_head import train
+
+    model_dir = ROOT / "models" / "flagstop-tiny"
+    if not (model_dir / "config.json").exists():
+        write_model(model_dir, "tiny")
+    if kind == "random":
+        eagle_dir = ROOT / "models" / "flagstop-tiny-eagle3"
+        if not (eagle_dir / "config.json").exists():
+            print(train(model_dir, eagle_dir, 256, 3, 0), flush=True)
+        return model_dir, eagle_dir, None
+    from tokenizers import Tokenizer
+
+    from tools import train_tiny_model
+
+    trained = ROOT / "models" / "flagstop-tiny-trained"
+    eagle_dir = Path(f"{trained}-eagle3")
+    if not (trained / "config.json").exists():
+        print(train_tiny_model.train(model_dir, trained, 600, 0), flush=True)
+    if not (eagle_dir / "config.json").exists():
+        print(train(trained, eagle_dir, 256, 3, 0, prompts="docs"), flush=True)
+    tokenizer = Tokenizer.from_file(str(trained / "tokenizer.json"))
+    held_out = "\n".join(f.read_text() for f in train_tiny_model.docs(held_out=True))
+    return trained, eagle_dir, tokenizer.encode(held_out).ids
 
 
 if __name__ == "__main__":

@@ -8,28 +8,37 @@ one line."""
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from flagstop.executor.sampling_params import SamplingParams
 from flagstop.server import StartupError
 from tests.helpers.checkpoints import load_reference, prompt
 from tests.helpers.drafting import (
+    assert_every_proposal_is_computed,
     assert_greedy,
-    checked_proposals,
+    assert_preemption_stays_greedy,
+    assert_prefix_hits_stay_greedy,
+    assert_seeded_sampling_unchanged,
+    plain_llama_layer,
     record_proposals,
+    rms_norm,
     spec_engine,
     spec_jobs,
     spec_runner,
 )
 from tools.inprocess import Job
-from tools.make_eagle_head import write_eagle_head
+from tools.make_eagle_head import SMALL_TARGET, write_eagle_head
 from tools.make_model import write_model
+from tools.train_eagle_head import TrainableHead, stored_names
 
 pytestmark = pytest.mark.numeric  # no clock in its in-process tests (Makefile: test)
+# Heads saved by the speculators library itself (make speculators-heads), for a target
+# of SMALL_TARGET's shape, and probe.safetensors: the library's own forward of one.
+SPECULATORS_HEADS = Path(__file__).parent / "data" / "eagle3"
 
 
 @pytest.fixture(scope="module")
@@ -61,38 +70,23 @@ class HeadReference:
     def __init__(self, head_dir, reference) -> None:
         self.t = load_file(head_dir / "model.safetensors")
         self.config = json.loads((head_dir / "config.json").read_text())
+        if "transformer_layer_config" in self.config:  # the speculators library's layout
+            self.t = {k.replace("layers.0.", "midlayer.", 1): v for k, v in self.t.items()}
+            aux = self.config["eagle_aux_hidden_state_layer_ids"]
+            layer = self.config["transformer_layer_config"]
+            self.config = {**layer, "rope_theta": layer["rope_parameters"]["rope_theta"],
+                           "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux}}  # fmt: skip
         self.aux = self.config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
         self.reference = reference
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        eps = self.config["rms_norm_eps"]
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * self.t[name]
-
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        d = x.shape[-1]
-        inv = 1.0 / self.config["rope_theta"] ** (torch.arange(0, d, 2).float() / d)
-        angles = torch.outer(positions.float(), inv)
-        cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
-        rotated = torch.cat((-x[..., d // 2 :], x[..., : d // 2]), -1)
-        return x * cos[:, None] + rotated * sin[:, None]
+        return rms_norm(x, self.t[name], self.config["rms_norm_eps"])
 
     def _layer(self, embeds: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
-        t, p, c = self.t, "midlayer.", self.config
-        heads, kv, d = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
-        n = len(embeds)
+        p = "midlayer."
         x = torch.cat((self._norm(embeds, p + "input_layernorm.weight"),
                        self._norm(states, p + "hidden_norm.weight")), -1)  # fmt: skip
-        positions = torch.arange(n)
-        q = self._rope((x @ t[p + "self_attn.q_proj.weight"].T).view(n, heads, d), positions)
-        k = self._rope((x @ t[p + "self_attn.k_proj.weight"].T).view(n, kv, d), positions)
-        v = (x @ t[p + "self_attn.v_proj.weight"].T).view(n, kv, d)
-        k, v = k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
-                                             v.transpose(0, 1), is_causal=True)  # fmt: skip
-        h = out.transpose(0, 1).reshape(n, heads * d) @ t[p + "self_attn.o_proj.weight"].T + states
-        x = self._norm(h, p + "post_attention_layernorm.weight")
-        gate, up = x @ t[p + "mlp.gate_proj.weight"].T, x @ t[p + "mlp.up_proj.weight"].T
-        return (F.silu(gate) * up) @ t[p + "mlp.down_proj.weight"].T + h
+        return plain_llama_layer(self.t, p, self.config, x, states)
 
     @torch.no_grad()
     def drafts(self, known: list[int], k: int) -> list[torch.Tensor]:
@@ -143,32 +137,16 @@ def test_every_proposal_is_what_the_head_computes(target, head):
     others chained on the head's own states, equal to the reference's argmax (up to
     the first near tie), through chunked prefill and decodes beside each other."""
     path, reference = target
-    runner = spec_runner(path, spec(head))
-    seen = record_proposals(runner)
-    jobs = spec_jobs(4, 5)
-    run = eagle_engine(runner, jobs, max_num_batched_tokens=24)
-    assert_greedy(reference, jobs, run.outputs)
-    checked = checked_proposals(seen[::4], HeadReference(head, reference).drafts)
-    assert checked > 2 * len(seen[::4]) > 0
+    assert_every_proposal_is_computed(spec_runner(path, spec(head)), reference,
+                                      HeadReference(head, reference).drafts)  # fmt: skip
 
 
 def test_preempted_and_chunked_requests_keep_greedy_outputs(target, head):
-    path, reference = target
-    jobs = spec_jobs(6, 2)
-    run = eagle_engine(spec_runner(path, spec(head), num_blocks=24), jobs, num_blocks=24,
-                  max_num_batched_tokens=16)  # fmt: skip
-    assert run.scheduler.num_preemptions > 0
-    assert_greedy(reference, jobs, run.outputs)
-    assert run.scheduler.drafts.stats.num_draft_tokens > 0
+    assert_preemption_stays_greedy(target[0], spec(head), target[1])
 
 
 def test_seeded_sampling_with_eagle3_drafts_emits_what_it_would_without(target, head):
-    path, _ = target
-    jobs = spec_jobs(5, 3, temperature=0.9, top_k=40, seed=7)
-    plain = eagle_engine(spec_runner(path, None), jobs).outputs
-    run = eagle_engine(spec_runner(path, spec(head)), jobs)
-    assert run.outputs == plain
-    assert run.scheduler.drafts.stats.num_draft_tokens > 0
+    assert_seeded_sampling_unchanged(target[0], spec(head))
 
 
 def _broken(head, tmp_path, config=None, drop=()):
@@ -239,3 +217,73 @@ def test_the_same_head_in_every_layout_drafts_the_same(target, head, tmp_path):
         eagle_engine(runner, spec_jobs(3, 8))
         proposals.append(seen)
     assert proposals[0] == proposals[1] == proposals[2] and proposals[0]
+
+
+def test_under_tensor_parallelism_a_head_takes_a_whole_copy_of_the_targets_embedding(
+    target, tmp_path
+):
+    """The target's embedding is split over the ranks, and the head drafts on rank 0
+    alone: without one of its own it reads the target's whole from the checkpoint
+    (the stack test drafts with it on two ranks); a checkpoint without one is refused
+    in one line."""
+    from types import SimpleNamespace
+
+    from flagstop.executor.speculative.eagle import whole_embedding
+
+    def runner(model_dir):
+        config = SimpleNamespace(model=str(model_dir))
+        return SimpleNamespace(config=config, device=torch.device("cpu"), dtype=torch.float32)
+
+    embedding = whole_embedding(runner(target[0]))
+    stored = load_file(target[0] / "model.safetensors")["model.embed_tokens.weight"]
+    assert torch.equal(embedding(torch.arange(len(stored))), stored)
+    save_file({"lm_head.weight": stored}, tmp_path / "model.safetensors")
+    with pytest.raises(StartupError, match=r"has no model\.embed_tokens\.weight or") as e:
+        whole_embedding(runner(tmp_path))
+    assert "\n" not in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def small_target(tmp_path_factory):
+    """The target tests/data/eagle3's heads were made for."""
+    path = write_model(tmp_path_factory.mktemp("small") / "tiny-h64", overrides=SMALL_TARGET)
+    return path, load_reference(path)
+
+
+@pytest.mark.parametrize("saved", ["native", "converted"])
+def test_heads_the_speculators_library_saved_propose_what_they_compute(small_target, saved):
+    """native: an Eagle3DraftModel (the class the library trains) saved by its own
+    save_pretrained; converted: an original-layout head (tools/make_eagle_head.py's)
+    through the library's Eagle3Converter. Each loads, and its proposals are the
+    plain torch reading of its tensors, greedy outputs unchanged."""
+    path, reference = small_target
+    head = SPECULATORS_HEADS / saved
+    assert_every_proposal_is_computed(spec_runner(path, spec(head)), reference,
+                                      HeadReference(head, reference).drafts)  # fmt: skip
+
+
+def test_the_head_computes_what_the_speculators_library_computes():
+    """The library's own forward of its native head over seeded states and tokens,
+    three training-time-test steps (each later step fed the states of the step before,
+    attending to the earlier steps' keys): the plain torch reading's first step and
+    the trainer's (tools/train_eagle_head.py) three steps draft the same tokens."""
+    probe = load_file(SPECULATORS_HEADS / "probe.safetensors")
+    aux, ids, library = probe["aux"], probe["input_ids"], probe["draft_tokens"]
+    head = HeadReference(SPECULATORS_HEADS / "native", None)
+    t = head.t
+    out = head._layer(t["embed_tokens.weight"][ids], aux @ t["fc.weight"].T)
+    first = (head._norm(out, "norm.weight") @ t["lm_head.weight"].T).argmax(-1)
+    assert torch.equal(first, library[0])
+    trainer = TrainableHead(head.config, t["embed_tokens.weight"], t["lm_head.weight"], 3)
+    trainer.load_state_dict({ours: t[stored] for stored, ours in stored_names().items()})
+    tokens = torch.cat((ids[:1], ids, ids[:1]))  # the trainer reads token i+1 at i
+    with torch.no_grad():
+        steps = trainer(aux, tokens)
+    assert len(steps) == len(library) == 3
+    for s, logits in enumerate(steps):  # its step s at position i + s: the library's at i
+        assert torch.equal(logits.argmax(-1)[s:], library[s][: len(ids) - s])
+
+
+def test_prefix_hits_keep_greedy_outputs(target, head):
+    path, reference = target
+    assert_prefix_hits_stay_greedy(spec_runner(path, spec(head)), reference)

@@ -209,20 +209,25 @@ def test_a_bad_speculative_config_stops_start_up_with_one_line(
     assert last.startswith("flagstop-executor: ") and line in last, last
 
 
-def test_eagle3_drafts_on_two_ranks_with_preemption_equal_transformers(
-    model_dir, tmp_path, reference
+@pytest.mark.parametrize("method", ["eagle3", "eagle"])
+def test_eagle_heads_draft_on_two_ranks_with_preemption_equal_transformers(
+    model_dir, tmp_path, reference, method
 ):
-    """An EAGLE-3 head (tools/make_eagle_head.py: random, so its drafts are mostly
-    rejected) on two ranks, with the tensor-parallel stack's pool and budget: rank 0
-    captures the target's layers in its forward and drafts; the streams are
-    transformers'."""
-    from tools.make_eagle_head import write_eagle_head
+    """An EAGLE-3 head and an EAGLE-1 one (tools/make_eagle_head.py: random, so their
+    drafts are mostly rejected), neither with an embedding of its own, on two ranks
+    with the tensor-parallel stack's pool and budget: rank 0 drafts on whole copies of
+    the target's embedding (and EAGLE-1's, of its LM head), EAGLE-3's from the
+    target's layers captured in its forward; the streams are transformers'."""
+    from tools.make_eagle_head import write_eagle1_head, write_eagle_head
 
-    head = write_eagle_head(model_dir, tmp_path / "head")
+    if method == "eagle3":
+        head = write_eagle_head(model_dir, tmp_path / "head", own_embed=False)
+    else:
+        head = write_eagle1_head(model_dir, tmp_path / "head")
     stack = start_stack(
         model_dir, tmp_path / "logs",
         executor_args=["--num-blocks", "16", "--tensor-parallel-size", "2",
-                       *_spec(method="eagle3", model=str(head), num_speculative_tokens=3)],
+                       *_spec(method=method, model=str(head), num_speculative_tokens=3)],
         scheduler_args=["--max-num-batched-tokens", "32", "--max-num-seqs", "8",
                         "--no-reserve-full-isl"],
     )  # fmt: skip

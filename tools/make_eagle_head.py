@@ -6,9 +6,11 @@ hidden size, its hidden_norm), fc (3 x hidden -> hidden), norm, lm_head over a d
 vocabulary of half the target's, d2t and t2d, and its own embed_tokens (a copy of the
 target's). --layout speculators writes the same weights as the speculators library
 lays an Eagle3Speculator out (its config's transformer_layer_config and
-speculators_config, the layer under `layers.0.`).
+speculators_config, the layer under `layers.0.`). --layout eagle1 writes an EAGLE-1
+head instead (write_eagle1_head; the speculative method `eagle`).
 
-    python -m tools.make_eagle_head --target models/flagstop-tiny --out DIR [--layout speculators]
+    python -m tools.make_eagle_head --target models/flagstop-tiny --out DIR
+        [--layout speculators|eagle1] [--small-target DIR]
 
 Its weights are seeded random, WEIGHT_SCALE times wider as make_model's: a head for
 loading and lossless tests, whose drafts are rarely accepted. The draft vocabulary
@@ -21,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from tools.make_model import WEIGHT_SCALE, write_json
+from tools.make_model import WEIGHT_SCALE, write_json, write_model
 
 
 def aux_layers(num_layers: int) -> list[int]:
@@ -33,7 +35,10 @@ def aux_layers(num_layers: int) -> list[int]:
     return sorted({0, num_layers // 2, num_layers - 1})
 
 
-def write_eagle_head(target: Path, out: Path, seed: int = 0, layout: str = "eagle") -> Path:
+def write_eagle_head(target: Path, out: Path, seed: int = 0, layout: str = "eagle",
+                     own_embed: bool = True) -> Path:  # fmt: skip
+    """A random head for `target` in `layout`; own_embed: with a copy of the target's
+    embedding (published heads come both ways)."""
     config = json.loads((target / "config.json").read_text())
     hidden, vocab = config["hidden_size"], config["vocab_size"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
@@ -66,9 +71,16 @@ def write_eagle_head(target: Path, out: Path, seed: int = 0, layout: str = "eagl
         "d2t": torch.arange(draft_vocab),
         "t2d": torch.arange(vocab) % 2 == 0,
     }  # fmt: skip
+    if not own_embed:
+        del tensors["embed_tokens.weight"]
     write_head(out, tensors, head_config(config, draft_vocab, layers, target, layout), layout)
     return out
 
+
+# The embedded model's architecture at a quarter of its width, with Llama 3's RoPE base:
+# the target of the heads in tests/data/eagle3 (small, since they are committed).
+SMALL_TARGET = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
+                "num_key_value_heads": 1, "head_dim": 32, "rope_theta": 500000.0}  # fmt: skip
 
 # The target's config fields a head's layer config keeps.
 LAYER_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
@@ -110,14 +122,58 @@ def write_head(out: Path, tensors: dict, config: dict, layout: str) -> None:
     write_json(out / "config.json", config)
 
 
+def write_eagle1_head(target: Path, out: Path, seed: int = 0, own_embed: bool = False) -> Path:
+    """A random EAGLE-1 head for `target`, as SafeAILab's are written: config.json of
+    a one-layer Llama, pytorch_model.bin with fc (and its bias) over [embedding,
+    state] and the layer under `layers.0.` without an input norm."""
+    config = json.loads((target / "config.json").read_text())
+    hidden, inner = config["hidden_size"], config["intermediate_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.02 * WEIGHT_SCALE
+
+    p = "layers.0."
+    tensors = {
+        "fc.weight": rand(hidden, 2 * hidden), "fc.bias": rand(hidden),
+        p + "self_attn.q_proj.weight": rand(q, hidden),
+        p + "self_attn.k_proj.weight": rand(kv, hidden),
+        p + "self_attn.v_proj.weight": rand(kv, hidden),
+        p + "self_attn.o_proj.weight": rand(hidden, q),
+        p + "mlp.gate_proj.weight": rand(inner, hidden),
+        p + "mlp.up_proj.weight": rand(inner, hidden),
+        p + "mlp.down_proj.weight": rand(hidden, inner),
+        p + "post_attention_layernorm.weight": 1 + 0.1 * torch.randn(hidden, generator=g),
+    }  # fmt: skip
+    if own_embed:
+        tensors["embed_tokens.weight"] = load_file(target / "model.safetensors")[
+            "model.embed_tokens.weight"].clone()  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(tensors, out / "pytorch_model.bin")
+    write_json(out / "config.json", {**{k: config[k] for k in LAYER_FIELDS if k in config},
+                                     "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                                     "num_hidden_layers": 1})  # fmt: skip
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m tools.make_eagle_head", description=__doc__)
     parser.add_argument("--target", type=Path, default=Path("models/flagstop-tiny"))
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--layout", choices=("eagle", "speculators"), default="eagle")
+    parser.add_argument("--layout", choices=("eagle", "speculators", "eagle1"), default="eagle",
+                        help="eagle1: an EAGLE-1 head (method eagle)")  # fmt: skip
+    parser.add_argument("--small-target", type=Path, help="write a SMALL_TARGET there first")
     args = parser.parse_args()
-    print(f"wrote {write_eagle_head(args.target, args.out, args.seed, args.layout)}")
+    target = args.target
+    if args.small_target:
+        target = write_model(args.small_target, overrides=SMALL_TARGET)
+    if args.layout == "eagle1":
+        print(f"wrote {write_eagle1_head(target, args.out, args.seed)}")
+    else:
+        print(f"wrote {write_eagle_head(target, args.out, args.seed, args.layout)}")
 
 
 if __name__ == "__main__":

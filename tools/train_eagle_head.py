@@ -32,6 +32,7 @@ from torch import nn
 
 from tools.make_eagle_head import aux_layers, head_config, write_head
 from tools.make_model import CORPUS
+from tools.train_tiny_model import docs
 
 STEPS = 3  # unrolled draft steps: the chain's first three drafts
 PROMPT_TOKENS = (6, 16)
@@ -39,10 +40,20 @@ GENERATED_TOKENS = 48
 HELD_OUT = 32  # sequences of another seed, for the accuracy reported
 
 
-def generate_text(reference, tokenizer, n: int, seed: int) -> list[tuple[list[int], int]]:
-    """n sequences (and each one's prompt length): a corpus window of 6-16 tokens,
+def prompt_text(prompts: str, held_out: bool) -> str:
+    """The text prompts are cut from: the embedded tokenizer's corpus (its held-out
+    prompts other windows of it), or for a target trained on docs/*.md
+    (tools/train_tiny_model.py) its training docs, the held-out ones its held-out docs."""
+    if prompts == "corpus":
+        return CORPUS
+    return "\n".join(f.read_text() for f in docs(held_out))
+
+
+def generate_text(reference, tokenizer, n: int, seed: int, text: str = CORPUS
+                  ) -> list[tuple[list[int], int]]:  # fmt: skip
+    """n sequences (and each one's prompt length): a window of 6-16 tokens of `text`,
     then the target's greedy 48."""
-    rng, corpus = random.Random(seed), tokenizer(CORPUS).input_ids
+    rng, corpus = random.Random(seed), tokenizer(text).input_ids
     out = []
     for _ in range(n):
         length = rng.randrange(*PROMPT_TOKENS)
@@ -131,7 +142,7 @@ class TrainableHead(nn.Module):
 
 
 def train(target: Path, out: Path, num_sequences: int, epochs: int, seed: int,
-          held_out: int = HELD_OUT) -> dict:  # fmt: skip
+          held_out: int = HELD_OUT, prompts: str = "corpus") -> dict:  # fmt: skip
     """The head written to `out`; the losses and its held-out accuracy per step."""
     import transformers
 
@@ -140,11 +151,11 @@ def train(target: Path, out: Path, num_sequences: int, epochs: int, seed: int,
     tokenizer = transformers.AutoTokenizer.from_pretrained(target)
     config = json.loads((target / "config.json").read_text())
     layers = aux_layers(config["num_hidden_layers"])
-    features = _features(reference, generate_text(reference, tokenizer, num_sequences, seed),
-                         layers)  # fmt: skip
-    held_out_features = _features(
-        reference, generate_text(reference, tokenizer, held_out, seed + 1), layers
-    )
+    texts = generate_text(reference, tokenizer, num_sequences, seed, prompt_text(prompts, False))
+    held_out_texts = generate_text(reference, tokenizer, held_out, seed + 1,
+                                   prompt_text(prompts, True))  # fmt: skip
+    features = _features(reference, texts, layers)
+    held_out_features = _features(reference, held_out_texts, layers)
     weights = load_file(target / "model.safetensors")
     generated = torch.cat([t[length:] for _, t, length in features])
     counts = torch.bincount(generated, minlength=config["vocab_size"])
@@ -207,18 +218,24 @@ def _labels(to_draft: torch.Tensor, tokens: torch.Tensor, prompt_length: int,
     return labels
 
 
+def stored_names(layer_prefix: str = "midlayer.") -> dict[str, str]:
+    """The head's tensors by their names in the original layout (the speculators
+    library's: layer_prefix "layers.0.") -> the TrainableHead's."""
+    p = layer_prefix
+    names = {p + f"self_attn.{n}.weight": f"{n}.weight"
+             for n in ("q_proj", "k_proj", "v_proj", "o_proj")}  # fmt: skip
+    names |= {p + f"mlp.{n}.weight": f"{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")}
+    names |= {p + f"{n}.weight": f"norms.{n}"
+              for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")}  # fmt: skip
+    return names | {"fc.weight": "fc.weight", "norm.weight": "norms.norm",
+                    "lm_head.weight": "lm_head"}  # fmt: skip
+
+
 def _save(head: TrainableHead, config: dict, layers: list[int], draft_to_target: torch.Tensor,
           weights: dict, target: Path, out: Path) -> None:  # fmt: skip
-    p = "midlayer."
-    linears = ("q_proj", "k_proj", "v_proj", "o_proj")
-    tensors = {p + f"self_attn.{n}.weight": getattr(head, n).weight for n in linears}
-    tensors |= {p + f"mlp.{n}.weight": getattr(head, n).weight
-                for n in ("gate_proj", "up_proj", "down_proj")}  # fmt: skip
-    tensors |= {p + f"{n}.weight": head.norms[n] for n in ("input_layernorm", "hidden_norm",
-                                                           "post_attention_layernorm")}  # fmt: skip
-    tensors |= {"fc.weight": head.fc.weight, "norm.weight": head.norms["norm"],
-                "lm_head.weight": head.lm_head,
-                "embed_tokens.weight": weights["model.embed_tokens.weight"],
+    ours = dict(head.named_parameters())
+    tensors = {stored: ours[name] for stored, name in stored_names().items()}
+    tensors |= {"embed_tokens.weight": weights["model.embed_tokens.weight"],
                 "d2t": draft_to_target - torch.arange(len(draft_to_target))}  # fmt: skip
     t2d = torch.zeros(config["vocab_size"], dtype=torch.bool)
     t2d[draft_to_target] = True
@@ -234,8 +251,11 @@ def main() -> None:
     parser.add_argument("--sequences", type=int, default=256)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompts", choices=("corpus", "docs"), default="corpus",
+                        help="docs: a target trained on docs (make trained-model)")  # fmt: skip
     args = parser.parse_args()
-    print(train(args.target, args.out, args.sequences, args.epochs, args.seed))
+    print(train(args.target, args.out, args.sequences, args.epochs, args.seed,
+                prompts=args.prompts))  # fmt: skip
     print(f"wrote {args.out}")
 
 

@@ -17,13 +17,13 @@ MTP_ALIASES = ("deepseek_mtp", "qwen3_next_mtp", "glm4_moe_mtp", "qwen3_5_mtp")
 class SpeculativeConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
-    method: Literal["ngram", "draft_model", "suffix", "mtp", "eagle3"]
+    method: Literal["ngram", "draft_model", "suffix", "mtp", "eagle3", "eagle"]
     """ngram: prompt lookup; draft_model: a smaller checkpoint of the same tokenizer;
     suffix: suffix decoding over the prompt and earlier outputs (arctic-inference);
     mtp: the checkpoint's own multi-token prediction layer (DeepSeek-V3, GLM-4.5,
     Qwen3-Next, Qwen3.5; vLLM's older names qwen3_next_mtp, deepseek_mtp ... too);
     eagle3: an EAGLE-3 draft head (`model`: its directory) fed three of the target's
-    layers' hidden states"""
+    layers' hidden states; eagle: an EAGLE-1 head, fed its final hidden states"""
     num_speculative_tokens: int = Field(3, ge=1, le=MAX_SPEC_TOKENS)
     """draft tokens a request gets a step at most (suffix: the cap of its adaptive length)"""
     prompt_lookup_min: PositiveInt | None = None
@@ -31,7 +31,7 @@ class SpeculativeConfig(BaseModel):
     prompt_lookup_max: PositiveInt | None = None
     """ngram: the longest suffix to match"""
     model: str | None = None
-    """draft_model: the draft checkpoint directory; eagle3: the head's"""
+    """draft_model: the draft checkpoint directory; eagle3, eagle: the head's"""
     draft_sample_method: Literal["greedy", "probabilistic"] = "greedy"
     """draft_model: greedy drafts, or drafts sampled from the draft's distribution
     (its probabilities go to the rejection sampler)"""
@@ -57,9 +57,9 @@ class SpeculativeConfig(BaseModel):
                 raise ValueError(f"prompt_lookup_min {lo} exceeds prompt_lookup_max {hi}")
             object.__setattr__(self, "prompt_lookup_min", lo)
             object.__setattr__(self, "prompt_lookup_max", hi)
-        if (self.method in ("draft_model", "eagle3")) != (self.model is not None):
+        if (self.method in ("draft_model", "eagle3", "eagle")) != (self.model is not None):
             raise ValueError("model (the draft checkpoint or head) is needed by, and only by, "
-                             "draft_model and eagle3")  # fmt: skip
+                             "draft_model, eagle3 and eagle")  # fmt: skip
         if self.method == "suffix" and importlib.util.find_spec("arctic_inference") is None:
             raise ValueError("method suffix needs arctic-inference: pip install "
                              "'flagstop[suffix]' (make venv installs it)")  # fmt: skip

@@ -15,6 +15,7 @@ from flagstop.executor.input_batch import InputBatch, ScheduledRows
 from flagstop.executor.speculative.config import SpeculativeConfig
 from flagstop.executor.speculative.draft_model import DraftModelProposer
 from flagstop.executor.speculative.eagle import Eagle3Proposer
+from flagstop.executor.speculative.eagle1 import Eagle1Proposer
 from flagstop.executor.speculative.mtp import MtpProposer
 from flagstop.executor.speculative.proposer import NgramProposer, NoProposer, Proposer
 from flagstop.executor.speculative.suffix import SuffixProposer
@@ -117,6 +118,8 @@ def make_proposer(config: SpeculativeConfig, runner) -> Proposer:
         return MtpProposer(runner)
     if config.method == "eagle3":
         return Eagle3Proposer(runner, config.model)
+    if config.method == "eagle":
+        return Eagle1Proposer(runner, config.model)
     if config.method == "suffix":
         return SuffixProposer(config)
     return DraftModelProposer(config, runner)

@@ -18,7 +18,10 @@ one line.
 
 It runs as the `mtp` drafter does (MtpProposer: the catch-up after each step over
 the positions the target kept, the chain at the next step), on its own paged cache on
-the target's block ids of a full-attention group, on rank 0."""
+the target's block ids of a full-attention group, on rank 0; under tensor parallelism
+a head without an embedding of its own reads the target's whole there (the target's
+is split over the ranks). DraftHead holds what this head and EAGLE-1's (eagle1.py)
+share."""
 
 import json
 from dataclasses import dataclass, replace
@@ -45,6 +48,9 @@ OWN = {
     "fc.weight": "fc.weight", "norm.weight": "norm.weight",
     "lm_head.weight": "draft_head.weight", "embed_tokens.weight": "embed_tokens.weight",
 }  # fmt: skip
+# Where a target's checkpoint keeps its embedding (a vision-language model's text one).
+TARGET_EMBED = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight",
+                "embed_tokens.weight")  # fmt: skip
 # The decoder layer a head's config describes, by its model_type (speculators writes
 # Qwen3 heads' layers as qwen3: their attention has q/k norms); Llama's otherwise.
 LAYER_FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -77,7 +83,7 @@ def head_config(model_dir: Path, target: ModelConfig) -> HeadConfig:
     family = LAYER_FAMILIES.get(layer_hf.get("model_type"), "LlamaForCausalLM")
     layer = ModelConfig.from_hf({**layer_hf, "architectures": [family],
                                  "num_hidden_layers": 1})  # fmt: skip
-    layer = _one_full_layer(layer)
+    layer = one_full_layer(layer)
     n = target.num_layers
     aux = tuple(ids) if ids else (2, n // 2, n - 3)  # vLLM's default for a Llama target
     if any(not 0 <= i < n for i in aux) or len(set(aux)) != len(aux):
@@ -95,7 +101,7 @@ def head_config(model_dir: Path, target: ModelConfig) -> HeadConfig:
     return HeadConfig(layer, aux, draft_vocab, target_hidden, bool(hf.get("norm_before_residual")))
 
 
-def _one_full_layer(config: ModelConfig) -> ModelConfig:
+def one_full_layer(config: ModelConfig) -> ModelConfig:
     return replace(config, layer_types=(FULL_ATTENTION,), sliding_window=0)
 
 
@@ -120,26 +126,22 @@ class Eagle3Layer(DecoderLayer):
         return self.mlp(x), residual
 
 
-class Eagle3Model(nn.Module):
-    """The head: fc, its layer, its norm and draft head, d2t; the target's embedding
-    where it has none of its own."""
+class DraftHead(nn.Module):
+    """What an EAGLE head shares, as the loader and mtp's drafting see a model: one
+    layer's config on one rank, its rotary table, its own embedding or the target's."""
 
-    def __init__(self, target: nn.Module, head: HeadConfig, own_embed: bool) -> None:
+    def __init__(self, target: nn.Module, layer: ModelConfig, own_embed: bool) -> None:
         super().__init__()
-        self.config, self.tp, self.head = head.layer, SINGLE, head
-        c = head.layer
-        self.fc = Linear(len(head.aux_layers) * head.target_hidden_size, c.hidden_size,
-                         bias=False)  # fmt: skip
-        self.layers = nn.ModuleList([Eagle3Layer(c, head.norm_before_residual)])
-        self.norm = type(self.layers[0].input_layernorm)(c.hidden_size, c.rms_norm_eps)
-        self.draft_head = Linear(c.hidden_size, head.draft_vocab_size, bias=False)
+        self.config, self.tp, c = layer, SINGLE, layer
         self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, SINGLE) \
             if own_embed else None  # fmt: skip
         self.rotary_tables = [RotaryEmbedding(c.rotary_dim, c.max_position_embeddings,
                                               c.rope_theta, c.rope_scaling)]  # fmt: skip
-        self.d2t = torch.zeros(head.draft_vocab_size, dtype=torch.long)  # set by load
         self.checkpoint_kv_scales: dict[int, torch.Tensor] = {}  # the loader's; unused
         self._target = (target,)  # not a submodule: its weights are the target's
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return (self.embed_tokens or self._target[0].embed_tokens)(input_ids)
 
     def tie_weights(self) -> None:
         pass
@@ -150,10 +152,25 @@ class Eagle3Model(nn.Module):
     def set_attention_backend(self, backend) -> None:
         use_backend(self, backend)
 
+
+class Eagle3Model(DraftHead):
+    """The head: fc, its layer, its norm and draft head, d2t; the target's embedding
+    where it has none of its own."""
+
+    def __init__(self, target: nn.Module, head: HeadConfig, own_embed: bool) -> None:
+        super().__init__(target, head.layer, own_embed)
+        self.head, c = head, head.layer
+        self.fc = Linear(len(head.aux_layers) * head.target_hidden_size, c.hidden_size,
+                         bias=False)  # fmt: skip
+        self.layers = nn.ModuleList([Eagle3Layer(c, head.norm_before_residual)])
+        self.norm = type(self.layers[0].input_layernorm)(c.hidden_size, c.rms_norm_eps)
+        self.draft_head = Linear(c.hidden_size, head.draft_vocab_size, bias=False)
+        self.d2t = torch.zeros(head.draft_vocab_size, dtype=torch.long)  # set by load
+
     def forward(self, input_ids, positions, state, kv_cache_, meta) -> torch.Tensor:
         """The state the next draft chains from, [tokens, hidden]: the layer's output
         before the final norm. A state of the fused width is the target's (fc first)."""
-        embeds = (self.embed_tokens or self._target[0].embed_tokens)(input_ids)
+        embeds = self.embed(input_ids)
         if state.shape[-1] == self.fc.in_features:
             state = self.fc(state.to(embeds.dtype))
         ropes = tuple(table.lookup(positions) for table in self.rotary_tables)
@@ -166,20 +183,40 @@ class Eagle3Model(nn.Module):
         return draft + self.d2t.to(draft.device)[draft]
 
 
-def _names(stored: str) -> str | None:
-    for prefix in LAYER_PREFIXES:
-        if stored.startswith(prefix):
-            return "model.layers.0." + stored.removeprefix(prefix)
-    return OWN.get(stored)
+def head_tensors(model_dir: str, method: str) -> set[str]:
+    """The names of the head's stored tensors; StartupError where it stores none."""
+    if not (stored := _stored_names(model_dir)):
+        raise StartupError(f"speculative method {method}: {model_dir} has no *.safetensors "
+                           "or pytorch_model*.bin")  # fmt: skip
+    return stored
+
+
+def build_head(runner, model: DraftHead, model_dir: str, method: str,
+               own: dict[str, str]) -> DraftHead:  # fmt: skip
+    """The head made on meta, given its weights on rank 0's device: its layer's under
+    any of LAYER_PREFIXES, its own tensors by `own`. StartupError for a tensor it
+    lacks or has extra, or one of another shape."""
+
+    def names(stored: str) -> str | None:
+        for prefix in LAYER_PREFIXES:
+            if stored.startswith(prefix):
+                return "model.layers.0." + stored.removeprefix(prefix)
+        return own.get(stored)
+
+    try:
+        model = build(model, model_dir, runner.dtype, runner.device,
+                      runner.attention_backend, names)  # fmt: skip
+    except (ValueError, RuntimeError) as e:
+        raise StartupError(f"speculative method {method}: {model_dir}: {e}") from None
+    for table in model.rotary_tables:
+        table.build(runner.device)
+    return model
 
 
 def load_eagle3(runner, model_dir: str) -> Eagle3Model:
     """The head on rank 0's device; StartupError for one that does not fit."""
     path, target = Path(model_dir), runner.model
-    stored = _stored_names(model_dir)
-    if not stored:
-        raise StartupError(f"speculative method eagle3: {model_dir} has no *.safetensors "
-                           "or pytorch_model*.bin")  # fmt: skip
+    stored = head_tensors(model_dir, "eagle3")
     try:
         head = head_config(path, target.config)
     except (ConfigError, KeyError, OSError, ValueError) as e:
@@ -188,21 +225,38 @@ def load_eagle3(runner, model_dir: str) -> Eagle3Model:
     if not own_embed and head.layer.hidden_size != target.config.hidden_size:
         raise StartupError(f"speculative method eagle3: {model_dir}: a head of hidden size "
                            f"{head.layer.hidden_size} needs its own embed_tokens")  # fmt: skip
-    if runner.tp.size > 1 and not own_embed:  # the target's is split over the ranks
-        raise StartupError("speculative method eagle3: under tensor parallelism the head "
-                           "needs its own embed_tokens (not yet copied from the "
-                           "target's)")  # fmt: skip
     with torch.device("meta"):
         model = Eagle3Model(target, head, own_embed)
-    try:
-        model = build(model, model_dir, runner.dtype, runner.device,
-                      runner.attention_backend, _names)  # fmt: skip
-    except (ValueError, RuntimeError) as e:  # a tensor it lacks or has extra, a shape
-        raise StartupError(f"speculative method eagle3: {model_dir}: {e}") from None
-    for table in model.rotary_tables:
-        table.build(runner.device)
+    model = build_head(runner, model, model_dir, "eagle3", OWN)
     model.d2t = _d2t(path, head.draft_vocab_size).to(runner.device)
+    if runner.tp.size > 1 and not own_embed:  # the target's is split over the ranks
+        model.embed_tokens = whole_embedding(runner)
     return model
+
+
+def whole_embedding(runner, method: str = "eagle3") -> VocabParallelEmbedding:
+    """The target's embedding whole, read from its checkpoint, for the head on rank 0
+    (as mtp copies a layer's under tensor parallelism): memory for one more vocabulary
+    x hidden matrix, in place of an all-reduce a draft on every chained step."""
+    weight = whole_target_tensor(runner, TARGET_EMBED, method, "embed_tokens")
+    with torch.device("meta"):
+        embedding = VocabParallelEmbedding(weight.shape[0], weight.shape[1], SINGLE)
+    embedding.weight = nn.Parameter(weight, requires_grad=False)
+    return embedding
+
+
+def whole_target_tensor(runner, names: tuple[str, ...], method: str, what: str) -> torch.Tensor:
+    """The first of `names` the target's checkpoint holds, whole, on the runner's
+    device and dtype; StartupError where it holds none."""
+    for file in checkpoint_files(Path(runner.config.model)):
+        with open_checkpoint(file) as f:
+            name = next((n for n in names if n in f.keys()), None)  # noqa: SIM118
+            if name is not None:
+                return f.get_tensor(name).to(runner.device, runner.dtype)
+    raise StartupError(
+        f"speculative method {method}: under tensor parallelism a head without {what} "
+        f"takes the target's, and {runner.config.model} has no {' or '.join(names)}"
+    )
 
 
 def _d2t(model_dir: Path, draft_vocab_size: int) -> torch.Tensor:
