@@ -290,8 +290,9 @@ eagle-head-trained: $(TRAINED)-eagle3/config.json
 $(TRAINED)-eagle3/config.json: $(TRAINED)/config.json tools/train_eagle_head.py
 	$(PY) -m tools.train_eagle_head --target $(TRAINED) --out $(TRAINED)-eagle3 --prompts docs
 
-# tests/data/eagle3/: heads saved by the speculators library itself (committed; CI
-# does not install it), made in a venv of its own: speculators 0.9 pins transformers
+# tests/data/eagle3/: heads saved by the speculators library itself (a Llama and a
+# Qwen3 layer, its three norm variants, a converted original head; committed: CI does
+# not install it) and its own forward of each, made in a venv of its own: speculators 0.9 pins transformers
 # <= 5.19 against ours (tools/speculators_heads.py). Its torch is the CPU build on disk
 # (--no-deps: its torchvision and torchaudio would pull a CUDA one).
 SPECULATORS_VENV := .venv-speculators

@@ -39,6 +39,9 @@ pytestmark = pytest.mark.numeric  # no clock in its in-process tests (Makefile: 
 # Heads saved by the speculators library itself (make speculators-heads), for a target
 # of SMALL_TARGET's shape, and probe.safetensors: the library's own forward of one.
 SPECULATORS_HEADS = Path(__file__).parent / "data" / "eagle3"
+# Its native heads: a Llama layer, a Qwen3 one, and the config's variants.
+NATIVE_HEADS = ["native", "qwen3", "norm_before_fc", "fc_norm", "norm_output"]
+VARIANT_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
 
 
 @pytest.fixture(scope="module")
@@ -72,12 +75,30 @@ class HeadReference:
         self.config = json.loads((head_dir / "config.json").read_text())
         if "transformer_layer_config" in self.config:  # the speculators library's layout
             self.t = {k.replace("layers.0.", "midlayer.", 1): v for k, v in self.t.items()}
+            flags = {k: self.config.get(k) for k in VARIANT_FLAGS}
             aux = self.config["eagle_aux_hidden_state_layer_ids"]
             layer = self.config["transformer_layer_config"]
-            self.config = {**layer, "rope_theta": layer["rope_parameters"]["rope_theta"],
+            self.config = {**layer, **flags, "rope_theta": layer["rope_parameters"]["rope_theta"],
                            "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux}}  # fmt: skip
         self.aux = self.config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
         self.reference = reference
+
+    def fc(self, fused: torch.Tensor) -> torch.Tensor:
+        """The fused target layers' states through the variant's norms, then fc."""
+        if self.config.get("norm_before_fc"):
+            fused = self._norm(fused, "input_norm.weight")
+        if self.config.get("fc_norm"):
+            chunks = fused.chunk(len(self.aux), -1)
+            fused = torch.cat([self._norm(c, f"fc_norm.{i}.weight") for i, c in enumerate(chunks)],
+                              -1)  # fmt: skip
+        return fused @ self.t["fc.weight"].T
+
+    def head(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's output -> the draft logits and the state chained from it
+        (norm_output: the normed output, read by the head as it is)."""
+        normed = self._norm(out, "norm.weight")
+        chained = normed if self.config.get("norm_output") else out
+        return normed @ self.t["lm_head.weight"].T, chained
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return rms_norm(x, self.t[name], self.config["rms_norm_eps"])
@@ -94,16 +115,16 @@ class HeadReference:
         computed = known[:-1]  # the last known token is not computed yet
         hidden = self.reference(torch.tensor([computed]), output_hidden_states=True)
         fused = torch.cat([hidden.hidden_states[a][0] for a in self.aux], -1)
-        states, tokens = fused @ self.t["fc.weight"].T, list(known[1:])
+        states, tokens = self.fc(fused), list(known[1:])
         logits = []
         for _ in range(k):
             out = self._layer(self.t["embed_tokens.weight"][tokens], states)
-            draft = self._norm(out[-1], "norm.weight") @ self.t["lm_head.weight"].T
+            draft, chained = self.head(out[-1:])
             full = torch.full((self.t["embed_tokens.weight"].shape[0],), float("-inf"))
-            full[torch.arange(len(draft)) + self.t["d2t"]] = draft
+            full[torch.arange(draft.shape[-1]) + self.t["d2t"]] = draft[0]
             logits.append(full)
             tokens.append(int(full.argmax()))
-            states = torch.cat((states, out[-1:]))
+            states = torch.cat((states, chained))
         return logits
 
 
@@ -250,10 +271,12 @@ def small_target(tmp_path_factory):
     return path, load_reference(path)
 
 
-@pytest.mark.parametrize("saved", ["native", "converted"])
+@pytest.mark.parametrize("saved", [*NATIVE_HEADS, "converted"])
 def test_heads_the_speculators_library_saved_propose_what_they_compute(small_target, saved):
     """native: an Eagle3DraftModel (the class the library trains) saved by its own
-    save_pretrained; converted: an original-layout head (tools/make_eagle_head.py's)
+    save_pretrained, with a Llama layer, a Qwen3 one (q/k norms), and each norm
+    variant of its config (norm_before_fc: gpt-oss's heads'; fc_norm; norm_output:
+    EAGLE-3.1's); converted: an original-layout head (tools/make_eagle_head.py's)
     through the library's Eagle3Converter. Each loads, and its proposals are the
     plain torch reading of its tensors, greedy outputs unchanged."""
     path, reference = small_target
@@ -262,20 +285,20 @@ def test_heads_the_speculators_library_saved_propose_what_they_compute(small_tar
                                       HeadReference(head, reference).drafts)  # fmt: skip
 
 
-def test_the_head_computes_what_the_speculators_library_computes():
-    """The library's own forward of its native head over seeded states and tokens,
+@pytest.mark.parametrize("saved", NATIVE_HEADS)
+def test_the_head_computes_what_the_speculators_library_computes(saved):
+    """The library's own forward of each native head over seeded states and tokens,
     three training-time-test steps (each later step fed the states of the step before,
     attending to the earlier steps' keys): the plain torch reading's first step and
     the trainer's (tools/train_eagle_head.py) three steps draft the same tokens."""
-    probe = load_file(SPECULATORS_HEADS / "probe.safetensors")
+    probe = load_file(SPECULATORS_HEADS / "probes" / f"{saved}.safetensors")
     aux, ids, library = probe["aux"], probe["input_ids"], probe["draft_tokens"]
-    head = HeadReference(SPECULATORS_HEADS / "native", None)
+    head = HeadReference(SPECULATORS_HEADS / saved, None)
     t = head.t
-    out = head._layer(t["embed_tokens.weight"][ids], aux @ t["fc.weight"].T)
-    first = (head._norm(out, "norm.weight") @ t["lm_head.weight"].T).argmax(-1)
-    assert torch.equal(first, library[0])
+    first, _ = head.head(head._layer(t["embed_tokens.weight"][ids], head.fc(aux)))
+    assert torch.equal(first.argmax(-1), library[0])
     trainer = TrainableHead(head.config, t["embed_tokens.weight"], t["lm_head.weight"], 3)
-    trainer.load_state_dict({ours: t[stored] for stored, ours in stored_names().items()})
+    trainer.load_state_dict({ours: t[stored] for stored, ours in stored_names(trainer).items()})
     tokens = torch.cat((ids[:1], ids, ids[:1]))  # the trainer reads token i+1 at i
     with torch.no_grad():
         steps = trainer(aux, tokens)

@@ -10,7 +10,11 @@ small one: the files are committed) it writes:
   embedding, by its own save_pretrained;
 - converted/: the original-layout head `--original` (tools/make_eagle_head.py's)
   through the library's Eagle3Converter, which loads and validates it;
-- probe.safetensors: the native head's own forward (eager attention, three
+- qwen3/, norm_before_fc/, fc_norm/, norm_output/: the same model class with a Qwen3
+  layer (q/k norms), or with each of the config's norm variants (one RMSNorm over
+  the fused states before fc, gpt-oss's heads'; one per target layer; the state
+  chained normed, EAGLE-3.1's);
+- probes/<head>.safetensors: each native head's own forward (eager attention, three
   training-time-test steps, no loss) on seeded fused states and tokens: `aux`,
   `input_ids` and its `draft_tokens` [steps, positions]."""
 
@@ -25,7 +29,7 @@ from speculators.convert.eagle.eagle3_converter import Eagle3Converter
 from speculators.models.eagle3 import Eagle3SpeculatorConfig
 from speculators.models.eagle3.core import Eagle3DraftModel
 from speculators.proposals.greedy import GreedyTokenProposalConfig
-from transformers import AutoConfig, LlamaConfig
+from transformers import AutoConfig, LlamaConfig, Qwen3Config
 
 LAYER_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings",
@@ -34,15 +38,26 @@ PROBE_POSITIONS = 12
 STEPS = 3
 
 
-def native_head(target: Path, aux_layers: list[int], seed: int) -> Eagle3DraftModel:
+# Each native head: its layer's config class and its config's flags.
+VARIANTS = {
+    "native": (LlamaConfig, {}), "qwen3": (Qwen3Config, {}),
+    "norm_before_fc": (LlamaConfig, {"norm_before_fc": True}),
+    "fc_norm": (LlamaConfig, {"fc_norm": True}),
+    "norm_output": (LlamaConfig, {"norm_output": True}),
+}  # fmt: skip
+
+
+def native_head(target: Path, aux_layers: list[int], variant: str, seed: int
+                ) -> Eagle3DraftModel:  # fmt: skip
     torch.manual_seed(seed)
     verifier = AutoConfig.from_pretrained(target)
-    layer = LlamaConfig(**{f: getattr(verifier, f) for f in LAYER_FIELDS}, num_hidden_layers=1,
+    layer_class, flags = VARIANTS[variant]
+    layer = layer_class(**{f: getattr(verifier, f) for f in LAYER_FIELDS}, num_hidden_layers=1,
                         rope_theta=verifier.rope_parameters["rope_theta"])  # fmt: skip
     layer._attn_implementation = "eager"  # flex attention's needs a compiler on the CPU
     config = Eagle3SpeculatorConfig(
         transformer_layer_config=layer, draft_vocab_size=verifier.vocab_size // 2,
-        eagle_aux_hidden_state_layer_ids=aux_layers,
+        eagle_aux_hidden_state_layer_ids=aux_layers, **flags,
         speculators_config=SpeculatorsConfig(
             algorithm="eagle3", default_proposal_method="greedy",
             proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
@@ -79,11 +94,13 @@ def main() -> None:
     args = parser.parse_args()
     original = json.loads((args.original / "config.json").read_text())
     aux_layers = original["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
-    model = native_head(args.target, aux_layers, seed=0)
-    model.save_pretrained(args.out / "native")
-    width = 3 * model.config.transformer_layer_config.hidden_size
-    save_file(probe(model, width, model.verifier_vocab_size, seed=1),
-              args.out / "probe.safetensors")  # fmt: skip
+    (args.out / "probes").mkdir(parents=True, exist_ok=True)
+    for variant in VARIANTS:
+        model = native_head(args.target, aux_layers, variant, seed=0)
+        model.save_pretrained(args.out / variant)
+        width = 3 * model.config.transformer_layer_config.hidden_size
+        save_file(probe(model, width, model.verifier_vocab_size, seed=1),
+                  args.out / "probes" / f"{variant}.safetensors")  # fmt: skip
     Eagle3Converter().convert(args.original, args.out / "converted", base_model=str(args.target),
                               eagle_aux_hidden_state_layer_ids=aux_layers)  # fmt: skip
     print(f"wrote {args.out}")

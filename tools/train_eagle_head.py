@@ -68,7 +68,9 @@ def generate_text(reference, tokenizer, n: int, seed: int, text: str = CORPUS
 
 class TrainableHead(nn.Module):
     """The head's math (executor/speculative/eagle.py's), differentiable, over whole
-    sequences; the q/k/v of every unrolled step kept for the next."""
+    sequences; the q/k/v of every unrolled step kept for the next. The config's
+    norm_before_fc, fc_norm and norm_output (speculators' variants) and a qwen3
+    model_type (q/k norms) add their norms."""
 
     def __init__(self, config: dict, embed: torch.Tensor, head_rows: torch.Tensor,
                  num_aux: int) -> None:  # fmt: skip
@@ -86,16 +88,29 @@ class TrainableHead(nn.Module):
         self.gate_proj = nn.Linear(h, inner, bias=False)
         self.up_proj = nn.Linear(h, inner, bias=False)
         self.down_proj = nn.Linear(inner, h, bias=False)
-        self.norms = nn.ParameterDict({n: nn.Parameter(torch.ones(h)) for n in (
-            "input_layernorm", "hidden_norm", "post_attention_layernorm", "norm")})  # fmt: skip
+        sizes = dict.fromkeys(("input_layernorm", "hidden_norm", "post_attention_layernorm",
+                               "norm"), h)  # fmt: skip
+        sizes |= {"input_norm": num_aux * h} if config.get("norm_before_fc") else {}
+        sizes |= {f"fc_norm_{i}": h for i in range(num_aux)} if config.get("fc_norm") else {}
+        sizes |= {"q_norm": self.d, "k_norm": self.d} if config.get("model_type") == "qwen3" else {}
+        self.norms = nn.ParameterDict(
+            {n: nn.Parameter(torch.ones(size)) for n, size in sizes.items()}
+        )
         self.lm_head = nn.Parameter(head_rows.clone())
         for linear in (self.fc, self.q_proj, self.k_proj, self.v_proj, self.o_proj,
                        self.gate_proj, self.up_proj, self.down_proj):  # fmt: skip
             nn.init.normal_(linear.weight, std=0.02)
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        if name not in self.norms:  # a variant's norm this head has not
+            return x
         eps = self.c["rms_norm_eps"]
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * self.norms[name]
+
+    def _fused(self, aux: torch.Tensor) -> torch.Tensor:
+        aux = self._norm(aux, "input_norm")
+        chunks = aux.chunk(self.fc.in_features // self.c["hidden_size"], -1)  # per layer
+        return torch.cat([self._norm(c, f"fc_norm_{i}") for i, c in enumerate(chunks)], -1)
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         inv = 1.0 / self.c["rope_theta"] ** (torch.arange(0, self.d, 2).float() / self.d)
@@ -109,19 +124,23 @@ class TrainableHead(nn.Module):
         step's)."""
         n = len(tokens) - 2
         positions, embeds = torch.arange(n), self.embed[tokens[1 : n + 1]]
-        state = self.fc(aux[:n])
+        state = self.fc(self._fused(aux[:n]))
         keys, values, logits = [], [], []
         for step in range(STEPS):
             x = torch.cat((self._norm(embeds, "input_layernorm"),
                            self._norm(state, "hidden_norm")), -1)  # fmt: skip
-            q = self._rope(self.q_proj(x).view(n, self.heads, self.d), positions)
-            keys.append(self._rope(self.k_proj(x).view(n, self.kv, self.d), positions))
+            q = self._norm(self.q_proj(x).view(n, self.heads, self.d), "q_norm")
+            k = self._norm(self.k_proj(x).view(n, self.kv, self.d), "k_norm")
+            q = self._rope(q, positions)
+            keys.append(self._rope(k, positions))
             values.append(self.v_proj(x).view(n, self.kv, self.d))
             out = self._attend(q, keys, values, step)
             h = self.o_proj(out) + state
             x = self._norm(h, "post_attention_layernorm")
             out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)) + h
-            logits.append(self._norm(out, "norm") @ self.lm_head.T)
+            normed = self._norm(out, "norm")
+            logits.append(normed @ self.lm_head.T)
+            out = normed if self.c.get("norm_output") else out  # EAGLE-3.1 chains it normed
             state = torch.cat((out[:1], out[:-1]))  # step s+1 at i reads step s's at i-1
         return logits
 
@@ -218,7 +237,7 @@ def _labels(to_draft: torch.Tensor, tokens: torch.Tensor, prompt_length: int,
     return labels
 
 
-def stored_names(layer_prefix: str = "midlayer.") -> dict[str, str]:
+def stored_names(head: TrainableHead, layer_prefix: str = "midlayer.") -> dict[str, str]:
     """The head's tensors by their names in the original layout (the speculators
     library's: layer_prefix "layers.0.") -> the TrainableHead's."""
     p = layer_prefix
@@ -227,14 +246,19 @@ def stored_names(layer_prefix: str = "midlayer.") -> dict[str, str]:
     names |= {p + f"mlp.{n}.weight": f"{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")}
     names |= {p + f"{n}.weight": f"norms.{n}"
               for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")}  # fmt: skip
-    return names | {"fc.weight": "fc.weight", "norm.weight": "norms.norm",
-                    "lm_head.weight": "lm_head"}  # fmt: skip
+    names |= {p + f"self_attn.{n}.weight": f"norms.{n}" for n in ("q_norm", "k_norm")}
+    num_aux = head.fc.in_features // head.c["hidden_size"]
+    names |= {f"fc_norm.{i}.weight": f"norms.fc_norm_{i}" for i in range(num_aux)}
+    names |= {"fc.weight": "fc.weight", "norm.weight": "norms.norm", "lm_head.weight": "lm_head",
+              "input_norm.weight": "norms.input_norm"}  # fmt: skip
+    ours = dict(head.named_parameters())
+    return {stored: name for stored, name in names.items() if name in ours}
 
 
 def _save(head: TrainableHead, config: dict, layers: list[int], draft_to_target: torch.Tensor,
           weights: dict, target: Path, out: Path) -> None:  # fmt: skip
     ours = dict(head.named_parameters())
-    tensors = {stored: ours[name] for stored, name in stored_names().items()}
+    tensors = {stored: ours[name] for stored, name in stored_names(head).items()}
     tensors |= {"embed_tokens.weight": weights["model.embed_tokens.weight"],
                 "d2t": draft_to_target - torch.arange(len(draft_to_target))}  # fmt: skip
     t2d = torch.zeros(config["vocab_size"], dtype=torch.bool)

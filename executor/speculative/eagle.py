@@ -9,10 +9,11 @@ final norm. Its attention's q/k/v read [input_layernorm(embedding), hidden_norm(
 head give logits over a reduced draft vocabulary, which `d2t` maps back to the
 target's (target id = draft id + d2t[draft id]).
 
-Both published layouts load (head_config, _names): the original EAGLE-3 one (config.json of
+Both published layouts load (head_config, build_head): the original EAGLE-3 one (config.json of
 a one-layer LlamaForCausalLMEagle3, the layer's tensors under `midlayer.`, optional
 `eagle_config`) and the `speculators` library's (`Eagle3Speculator`, its layer config
-in `transformer_layer_config`, the layer under `layers.0.`). A head that does not fit
+in `transformer_layer_config`, the layer under `layers.0.`; its norm_before_fc, fc_norm
+and norm_output variants: HeadConfig). A head that does not fit
 the target (another hidden size, layers it does not have) is refused at start-up in
 one line.
 
@@ -55,9 +56,6 @@ TARGET_EMBED = ("model.embed_tokens.weight", "model.language_model.embed_tokens.
 # Qwen3 heads' layers as qwen3: their attention has q/k norms); Llama's otherwise.
 LAYER_FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM"}  # fmt: skip
-# Variants of the speculators format this head does not run yet (their norms differ;
-# norm_output, EAGLE-3.1's, chains the normed state).
-UNSUPPORTED = ("norm_before_fc", "fc_norm", "norm_output")
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,14 +67,17 @@ class HeadConfig:
     draft_vocab_size: int
     target_hidden_size: int
     norm_before_residual: bool  # the state normed before it joins the residual stream
+    # speculators' variants: one norm over the fused layers before fc (gpt-oss's heads),
+    # or one per layer; the chained state normed (EAGLE-3.1), the head reading it as is
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
 
 
 def head_config(model_dir: Path, target: ModelConfig) -> HeadConfig:
     """Raises ConfigError naming what does not fit the target."""
     hf = json.loads((model_dir / "config.json").read_text())
     if "transformer_layer_config" in hf:  # speculators' Eagle3Speculator
-        if bad := [k for k in UNSUPPORTED if hf.get(k)]:
-            raise ConfigError(f"{bad[0]}: a speculators head variant flagstop does not run")
         layer_hf, ids = hf["transformer_layer_config"], hf.get("eagle_aux_hidden_state_layer_ids")
     else:  # the original layout: a one-layer Llama config
         layer_hf, ids = hf, (hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
@@ -98,7 +99,9 @@ def head_config(model_dir: Path, target: ModelConfig) -> HeadConfig:
         raise ConfigError(f"the head's vocabulary is {layer.vocab_size} tokens, the target's "
                           f"{target.vocab_size}: a head for another model")  # fmt: skip
     draft_vocab = hf.get("draft_vocab_size") or layer.vocab_size
-    return HeadConfig(layer, aux, draft_vocab, target_hidden, bool(hf.get("norm_before_residual")))
+    flags = (bool(hf.get(k)) for k in ("norm_before_residual", "norm_before_fc", "fc_norm",
+                                       "norm_output"))  # fmt: skip
+    return HeadConfig(layer, aux, draft_vocab, target_hidden, *flags)
 
 
 def one_full_layer(config: ModelConfig) -> ModelConfig:
@@ -159,11 +162,15 @@ class Eagle3Model(DraftHead):
 
     def __init__(self, target: nn.Module, head: HeadConfig, own_embed: bool) -> None:
         super().__init__(target, head.layer, own_embed)
-        self.head, c = head, head.layer
-        self.fc = Linear(len(head.aux_layers) * head.target_hidden_size, c.hidden_size,
-                         bias=False)  # fmt: skip
+        self.head, c, n = head, head.layer, len(head.aux_layers)
+        self.fc = Linear(n * head.target_hidden_size, c.hidden_size, bias=False)
         self.layers = nn.ModuleList([Eagle3Layer(c, head.norm_before_residual)])
-        self.norm = type(self.layers[0].input_layernorm)(c.hidden_size, c.rms_norm_eps)
+        norm = type(self.layers[0].input_layernorm)
+        self.norm = norm(c.hidden_size, c.rms_norm_eps)
+        self.input_norm = norm(n * head.target_hidden_size, c.rms_norm_eps) \
+            if head.norm_before_fc else nn.Identity()  # fmt: skip
+        self.fc_norm = PerLayerNorm(norm, n, head.target_hidden_size, c.rms_norm_eps) \
+            if head.fc_norm else nn.Identity()  # fmt: skip
         self.draft_head = Linear(c.hidden_size, head.draft_vocab_size, bias=False)
         self.d2t = torch.zeros(head.draft_vocab_size, dtype=torch.long)  # set by load
 
@@ -172,15 +179,37 @@ class Eagle3Model(DraftHead):
         before the final norm. A state of the fused width is the target's (fc first)."""
         embeds = self.embed(input_ids)
         if state.shape[-1] == self.fc.in_features:
-            state = self.fc(state.to(embeds.dtype))
+            state = self.fc(self.fc_norm(self.input_norm(state.to(embeds.dtype))))
         ropes = tuple(table.lookup(positions) for table in self.rotary_tables)
         x, residual = self.layers[0](ropes, embeds, state, kv_cache_, meta)
-        return x + residual
+        return self.norm(x + residual) if self.head.norm_output else x + residual
 
     def greedy(self, state: torch.Tensor) -> torch.Tensor:
         """The argmax token of each row's draft logits, as a target token id."""
-        draft = self.draft_head(self.norm(state)).argmax(dim=-1)
+        normed = state if self.head.norm_output else self.norm(state)
+        draft = self.draft_head(normed).argmax(dim=-1)
         return draft + self.d2t.to(draft.device)[draft]
+
+
+class PerLayerNorm(nn.ModuleList):
+    """speculators' fc_norm: each target layer's slice of the fused states normed by
+    its own weights."""
+
+    def __init__(self, norm: type[nn.Module], n: int, size: int, eps: float) -> None:
+        super().__init__([norm(size, eps) for _ in range(n)])
+
+    def forward(self, fused: torch.Tensor) -> torch.Tensor:
+        chunks = fused.chunk(len(self), dim=-1)
+        return torch.cat([norm(chunk) for norm, chunk in zip(self, chunks, strict=True)], -1)
+
+
+def own_names(head: HeadConfig) -> dict[str, str]:
+    """The head's own tensors (beside its layer's) by their stored names -> ours."""
+    names = OWN | ({"input_norm.weight": "input_norm.weight"} if head.norm_before_fc else {})
+    if head.fc_norm:
+        names |= {f"fc_norm.{i}.weight": f"fc_norm.{i}.weight"
+                  for i in range(len(head.aux_layers))}  # fmt: skip
+    return names
 
 
 def head_tensors(model_dir: str, method: str) -> set[str]:
@@ -227,7 +256,7 @@ def load_eagle3(runner, model_dir: str) -> Eagle3Model:
                            f"{head.layer.hidden_size} needs its own embed_tokens")  # fmt: skip
     with torch.device("meta"):
         model = Eagle3Model(target, head, own_embed)
-    model = build_head(runner, model, model_dir, "eagle3", OWN)
+    model = build_head(runner, model, model_dir, "eagle3", own_names(head))
     model.d2t = _d2t(path, head.draft_vocab_size).to(runner.device)
     if runner.tp.size > 1 and not own_embed:  # the target's is split over the ranks
         model.embed_tokens = whole_embedding(runner)

@@ -91,8 +91,12 @@ def plain_llama_layer(t: dict, p: str, c: dict, x: torch.Tensor, residual: torch
     the residual stream it adds to. Returns the layer's output with the residual."""
     heads, kv, d = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
     n = len(x)
-    q = rope((x @ t[p + "self_attn.q_proj.weight"].T).view(n, heads, d), c["rope_theta"])
-    k = rope((x @ t[p + "self_attn.k_proj.weight"].T).view(n, kv, d), c["rope_theta"])
+    q = (x @ t[p + "self_attn.q_proj.weight"].T).view(n, heads, d)
+    k = (x @ t[p + "self_attn.k_proj.weight"].T).view(n, kv, d)
+    if p + "self_attn.q_norm.weight" in t:  # Qwen3's: each head normed before RoPE
+        q = rms_norm(q, t[p + "self_attn.q_norm.weight"], c["rms_norm_eps"])
+        k = rms_norm(k, t[p + "self_attn.k_norm.weight"], c["rms_norm_eps"])
+    q, k = rope(q, c["rope_theta"]), rope(k, c["rope_theta"])
     v = (x @ t[p + "self_attn.v_proj.weight"].T).view(n, kv, d)
     k, v = k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
