@@ -310,3 +310,15 @@ def test_the_head_computes_what_the_speculators_library_computes(saved):
 def test_prefix_hits_keep_greedy_outputs(target, head):
     path, reference = target
     assert_prefix_hits_stay_greedy(spec_runner(path, spec(head)), reference)
+
+
+def test_a_gpt_oss_target_drafts_with_a_head_on_its_layers(tmp_path):
+    """gpt-oss (window layers beside full ones, sinks, YaRN, experts): its layers are
+    captured in its own forward as any family's (one Decoder), the head's cache lives
+    on its full-attention group's blocks; every proposal is the plain reading's,
+    greedy outputs transformers'."""
+    path = write_model(tmp_path / "gpt-oss", arch="gpt_oss")
+    reference = load_reference(path)
+    head = write_eagle_head(path, tmp_path / "head")
+    assert_every_proposal_is_computed(spec_runner(path, spec(head)), reference,
+                                      HeadReference(head, reference).drafts)  # fmt: skip

@@ -88,11 +88,19 @@ LAYER_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_
                 "vocab_size", "bos_token_id", "eos_token_id", "hidden_act")  # fmt: skip
 
 
+def layer_fields(target_config: dict) -> dict:
+    """The target's fields a head's layer keeps; its RoPE base where the target keeps
+    it in rope_parameters (the head's own RoPE is plain)."""
+    fields = {k: target_config[k] for k in LAYER_FIELDS if k in target_config}
+    rope = target_config.get("rope_parameters") or {}
+    return {"rope_theta": rope.get("rope_theta", 10000.0)} | fields
+
+
 def head_config(target_config: dict, draft_vocab: int, layers: list[int], target: Path,
                 layout: str) -> dict:  # fmt: skip
     """config.json of a head in the layout: the original (a one-layer Llama with
     eagle_config) or speculators' (Eagle3Speculator)."""
-    layer = {**{k: target_config[k] for k in LAYER_FIELDS if k in target_config},
+    layer = {**layer_fields(target_config),
              "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
              "num_hidden_layers": 1, "tie_word_embeddings": False}  # fmt: skip
     if layout == "eagle":
@@ -152,7 +160,7 @@ def write_eagle1_head(target: Path, out: Path, seed: int = 0, own_embed: bool = 
             "model.embed_tokens.weight"].clone()  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     torch.save(tensors, out / "pytorch_model.bin")
-    write_json(out / "config.json", {**{k: config[k] for k in LAYER_FIELDS if k in config},
+    write_json(out / "config.json", {**layer_fields(config),
                                      "architectures": ["LlamaForCausalLM"], "model_type": "llama",
                                      "num_hidden_layers": 1})  # fmt: skip
     return out

@@ -10,6 +10,7 @@ one starts from the same checkpoint (its config, tokenizer and seeded weights) a
 learns next-token prediction on docs/*.md (about 195k tokens of the embedded
 tokenizer) for a few minutes: a small language model whose text has the regularities
 drafts exist for. Its last DOCS_HELD_OUT docs are left out, for held-out prompts.
+The docs change with the code, so the weights are those of the checkout's docs.
 
 Written with torch and transformers' own model (its loss): the loop is ~30 lines."""
 
