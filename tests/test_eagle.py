@@ -24,7 +24,7 @@ from tests.helpers.drafting import (
     assert_prefix_hits_stay_greedy,
     assert_seeded_sampling_unchanged,
     plain_llama_layer,
-    record_proposals,
+    proposals_by_layout,
     rms_norm,
     spec_engine,
     spec_jobs,
@@ -231,13 +231,9 @@ def test_the_same_head_in_every_layout_drafts_the_same(target, head, tmp_path):
     (as_bin / "model.safetensors").unlink()
     speculators = write_eagle_head(target[0], tmp_path / "speculators", layout="speculators")
     assert "transformer_layer_config" in json.loads((speculators / "config.json").read_text())
-    proposals = []
-    for layout in (head, as_bin, speculators):
-        runner = spec_runner(target[0], spec(layout))
-        seen = record_proposals(runner)
-        eagle_engine(runner, spec_jobs(3, 8))
-        proposals.append(seen)
-    assert proposals[0] == proposals[1] == proposals[2] and proposals[0]
+    original, bin_file, theirs = proposals_by_layout(
+        target[0], [spec(head), spec(as_bin), spec(speculators)])  # fmt: skip
+    assert original == bin_file == theirs
 
 
 def test_under_tensor_parallelism_a_head_takes_a_whole_copy_of_the_targets_embedding(

@@ -20,6 +20,7 @@ from tests.helpers.drafting import (
     assert_prefix_hits_stay_greedy,
     assert_seeded_sampling_unchanged,
     plain_llama_layer,
+    proposals_by_layout,
     spec_runner,
 )
 from tools.make_eagle_head import write_eagle1_head
@@ -130,3 +131,14 @@ def test_under_tensor_parallelism_the_head_reads_the_targets_lm_head_whole(targe
 def test_prefix_hits_keep_greedy_outputs(target, head):
     path, reference = target
     assert_prefix_hits_stay_greedy(spec_runner(path, spec(head)), reference)
+
+
+def test_vllms_wrapped_config_loads_the_same_head(target, head, tmp_path):
+    """vLLM's converted EAGLE-1 heads nest the Llama config under `model` (model_type
+    eagle, eagle_fc_bias): the same weights propose the same drafts."""
+    wrapped = shutil.copytree(head, tmp_path / "wrapped")
+    config = json.loads((head / "config.json").read_text())
+    (wrapped / "config.json").write_text(json.dumps(
+        {"model_type": "eagle", "model": config, "eagle_fc_bias": True}))  # fmt: skip
+    original, theirs = proposals_by_layout(target[0], [spec(head), spec(wrapped)])
+    assert original == theirs

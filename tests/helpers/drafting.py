@@ -155,3 +155,16 @@ def assert_seeded_sampling_unchanged(path, spec: dict) -> None:
     run = spec_engine(spec_runner(path, spec), jobs, no_prefix_caching=True)
     assert run.outputs == plain
     assert run.scheduler.drafts.stats.num_draft_tokens > 0
+
+
+def proposals_by_layout(path, specs: list[dict]) -> list[list]:
+    """Each spec's proposals (known tokens, drafts) over the same small workload, the
+    prefix cache off: the same weights in two layouts must propose the same."""
+    out = []
+    for spec in specs:
+        runner = spec_runner(path, spec)
+        seen = record_proposals(runner)
+        spec_engine(runner, spec_jobs(3, 8), no_prefix_caching=True)
+        out.append(seen)
+    assert out[0], "nothing was proposed"
+    return out
