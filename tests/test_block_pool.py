@@ -202,6 +202,22 @@ def test_an_expired_retention_is_ordinary_and_evicted_first():
     assert pool.retention_stats.num_expired == 1 and pool.blocks[1].priority == 5
 
 
+def test_a_block_reused_for_new_contents_keeps_none_of_its_old_retention():
+    """A block evicted while retained for an hour, then retained for a second with
+    new contents, expires after that second (a stale expiry kept it the hour)."""
+    pool, (a, b, c), clock = cached_pool(3)
+    pool.retain([a], priority=50, expires_at=3600.0)
+    pool.free_blocks([b, c, a])
+    assert pool.get_new_blocks(3)[-1] is a  # evicted while retained, for new contents
+    for block in (a, c):
+        pool.cache_block(block, b"new" + bytes([block.block_id]))
+    pool.retain([a], priority=50, expires_at=1.0)
+    pool.free_blocks([c, a])
+    clock.now = 2.0
+    assert pool.get_new_blocks(1) == [a]  # its second ran out: evicted before c
+    assert pool.retention_stats.num_expired == 1
+
+
 def test_a_retained_hit_revives_the_block_and_is_counted():
     pool, (a, b), clock = cached_pool(2)
     pool.retain([a], priority=1, expires_at=5.0)

@@ -28,6 +28,14 @@ class KVCacheBlock:
     prev_free: "KVCacheBlock | None" = None
     next_free: "KVCacheBlock | None" = None
 
+    def drop_retention(self) -> None:
+        """Its retention is over (ran out, demoted, or its contents evicted): both
+        fields go, so that a later retention of the block (new contents, or a new hit)
+        starts from nothing. A stale expires_at once kept a block reused for a 1 s
+        retention for the hour its earlier contents had asked (retain keeps the later
+        expiry of two): tests/test_sessions_stack.py's flake under one test order."""
+        self.priority, self.expires_at = 0, 0.0
+
 
 class FreeBlockQueue:
     """Doubly linked list of free blocks, taken from the head: blocks without a hash
@@ -196,7 +204,7 @@ class BlockPool:
         assert block is not None
         self.retained.remove(block)
         self.retention_stats.num_evicted += 1
-        block.priority = 0
+        block.drop_retention()
         return block
 
     def _expire(self) -> None:
@@ -205,7 +213,7 @@ class BlockPool:
         allocation: an expired block is evicted by the next one, as LRU would have."""
         expired = self.retained.expired(self.clock())
         for block in expired:
-            block.priority = 0
+            block.drop_retention()
         if expired:
             self.retention_stats.num_expired += len(expired)
             self.free_queue.prepend(expired)
@@ -261,12 +269,12 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 if block.block_hash is None:
-                    block.priority = 0
+                    block.drop_retention()
                     unhashed.append(block)
                 elif block.priority and block.expires_at > (now := now or self.clock()):
                     self.retained.add(block)
                 else:
-                    block.priority = 0
+                    block.drop_retention()
                     self.free_queue.append(block)
         if unhashed:
             self.free_queue.prepend(unhashed)
@@ -280,7 +288,7 @@ class BlockPool:
             block = self.retained.lowest()
             assert block is not None
             self.retained.remove(block)
-            block.priority = 0
+            block.drop_retention()
             self.free_queue.append(block)
         self.retention_stats.num_expired += n
 
@@ -290,4 +298,4 @@ class BlockPool:
         del self.cached_blocks[block.block_hash]
         self.events.removed(block.block_hash)
         block.block_hash = None
-        block.priority = 0
+        block.drop_retention()
